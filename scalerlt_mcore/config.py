@@ -1,0 +1,77 @@
+"""Configuration of the looped GPT: an MCore ``TransformerConfig`` with ``looped_*`` fields."""
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+INJECTIONS = ("none", "linear_concat")
+INITIAL_STATES = ("embed", "zeros")
+PREFIX_ATTENTIONS = ("concat", "cascade")
+
+
+@dataclass
+class LoopedTransformerConfig(TransformerConfig):
+    """``TransformerConfig`` for a recurrent looped transformer.
+
+    ``num_layers`` counts the *core* layers (L_core): the block applied ``looped_num_loops``
+    times with shared weights. Dropout defaults to 0 (RL recomputation must be deterministic).
+    """
+
+    looped_num_loops: int = 1
+    """R: how many times the core block is applied (weights shared across loops)."""
+
+    looped_num_prelude_layers: int = 0
+    """Layers run once on the embedded input before the first loop."""
+
+    looped_num_coda_layers: int = 0
+    """Head layers applied after every loop, before the final norm and the shared readout."""
+
+    looped_injection: str = "none"
+    """How the embedded input re-enters every loop: ``none`` (s_r = core(s_{r-1})) or
+    ``linear_concat`` (s_r = core(W [s_{r-1}; e]), W initialised to [I | 0])."""
+
+    looped_initial_state: str = "embed"
+    """Deterministic initial state s_0: ``embed`` (the prelude output e) or ``zeros``."""
+
+    looped_prefix_attention: str = "cascade"
+    """Attention of a suffix batch to a shared prefix K/V: ``concat`` (expand the prefix per
+    sequence and attend once) or ``cascade`` (one batched product against the single prefix,
+    merged with each sequence's causal part through the log-sum-exp; reads the prefix once)."""
+
+    hidden_dropout: float = 0.0
+    """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
+
+    attention_dropout: float = 0.0
+    """Attention-probability dropout (0, as for ``hidden_dropout``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_looped_config(self)
+
+    @property
+    def looped_num_depths(self) -> int:
+        """Virtual depths with their own K/V: prelude + R * (core + coda)."""
+        per_loop = self.num_layers + self.looped_num_coda_layers
+        return self.looped_num_prelude_layers + self.looped_num_loops * per_loop
+
+
+def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
+    """All cross-field checks of the ``looped_*`` fields, with errors that name the field."""
+    if not isinstance(cfg.looped_num_loops, int) or cfg.looped_num_loops < 1:
+        raise ValueError(f"looped_num_loops must be an integer >= 1, got {cfg.looped_num_loops!r}")
+    for name in ("looped_num_prelude_layers", "looped_num_coda_layers"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    choices = {
+        "looped_injection": INJECTIONS,
+        "looped_initial_state": INITIAL_STATES,
+        "looped_prefix_attention": PREFIX_ATTENTIONS,
+    }
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if cfg.pipeline_model_parallel_size > 1:
+        raise NotImplementedError("looped GPT does not support pipeline parallelism > 1")
+    if cfg.sequence_parallel or cfg.context_parallel_size > 1:
+        raise NotImplementedError("looped GPT does not support sequence or context parallelism")

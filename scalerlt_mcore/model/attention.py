@@ -1,0 +1,163 @@
+"""Attention for the looped GPT: MCore ``SelfAttention`` that routes K/V by virtual depth, and a
+core attention that attends to a shared prefix either by concatenation or, I/O-aware, as a
+cascade: one batched product of all queries against the single prefix K/V, merged with each
+sequence's own causal attention through the log-sum-exp of the two parts.
+
+Shapes follow MCore: q [sq, b, np, hn], k/v [sk, b, ng, hn], outputs [sq, b, np * hn].
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from .kv import LoopKV
+
+
+def _bhsd(x: Tensor) -> Tensor:
+    return x.permute(1, 2, 0, 3)  # [s, b, n, d] -> [b, n, s, d]
+
+
+def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float):
+    """Softmax attention that also returns the log-sum-exp of every query's scores.
+
+    q [..., M, d], k/v [..., N, d], allowed broadcastable to [..., M, N] (True = attend).
+    Returns out [..., M, d] and lse [..., M] (fp32 for half inputs, else the input dtype).
+    """
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # [..., M, N]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [..., M]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    return torch.matmul(probs, v), lse
+
+
+def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Exact softmax over the union of two key sets from the two partial results."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1).to(out_b.dtype)
+    return out_a * w_a + out_b * w_b
+
+
+def cascade_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
+    """Suffix queries attend to a prefix (all visible) and causally to their own keys.
+
+    q [S, B, np, hn]; k, v [S, B, ng, hn]; pk, pv [P, Bp, ng, hn] with Bp = 1 (one prompt
+    shared by the batch) or Bp = B. Returns [B, np, S, hn]. The prefix is read once: its part
+    is one product per query group of all rep * B * S queries against the P prefix keys.
+    """
+    S, B, heads, hn = q.shape
+    groups, bp = k.shape[2], pk.shape[1]
+    rep = heads // groups
+    qg = q.reshape(S, bp, B // bp, groups, rep, hn)  # [S, Bp, B/Bp, ng, rep, hn]
+    qp = qg.permute(1, 3, 2, 4, 0, 5).reshape(bp, groups, -1, hn)  # [Bp, ng, (B/Bp)*rep*S, hn]
+    out_p, lse_p = attend_with_lse(qp, _bhsd(pk), _bhsd(pv), None, scale)
+    out_p = out_p.reshape(bp, groups, B // bp, rep, S, hn).permute(0, 2, 1, 3, 4, 5)
+    out_p = out_p.reshape(B, heads, S, hn)  # [B, np, S, hn]
+    lse_p = lse_p.reshape(bp, groups, B // bp, rep, S).permute(0, 2, 1, 3, 4).reshape(B, heads, S)
+    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, S, hn]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    out_s, lse_s = attend_with_lse(_bhsd(q), ks, vs, causal, scale)
+    return merge_by_lse(out_p, lse_p, out_s, lse_s)
+
+
+def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
+    """Same result as ``cascade_prefix_attention`` by expanding the prefix per sequence."""
+    S, B = q.shape[:2]
+    P = pk.shape[0]
+    keys = torch.cat([pk.expand(P, B, *pk.shape[2:]), k], dim=0)  # [P+S, B, ng, hn]
+    vals = torch.cat([pv.expand(P, B, *pv.shape[2:]), v], dim=0)
+    allowed = torch.ones(S, P + S, dtype=torch.bool, device=q.device).tril(diagonal=P)
+    return sdpa(q, keys, vals, allowed, scale)
+
+
+def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False) -> Tensor:
+    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn]."""
+    return F.scaled_dot_product_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+
+
+class LoopedCoreAttention(MegatronModule):
+    """Core attention with prefix, cache and plain-causal modes (PyTorch SDPA / matmul).
+
+    Built by MCore's ``Attention`` with the same arguments as ``DotProductAttention``.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        hn = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+        if (attention_dropout or config.attention_dropout) > 0:
+            raise ValueError("looped core attention does not support attention_dropout > 0")
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, *, prefix_kv=None,
+                prefix_attention="cascade"):
+        """attention_mask: MCore convention (True = masked), broadcastable to [b, 1, sq, sk]."""
+        sq, b = query.shape[:2]
+        if prefix_kv is not None:
+            fn = cascade_prefix_attention if prefix_attention == "cascade" else (
+                concat_prefix_attention)
+            out = fn(query, key, value, *prefix_kv, self.scale)
+        elif attention_mask is not None:
+            out = sdpa(query, key, value, ~attention_mask, self.scale)
+        else:
+            out = sdpa(query, key, value, None, self.scale, causal=True)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
+
+
+class LoopedSelfAttention(SelfAttention):
+    """MCore ``SelfAttention`` (same parameters) whose K/V is routed by virtual depth.
+
+    ``inference_context`` is a ``LoopKV`` (or None for a plain causal forward);
+    ``rotary_pos_emb`` is already gathered per position: [sq, b or 1, 1, rot_dim].
+    """
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, **unused):
+        query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, hn]
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
+        ctx: Optional[LoopKV] = inference_context
+        if ctx is None:
+            out = self.core_attention(query, key, value, attention_mask)
+        else:
+            out = self._attend_routed(ctx, query, key, value, attention_mask)
+        return self.linear_proj(out)
+
+    def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
+        d = ctx.depth
+        if ctx.record:
+            ctx.recorded[d] = (key, value)
+        if ctx.cache is not None:
+            return self._attend_cache(ctx, query, key, value)
+        if ctx.prefix is not None:
+            prefix_kv = (ctx.prefix.keys[d], ctx.prefix.values[d])
+            return self.core_attention(query, key, value, None, prefix_kv=prefix_kv,
+                                       prefix_attention=ctx.prefix_attention)
+        return self.core_attention(query, key, value, attention_mask)
+
+    def _attend_cache(self, ctx: LoopKV, query, key, value):
+        cache, pos = ctx.cache, ctx.positions  # pos [B, s]
+        batch = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
+        cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
+        cache.values[ctx.depth][pos, batch] = value.transpose(0, 1).to(cache.values.dtype)
+        span = int(pos.max()) + 1
+        keys = cache.keys[ctx.depth][:span].to(query.dtype)  # [T, B, ng, hn]
+        vals = cache.values[ctx.depth][:span].to(query.dtype)
+        key_pos = torch.arange(span, device=pos.device)
+        masked = key_pos[None, None, :] > pos[:, :, None]  # [B, s, T]
+        return self.core_attention(query, keys, vals, masked[:, None])

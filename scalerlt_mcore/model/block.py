@@ -1,0 +1,68 @@
+"""The recurrent block: prelude (once) -> core (R loops, shared weights) -> coda (every loop)."""
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import nn
+
+
+class LinearConcatInjection(MegatronModule):
+    """x = W [s; e] with W [H, 2H] initialised to [I | 0]: at init the loop input is s."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        h = config.hidden_size
+        weight = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        self.weight = nn.Parameter(weight.to(config.params_dtype))
+
+    def forward(self, state, embed):
+        return torch.matmul(torch.cat([state, embed], dim=-1), self.weight.t())  # [s, b, h]
+
+
+class RecurrentTransformerBlock(MegatronModule):
+    """Prelude layers run once; core layers (``layers``, named as in MCore's block) run ``looped_num_loops`` times; coda layers run
+    after every loop. ``forward`` returns the readout input (pre-final-norm) of every loop."""
+
+    def __init__(self, config, layer_spec: ModuleSpec, final_norm_spec):
+        super().__init__(config=config)
+        n_pre, n_core = config.looped_num_prelude_layers, config.num_layers
+        n_coda = config.looped_num_coda_layers
+        self.prelude = self._layers(layer_spec, 1, n_pre)
+        self.layers = self._layers(layer_spec, n_pre + 1, n_core)
+        self.coda = self._layers(layer_spec, n_pre + n_core + 1, n_coda)
+        self.injection = (
+            LinearConcatInjection(config) if config.looped_injection == "linear_concat" else None
+        )
+        self.final_layernorm = build_module(
+            final_norm_spec, config=config, hidden_size=config.hidden_size,
+            eps=config.layernorm_epsilon,
+        )
+
+    def _layers(self, spec, first_number: int, count: int) -> nn.ModuleList:
+        return nn.ModuleList(
+            build_module(spec, config=self.config, layer_number=first_number + i)
+            for i in range(count)
+        )
+
+    def forward(self, hidden, attention_mask=None, ctx=None, rotary_pos_emb=None) -> list:
+        """hidden [s, b, h] -> R tensors [s, b, h], one per loop."""
+        depth = 0
+
+        def run(layers, x):
+            nonlocal depth
+            for layer in layers:
+                if ctx is not None:
+                    ctx.depth = depth
+                x, _ = layer(x, attention_mask=attention_mask, inference_context=ctx,
+                             rotary_pos_emb=rotary_pos_emb)
+                depth += 1
+            return x
+
+        embed = run(self.prelude, hidden)
+        state = embed if self.config.looped_initial_state == "embed" else torch.zeros_like(embed)
+        readouts = []
+        for _ in range(self.config.looped_num_loops):
+            x = state if self.injection is None else self.injection(state, embed)
+            state = run(self.layers, x)
+            readouts.append(run(self.coda, state))
+        return readouts

@@ -1,0 +1,147 @@
+"""Depth-indexed K/V: the prefix state of a prompt, the decoding cache, and the per-forward
+context that routes every (loop, layer) position to its own K/V slot.
+
+Virtual depth of a layer application: prelude layer p -> p; core layer l in loop r ->
+n_prelude + r * (L_core + n_coda) + l; coda layer c after loop r -> the same base + L_core + c.
+MCore keys inference caches by ``layer_number``; a core layer reused across loops has one
+``layer_number`` but R depths, so every cache here is keyed by depth, never by layer number.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def config_signature(config) -> tuple:
+    """What a prefix state must agree with: loop structure and per-depth K/V shape."""
+    return (
+        config.looped_num_prelude_layers,
+        config.num_layers,
+        config.looped_num_coda_layers,
+        config.looped_num_loops,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+        config.hidden_size,
+    )
+
+
+@dataclass
+class PrefixState:
+    """A prompt's state at every K/V boundary, for suffixes computed separately.
+
+    keys/values: one per virtual depth, each [P, Bp, ng, hn] (post-RoPE keys).
+    boundary:    [R, Bp, H], the readout input (pre-final-norm) at the last prompt position for
+                 every loop: it predicts the first suffix token.
+    """
+
+    keys: list
+    values: list
+    boundary: Tensor
+    signature: tuple
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[1]
+
+    def tensors(self) -> list:
+        """All state tensors in a fixed order: keys, values, boundary."""
+        return [*self.keys, *self.values, self.boundary]
+
+    @classmethod
+    def from_tensors(cls, tensors: list, signature: tuple) -> "PrefixState":
+        depth = (len(tensors) - 1) // 2
+        return cls(tensors[:depth], tensors[depth : 2 * depth], tensors[-1], signature)
+
+    def detached_leaves(self) -> "PrefixState":
+        """A copy whose tensors are detached leaves that require grad (they collect adjoints)."""
+        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
+        return PrefixState.from_tensors(leaves, self.signature)
+
+    def check_compatible(self, config) -> None:
+        """Raise if this state was not produced by a model of ``config``'s structure."""
+        expected = config_signature(config)
+        if self.signature != expected:
+            raise ValueError(
+                "prefix state comes from a different model config: signature "
+                f"(prelude, core, coda, loops, kv groups, kv channels, hidden) = {self.signature}, "
+                f"model has {expected}"
+            )
+        depths = config.looped_num_depths
+        if len(self.keys) != depths or len(self.values) != depths:
+            raise ValueError(
+                f"prefix state has {len(self.keys)} key / {len(self.values)} value depths, "
+                f"model needs {depths} (loops={config.looped_num_loops})"
+            )
+        kv_shape = (self.length, self.batch, expected[4], expected[5])
+        for d, (k, v) in enumerate(zip(self.keys, self.values)):
+            if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
+                raise ValueError(
+                    f"prefix state depth {d}: key {tuple(k.shape)} / value {tuple(v.shape)}, "
+                    f"expected {kv_shape} [P, batch, kv groups, kv channels]"
+                )
+        b_shape = (config.looped_num_loops, self.batch, config.hidden_size)
+        if tuple(self.boundary.shape) != b_shape:
+            raise ValueError(
+                f"prefix state boundary has shape {tuple(self.boundary.shape)}, "
+                f"expected {b_shape} [loops, batch, hidden]"
+            )
+
+
+class DepthKVCache:
+    """Decoding cache: per-depth K/V for a batch with per-sequence lengths.
+
+    keys/values: [D, T_max, B, ng, hn]; ``lengths[b]`` = tokens of sequence b in the cache.
+    A forward with this cache writes its new K/V at positions lengths[b] ... lengths[b]+s-1 and
+    attends to every cached position <= the query's own.
+    """
+
+    def __init__(self, config, batch: int, max_length: int, dtype=None, device=None):
+        groups = config.num_query_groups or config.num_attention_heads
+        shape = (config.looped_num_depths, max_length, batch, groups, config.kv_channels)
+        dtype = dtype or config.params_dtype
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.signature = config_signature(config)
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[1]
+
+    def positions(self, steps: int) -> Tensor:
+        """Absolute positions of the next ``steps`` tokens of every sequence: [B, s]."""
+        offsets = torch.arange(steps, device=self.lengths.device)
+        return self.lengths[:, None] + offsets[None, :]
+
+
+@dataclass
+class LoopKV:
+    """Per-forward routing of K/V by virtual depth, passed to layers as ``inference_context``.
+
+    The block sets ``depth`` before running each layer application. Attention then either
+    records its new K/V (``record``), attends to a prefix state, or reads and writes a cache.
+    """
+
+    prefix: Optional[PrefixState] = None
+    cache: Optional[DepthKVCache] = None
+    positions: Optional[Tensor] = None  # [B, s] absolute positions (cache mode)
+    record: bool = False
+    prefix_attention: str = "cascade"
+    depth: int = 0
+    recorded: dict = field(default_factory=dict)
+
+    # MCore's TransformerLayer asks these of an inference context.
+    def is_decode_only(self) -> bool:
+        return False
+
+    def is_static_batching(self) -> bool:
+        return True
+
+    def is_dynamic_batching(self) -> bool:
+        return False

@@ -1,0 +1,214 @@
+"""The looped GPT: MCore embedding -> recurrent block -> shared readout after every loop."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.enums import ModelType
+from torch import Tensor
+
+from .block import RecurrentTransformerBlock
+from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
+from .specs import get_looped_final_norm_spec
+
+
+@dataclass
+class LoopedOutput:
+    """Per-loop results of a forward.
+
+    logits:       R tensors [B, S, V] (when no labels are given), else None.
+    logprobs:     [R, B, S] log-probs of ``labels`` (when given), else None.
+    prefix_state: the K/V of every depth and the per-loop boundary (when requested).
+    """
+
+    logits: Optional[list] = None
+    logprobs: Optional[Tensor] = None
+    prefix_state: Optional[PrefixState] = None
+
+
+class LoopedGPTModel(LanguageModule):
+    """GPT with a looped core. With R=1, no prelude/coda and no injection it is the same
+    function as MCore's ``GPTModel`` with the same weights (same parameter names)."""
+
+    def __init__(self, config, transformer_layer_spec, vocab_size: int,
+                 max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
+                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
+                 rotary_base: int = 10000, backend: str = "local", pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if not (pre_process and post_process):
+            raise NotImplementedError("looped GPT does not support pipeline parallelism")
+        if position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"position_embedding_type must be learned_absolute or rope, "
+                             f"got {position_embedding_type!r}")
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.model_type = ModelType.encoder_or_decoder
+        self.embedding = LanguageModelEmbedding(
+            config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+            position_embedding_type=position_embedding_type, tp_group=self.pg_collection.tp,
+        )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels, rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved, rotary_base=rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        self.decoder = RecurrentTransformerBlock(
+            config, transformer_layer_spec, get_looped_final_norm_spec(config, backend)
+        )
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+            bias=False, skip_bias_add=False, gather_output=not parallel_output,
+            skip_weight_param_allocation=share_embeddings_and_output_weights,
+            tp_group=self.pg_collection.tp,
+        )
+        self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """MCore schedules call this; without pipeline parallelism there is nothing to set."""
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                prefix_state: Optional[PrefixState] = None,
+                kv_cache: Optional[DepthKVCache] = None, return_prefix_state: bool = False,
+                readout: bool = True) -> LoopedOutput:
+        """input_ids [B, S]. ``prefix_state``: attend to a prompt computed separately (positions
+        continue after it). ``kv_cache``: decoding. ``attention_mask`` follows MCore (True =
+        masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts."""
+        self._check_inputs(input_ids, labels, prefix_state, kv_cache)
+        positions = self._positions(input_ids, position_ids, prefix_state, kv_cache)  # [B, S]
+        ctx = None
+        if prefix_state is not None or kv_cache is not None or return_prefix_state:
+            ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions,
+                         record=return_prefix_state,
+                         prefix_attention=self.config.looped_prefix_attention)
+        hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
+        states = self.decoder(hidden, attention_mask, ctx, self._rope(positions))
+        out = LoopedOutput()
+        if return_prefix_state:
+            out.prefix_state = self._collect_prefix_state(ctx, states)
+        if readout:
+            self._readout_all(states, labels, out)
+        return out
+
+    def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
+        if labels is None:
+            out.logits = [self.readout(h) for h in states]
+        else:
+            out.logprobs = torch.stack([token_logprobs(self.readout(h), labels) for h in states])
+
+    def readout(self, hidden: Tensor) -> Tensor:
+        """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V]."""
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights else None)
+        logits, _ = self.output_layer(self.decoder.final_layernorm(hidden), weight=weight)
+        return logits.transpose(0, 1).contiguous()
+
+    def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor) -> Tensor:
+        """Per-loop log-probs [R, B, S] of ``tokens`` [B, S] continuing the prompt of
+        ``prefix_state``: token 0 from the prompt's boundary readout, token j >= 1 from a
+        forward over tokens[:, :j] against the prefix K/V."""
+        batch, loops = tokens.shape[0], self.config.looped_num_loops
+        logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
+        logits = logits.expand(batch, -1, -1)  # [B, R, V]
+        first = token_logprobs(logits, tokens[:, :1].expand(batch, loops))  # [B, R]
+        first = first.t().unsqueeze(-1)  # [R, B, 1]
+        if tokens.shape[1] == 1:
+            return first
+        rest = self.forward(tokens[:, :-1], labels=tokens[:, 1:], prefix_state=prefix_state)
+        return torch.cat([first, rest.logprobs], dim=2)  # [R, B, S]
+
+    # ---- decoding --------------------------------------------------------------------------
+
+    def new_kv_cache(self, batch: int, max_length: int) -> DepthKVCache:
+        """An empty depth-indexed cache in the model's dtype and device."""
+        p = next(self.parameters())
+        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device)
+
+    @torch.no_grad()
+    def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
+        at each prompt's last token. Padding K/V is written but never attended to."""
+        cache.lengths.zero_()
+        logits = self.forward(tokens, kv_cache=cache).logits  # R x [B, T, V]
+        cache.lengths.copy_(lengths)
+        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, logits[0].shape[-1])
+        return torch.stack([lg.gather(1, last).squeeze(1) for lg in logits])
+
+    @torch.no_grad()
+    def decode_step(self, cache: DepthKVCache, tokens: Tensor) -> Tensor:
+        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V]."""
+        logits = self.forward(tokens[:, None], kv_cache=cache).logits
+        cache.lengths += 1
+        return torch.stack([lg[:, 0] for lg in logits])
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _positions(self, input_ids, position_ids, prefix_state, kv_cache) -> Tensor:
+        if position_ids is not None:
+            return position_ids.expand_as(input_ids)
+        if kv_cache is not None:
+            return kv_cache.positions(input_ids.shape[1])
+        start = prefix_state.length if prefix_state is not None else 0
+        pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        return pos[None, :].expand_as(input_ids)
+
+    def _rope(self, positions: Tensor) -> Optional[Tensor]:
+        if self.position_embedding_type != "rope":
+            return None
+        table = self.rotary_pos_emb(int(positions.max()) + 1)  # [T, 1, 1, d]
+        return table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
+
+    def _collect_prefix_state(self, ctx: LoopKV, states: list) -> PrefixState:
+        depths = self.config.looped_num_depths
+        keys = [ctx.recorded[d][0] for d in range(depths)]
+        values = [ctx.recorded[d][1] for d in range(depths)]
+        boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
+        return PrefixState(keys, values, boundary, config_signature(self.config))
+
+    def _check_inputs(self, input_ids, labels, prefix_state, kv_cache) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        if prefix_state is not None and kv_cache is not None:
+            raise ValueError("pass either prefix_state or kv_cache, not both")
+        if prefix_state is not None:
+            prefix_state.check_compatible(self.config)
+            if prefix_state.batch not in (1, input_ids.shape[0]):
+                raise ValueError(f"prefix state batch {prefix_state.batch} must be 1 or the "
+                                 f"input batch {input_ids.shape[0]}")
+        if kv_cache is not None:
+            if kv_cache.signature != config_signature(self.config):
+                raise ValueError("kv_cache was built for a different model config")
+            if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:
+                raise ValueError(f"kv_cache holds {kv_cache.max_length} positions; this step "
+                                 f"would write past it")
+
+
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(labels) from logits [..., V], in fp32 or wider (fp64 stays fp64).
+
+    Under tensor parallelism the logits are vocab-sharded and MCore's vocab-parallel cross
+    entropy is used (it computes in fp32)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        logp = torch.log_softmax(logits.to(acc), dim=-1)
+        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    lead = logits.shape[:-1]
+    flat = logits.to(acc).reshape(1, -1, logits.shape[-1])  # [1, N, V]
+    nll = tensor_parallel.vocab_parallel_cross_entropy(flat, labels.reshape(1, -1))
+    return -nll.reshape(lead)
