@@ -20,8 +20,9 @@ class LinearConcatInjection(MegatronModule):
 
 
 class RecurrentTransformerBlock(MegatronModule):
-    """Prelude layers run once; core layers (``layers``, named as in MCore's block) run ``looped_num_loops`` times; coda layers run
-    after every loop. ``forward`` returns the readout input (pre-final-norm) of every loop."""
+    """Prelude layers run once; core layers (``layers``, named as in MCore's block) run
+    ``looped_num_loops`` times; coda layers run after every loop. ``forward`` returns the
+    readout input (pre-final-norm) of every loop."""
 
     def __init__(self, config, layer_spec: ModuleSpec, final_norm_spec):
         super().__init__(config=config)
