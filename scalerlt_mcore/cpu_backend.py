@@ -1,0 +1,273 @@
+"""Opt-in CPU backend for Megatron-Core 0.16.1: run real MCore modules on CPU with gloo.
+
+MCore 0.16.1 assumes a CUDA device. `enable_cpu_backend()` redirects the CUDA-only calls it
+makes so that, in a process without CUDA, "the CUDA device" is the CPU:
+
+- `torch.cuda` functions that raise without CUDA (current device, RNG state, streams, sync)
+  are replaced by CPU equivalents. Nothing that worked before changes meaning.
+- MCore functions that create tensors with a hard-coded ``device='cuda'`` or check
+  ``param.type() == 'torch.cuda.FloatTensor'`` are wrapped and called through under
+  `_CudaAsCpu`, a torch-function mode active only for the duration of that call.
+
+Every deviation is listed in patches/README.md. Nothing is patched at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MCORE_VERSION = "0.16.1"
+_MARKER = "_scalerlt_cpu_backend"  # set on torch.cuda once the backend is applied
+
+# "module.attr" of every applied patch, in order; filled by enable_cpu_backend().
+APPLIED: list[str] = []
+
+
+def cpu_backend_enabled() -> bool:
+    """True when enable_cpu_backend() has patched this process."""
+    return bool(getattr(torch.cuda, _MARKER, False))
+
+
+def enable_cpu_backend() -> bool:
+    """Apply the CPU backend; return True when applied (now or before), False with CUDA.
+
+    Raises RuntimeError for any megatron-core version other than 0.16.1.
+    """
+    if torch.cuda.is_available():
+        return False
+    _check_mcore_version()
+    if cpu_backend_enabled():
+        return True
+    for target, replacement in _patch_table():
+        _apply(target, replacement)
+    _quiet_rng_fork_warning()
+    setattr(torch.cuda, _MARKER, True)
+    return True
+
+
+def _check_mcore_version() -> None:
+    """Refuse an MCore version these patches were not written for."""
+    import megatron.core
+
+    found = getattr(megatron.core, "__version__", "unknown")
+    if found != MCORE_VERSION:
+        raise RuntimeError(
+            f"scalerlt_mcore CPU backend is written for megatron-core {MCORE_VERSION}; "
+            f"found megatron-core {found}. Re-check every patch in patches/README.md "
+            "against that version before enabling it."
+        )
+
+
+def _resolve(target: str):
+    """Split 'pkg.module:Class.attr' into (owner object, attribute name)."""
+    module_name, _, attr_path = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *owners, name = attr_path.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _apply(target: str, replacement) -> None:
+    """Replace one attribute; `replacement(original)` builds the new value."""
+    owner, name = _resolve(target)
+    original = getattr(owner, name)
+    setattr(owner, name, replacement(original))
+    APPLIED.append(target)
+
+
+# --- torch.cuda replacements (each raises without CUDA in stock torch) ---------------------
+
+
+def _current_device(original):
+    """torch.cuda.current_device: MCore allocates params and grad buffers on it; use the CPU."""
+    return lambda: torch.device("cpu")
+
+
+def _get_rng_state(original):
+    """torch.cuda.get_rng_state: the RNG tracker forks the CUDA generator; use the CPU one."""
+    return lambda device="cuda": torch.get_rng_state()
+
+
+def _set_rng_state(original):
+    """torch.cuda.set_rng_state: the RNG tracker restores the CUDA generator; use the CPU one."""
+    return lambda new_state, device="cuda": torch.set_rng_state(new_state)
+
+
+def _manual_seed(original):
+    """torch.cuda.manual_seed: the RNG tracker seeds the CUDA generator; seed the CPU one."""
+    return lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+def _mcore_get_rng_state(original):
+    """random._get_cuda_rng_state: reads torch.cuda.default_generators; use the CPU generator."""
+    return lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+
+
+def _mcore_set_rng_state(original):
+    """random._set_cuda_rng_state: writes the CUDA generator; use the CPU generator."""
+    return lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream: CPU ops are synchronous, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuStream()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _stream_class(original):
+    """torch.cuda.Stream: DDP makes a communication stream; use a no-op one."""
+    return _CpuStream
+
+
+def _current_stream(original):
+    """torch.cuda.current_stream/default_stream: DDP orders grad reduction on it; no-op."""
+    return lambda device=None: _CpuStream()
+
+
+def _stream_context(original):
+    """torch.cuda.stream(s): DDP runs bucket reduction under a side stream; no-op context."""
+    return lambda stream=None: contextlib.nullcontext()
+
+
+def _synchronize(original):
+    """torch.cuda.synchronize: CPU work is already synchronous."""
+    return lambda device=None: None
+
+
+class _DropRngForkWarning(logging.Filter):
+    """Drops MCore's 'CPU RNG state changed within GPU RNG context' warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _quiet_rng_fork_warning() -> None:
+    """RNG tracker fork warns when the CPU generator moves inside a fork; here the tracked
+    generator *is* the CPU generator, so every dropout inside a fork would warn."""
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngForkWarning())
+    APPLIED.append("megatron.core.tensor_parallel.random:logger (filter)")
+
+
+# --- MCore functions called through under _CudaAsCpu -----------------------------------------
+
+
+def _is_cuda(device) -> bool:
+    """True for 'cuda', 'cuda:N' and torch.device('cuda', N)."""
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """Inside one wrapped MCore call: ``device='cuda'`` means CPU; with `cuda_type_names`,
+    a CPU tensor's ``.type()`` answers with its CUDA name (e.g. 'torch.cuda.FloatTensor')."""
+
+    def __init__(self, cuda_type_names: bool = False):
+        super().__init__()
+        self.cuda_type_names = cuda_type_names
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.cuda_type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(args[0])
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _cuda_type_name(tensor: torch.Tensor) -> str:
+    """'torch.FloatTensor' -> 'torch.cuda.FloatTensor' for CPU tensors."""
+    name = torch.Tensor.type(tensor)
+    if tensor.device.type == "cpu":
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
+def _call_through(cuda_type_names: bool = False):
+    """Build a replacement that calls the original under `_CudaAsCpu`."""
+
+    def replacement(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            with _CudaAsCpu(cuda_type_names):
+                return original(*args, **kwargs)
+
+        return wrapper
+
+    return replacement
+
+
+_OPT = "megatron.core.optimizer.optimizer"
+_CLIP = "megatron.core.optimizer.clip_grads"
+_SCALER = "megatron.core.optimizer.grad_scaler"
+_SOFTMAX = "megatron.core.fusions.fused_softmax"
+
+
+def _patch_table() -> list[tuple[str, object]]:
+    """Every patch as (target 'module:attr', replacement builder). Mirrors patches/README.md."""
+    return [
+        ("torch.cuda:current_device", _current_device),
+        ("torch.cuda:get_rng_state", _get_rng_state),
+        ("torch.cuda:set_rng_state", _set_rng_state),
+        ("torch.cuda:manual_seed", _manual_seed),
+        ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _mcore_get_rng_state),
+        ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _mcore_set_rng_state),
+        ("torch.cuda:Stream", _stream_class),
+        ("torch.cuda:current_stream", _current_stream),
+        ("torch.cuda:default_stream", _current_stream),
+        ("torch.cuda:stream", _stream_context),
+        ("torch.cuda:synchronize", _synchronize),
+        # causal / sliding-window softmax masks on device="cuda" (imported by name there)
+        (f"{_SOFTMAX}:get_default_causal_mask", _call_through()),
+        (f"{_SOFTMAX}:get_sliding_window_causal_mask", _call_through()),
+        # found_inf, _dummy_overflow_buf, _scale_one on device='cuda'
+        (f"{_OPT}:MixedPrecisionOptimizer.__init__", _call_through()),
+        # _scale on device='cuda'
+        (f"{_OPT}:FP32Optimizer.__init__", _call_through()),
+        # param.type() == 'torch.cuda.FloatTensor' checks while building param groups
+        (f"{_OPT}:Float16OptimizerWithFloat16Params.__init__", _call_through(True)),
+        ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+         _call_through(True)),
+        # grad-norm / clip / zero-count buffers on device='cuda' (optimizer.py imports by name)
+        (f"{_OPT}:get_grad_norm_fp32", _call_through()),
+        (f"{_OPT}:clip_grad_by_total_norm_fp32", _call_through()),
+        (f"{_OPT}:count_zeros_fp32", _call_through(True)),
+        (f"{_CLIP}:get_grad_norm_fp32", _call_through()),
+        (f"{_CLIP}:clip_grad_by_total_norm_fp32", _call_through()),
+        (f"{_CLIP}:count_zeros_fp32", _call_through(True)),
+        # loss-scale tensors on device='cuda' (fp16 only)
+        (f"{_SCALER}:MegatronGradScaler.__init__", _call_through()),
+        (f"{_SCALER}:DynamicGradScaler.__init__", _call_through()),
+        # total_num_tokens on device='cuda'
+        ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+         _call_through()),
+    ]

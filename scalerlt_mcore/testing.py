@@ -1,0 +1,153 @@
+"""Test harness: MCore model-parallel state on CPU/gloo, in-process or on spawned ranks.
+
+- `model_parallel_context()`: world size 1 in the calling process (unit tests).
+- `run_distributed(fn, world_size)`: `world_size` spawned processes, one per rank; returns
+  each rank's return value and re-raises a rank's exception with its traceback.
+
+Both enable the CPU backend, initialise TP=PP=1 model parallelism and seed MCore's RNG
+tracker, and always destroy the model-parallel state and the process group afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from scalerlt_mcore.cpu_backend import enable_cpu_backend
+
+
+def _init_mcore(seed: int) -> None:
+    """TP=PP=1 model parallelism on the current process group, RNG tracker seeded."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _destroy_mcore() -> None:
+    """Destroy model-parallel state and the default process group, whichever exist."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def model_parallel_context(seed: int = 1234):
+    """World size 1 gloo process group + MCore model-parallel state, destroyed on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("model_parallel_context: a process group is already initialised")
+    enable_cpu_backend()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _init_mcore(seed)
+        yield
+    finally:
+        _destroy_mcore()
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _to_cpu(value):
+    """Detached CPU copies of every tensor in nested lists/tuples/dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _worker(rank, world_size, port, seed, timeout, fn, args, kwargs, results):
+    """One rank: init gloo + MCore, run fn, report ('ok', pickled value) or ('error', text)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        enable_cpu_backend()
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            _init_mcore(seed)
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            _destroy_mcore()
+        results.put((rank, "ok", pickle.dumps(_to_cpu(value))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int = 2, *args, timeout: float = 300, mcore_seed: int = 1234,
+                    **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` spawned gloo ranks.
+
+    `fn` must be picklable (a module-level function). Returns the per-rank return values in
+    rank order. A rank's exception is re-raised here with its traceback; after `timeout`
+    seconds every rank is killed and TimeoutError is raised.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(r, world_size, port, mcore_seed, timeout, fn, args, kwargs, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, time.monotonic() + timeout)
+    finally:
+        _kill(procs)
+
+
+def _collect(procs, results, world_size: int, deadline: float) -> list:
+    """Per-rank values in rank order; raise on the first error, a dead rank, or the deadline."""
+    values, dead_polls = {}, 0
+    while len(values) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError("run_distributed: ranks did not finish in time") from None
+            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+            dead_polls = dead_polls + 1 if dead else 0
+            if dead_polls > 10:  # 2 s grace for a report sent just before exit
+                raise RuntimeError(f"rank {dead[0]} exited with code "
+                                   f"{procs[dead[0]].exitcode} without a result") from None
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+        values[rank] = pickle.loads(payload)
+    return [values[r] for r in range(world_size)]
+
+
+def _kill(procs) -> None:
+    """Terminate, then kill, every rank still running."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
