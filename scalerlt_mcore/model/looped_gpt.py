@@ -116,15 +116,20 @@ class LoopedGPTModel(LanguageModule):
         logits, _ = self.output_layer(self.decoder.final_layernorm(hidden), weight=weight)
         return logits.transpose(0, 1).contiguous()
 
+    def boundary_logprobs(self, prefix_state: PrefixState, labels: Tensor) -> Tensor:
+        """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
+        readout of the prompt's last position (``prefix_state.boundary``)."""
+        batch, loops = labels.shape[0], self.config.looped_num_loops
+        logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
+        logits = logits.expand(batch, -1, -1)  # [B, R, V]
+        first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
+        return first.t().unsqueeze(-1)  # [R, B, 1]
+
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor) -> Tensor:
         """Per-loop log-probs [R, B, S] of ``tokens`` [B, S] continuing the prompt of
         ``prefix_state``: token 0 from the prompt's boundary readout, token j >= 1 from a
         forward over tokens[:, :j] against the prefix K/V."""
-        batch, loops = tokens.shape[0], self.config.looped_num_loops
-        logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
-        logits = logits.expand(batch, -1, -1)  # [B, R, V]
-        first = token_logprobs(logits, tokens[:, :1].expand(batch, loops))  # [B, R]
-        first = first.t().unsqueeze(-1)  # [R, B, 1]
+        first = self.boundary_logprobs(prefix_state, tokens[:, 0])
         if tokens.shape[1] == 1:
             return first
         rest = self.forward(tokens[:, :-1], labels=tokens[:, 1:], prefix_state=prefix_state)
