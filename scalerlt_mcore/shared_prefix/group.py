@@ -1,0 +1,119 @@
+"""A GRPO group as explicit tensors, its up-front checks, and the replay-input guard."""
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+GUARDED = ("tokens", "labels", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+
+
+class ReplayInputError(RuntimeError):
+    """A replay input changed after first use, or a group is malformed."""
+
+
+@dataclass
+class SharedPrefixGroup:
+    """One prompt with G sampled responses, in MCore's batch layout (T = P + S).
+
+    tokens:       [G, T] long, prompt (identical in every row) then the right-padded response.
+    labels:       [G, T] long, labels[:, t] is the token predicted at position t (tokens shifted).
+    loss_mask:    [G, T] float/bool, 1 where labels[:, t] is a response token that is trained;
+                  0 on prompt positions t < P - 1 and on padding.
+    advantages:   [G] per-response advantage (training only).
+    old_logprobs: [R, G, T] per-loop log-probs of labels under the behaviour policy (training).
+    ref_logprobs: optional [R, G, T] per-loop log-probs under a frozen reference (KL).
+    prompt_length: P.
+    """
+
+    tokens: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    prompt_length: int
+    advantages: Optional[Tensor] = None
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    group_id: int = 0
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.tokens.shape[1] - self.prompt_length
+
+    def guarded(self) -> dict:
+        return {n: getattr(self, n) for n in GUARDED if getattr(self, n) is not None}
+
+    def check(self, num_loops: int, max_response_length: Optional[int] = None,
+              training: bool = True) -> None:
+        """Reject a malformed group before any compute; errors name the tensor and the group."""
+        tag = f"group {self.group_id}"
+        if training and (self.advantages is None or self.old_logprobs is None):
+            raise ValueError(f"{tag}: training needs advantages and old_logprobs")
+        G, T = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
+        if G is None:
+            raise ValueError(f"{tag}: tokens must be [G, T], got {tuple(self.tokens.shape)}")
+        expected = {"labels": (G, T), "loss_mask": (G, T), "advantages": (G,),
+                    "old_logprobs": (num_loops, G, T), "ref_logprobs": (num_loops, G, T)}
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{tag}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        P = self.prompt_length
+        if not 1 <= P < T:
+            raise ValueError(f"{tag}: prompt_length {P} must be in [1, {T - 1}] (T={T})")
+        self._check_prompt_shared(tag)
+        self._check_responses(tag, max_response_length)
+        for name, t in self.guarded().items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{tag}: {name} contains NaN or inf")
+
+    def _check_prompt_shared(self, tag: str) -> None:
+        prompt = self.tokens[:, : self.prompt_length]
+        differs = (prompt != prompt[:1]).any(dim=1)
+        if differs.any():
+            i = int(differs.nonzero()[0])
+            P = self.prompt_length
+            raise ReplayInputError(
+                f"{tag}: response {i} is not preceded by the group's prompt tokens "
+                f"(tokens[{i}, :{P}] differs from tokens[0, :{P}])"
+            )
+
+    def _check_responses(self, tag: str, max_response_length: Optional[int]) -> None:
+        P = self.prompt_length
+        if (self.loss_mask[:, : P - 1] != 0).any():
+            raise ValueError(f"{tag}: loss_mask is non-zero on prompt positions < {P - 1}")
+        per_response = (self.loss_mask[:, P - 1 :] != 0).sum(dim=1)
+        if (per_response == 0).any():
+            i = int((per_response == 0).nonzero()[0])
+            raise ValueError(f"{tag}: response {i} is empty (no loss_mask token)")
+        if max_response_length is not None and self.response_length > max_response_length:
+            raise ValueError(f"{tag}: response length {self.response_length} exceeds the "
+                             f"configured maximum {max_response_length}")
+
+
+def fingerprint(t: Tensor) -> tuple:
+    """(version counter, CRC32 of the bytes): any in-place change alters one of them."""
+    data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return t._version, zlib.crc32(data)
+
+
+class ReplayGuard:
+    """Fingerprints a group's inputs at first use and verifies them before replays."""
+
+    def __init__(self, group: SharedPrefixGroup):
+        self.group = group
+        self.prints = {n: fingerprint(t) for n, t in group.guarded().items()}
+
+    def verify(self, where: str) -> None:
+        for name, t in self.group.guarded().items():
+            now = fingerprint(t)
+            if now != self.prints[name]:
+                raise ReplayInputError(
+                    f"group {self.group.group_id}: replay input '{name}' changed since first use "
+                    f"(version/checksum {self.prints[name]} -> {now}); refusing the {where}"
+                )

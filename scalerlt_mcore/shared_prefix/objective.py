@@ -1,0 +1,99 @@
+"""The RL objective over all-loop readouts, normalised over the whole group.
+
+Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t}), where the
+token weights c are computed once from the whole group's loss mask (never per wave), so the
+loss is the same number whatever the wave size.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NORMALIZATIONS = ("token_mean", "seq_mean", "constant")
+LOOP_WEIGHTS = ("final", "uniform", "progressive")
+
+
+def loop_weights(scheme: str, num_loops: int) -> Tensor:
+    """Per-loop credit w_r (sums to 1): final readout only, uniform, or growing with r (RLTT)."""
+    if scheme == "final":
+        w = torch.zeros(num_loops, dtype=torch.float64)
+        w[-1] = 1.0
+        return w
+    if scheme == "uniform":
+        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64)
+    if scheme == "progressive":
+        r = torch.arange(1, num_loops + 1, dtype=torch.float64)
+        return r / r.sum()
+    raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, got {scheme!r}")
+
+
+@dataclass
+class RLObjective:
+    """PPO-clipped policy loss with optional k3 KL, per-loop credit and group normalisation."""
+
+    normalization: str = "token_mean"
+    """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
+    token means; constant: / (G * constant_length) (Dr. GRPO)."""
+
+    constant_length: int = 0
+    """Denominator length for ``constant`` normalisation (0: the group's padded length)."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low."""
+
+    clip_high: float = 0.2
+    """PPO ratio clip above: ratio <= 1 + clip_high."""
+
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0)."""
+
+    loop_weights: str = "final"
+    """Per-loop credit over all-loop readouts: final | uniform | progressive."""
+
+    def __post_init__(self):
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, "
+                             f"got {self.normalization!r}")
+        loop_weights(self.loop_weights, 1)
+        if self.clip_low <= 0 or self.clip_high <= 0:
+            raise ValueError("clip_low and clip_high must be > 0")
+
+    def token_weights(self, loss_mask: Tensor) -> Tensor:
+        """c [G, T] from the whole group's loss mask [G, T]."""
+        mask = loss_mask.to(torch.float64)
+        G, T = mask.shape
+        if self.normalization == "token_mean":
+            return mask / mask.sum()
+        if self.normalization == "seq_mean":
+            return mask / (mask.sum(dim=1, keepdim=True) * G)
+        return mask / (G * (self.constant_length or T))
+
+    def loss(self, logprobs: Tensor, old: Tensor, advantages: Tensor, weights: Tensor,
+             ref=None) -> tuple:
+        """logprobs/old/ref [R, B, T'], advantages [B], weights [B, T'] -> (loss, stats).
+
+        ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens."""
+        R = logprobs.shape[0]
+        acc = logprobs.dtype
+        ratio = torch.exp(logprobs - old.to(acc))
+        adv = advantages.to(acc)[None, :, None]
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv
+        per_token = -torch.minimum(unclipped, clipped)  # [R, B, T']
+        kl = torch.zeros_like(per_token)
+        if self.kl_coef > 0:
+            if ref is None:
+                raise ValueError("kl_coef > 0 needs ref_logprobs")
+            delta = ref.to(acc) - logprobs
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + self.kl_coef * kl
+        w_loop = loop_weights(self.loop_weights, R).to(acc)[:, None, None]
+        coef = w_loop * weights.to(acc)[None]  # [R, B, T']
+        mask = (weights != 0).to(acc)[None]
+        stats = {
+            "clipped": ((unclipped != clipped).to(acc) * mask)[-1].sum().detach(),
+            "kl": (kl * mask)[-1].sum().detach(),
+            "tokens": mask[0].sum().detach(),
+        }
+        return (coef * per_token).sum(), stats
