@@ -1,0 +1,183 @@
+"""Tasks with verifiable rewards, generated from a seed (no downloads).
+
+Every prompt is a few characters ending in a marker (``=``, ``>``, ``|``) and every answer
+is checked exactly, so a tiny model can learn them and the reward needs no judge:
+
+- ``modular_arithmetic``: ``"17+5%7="`` -> ``"1"``
+- ``reverse``: ``"abc>"`` -> ``"cba"``
+- ``sort``: ``"c3a|"`` -> ``"3ac"``
+"""
+
+import dataclasses
+import random
+import string
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and its unique correct answer."""
+
+    prompt: str
+    answer: str
+
+
+class Task:
+    """A problem generator with an exact-match reward. Subclasses define ``_problem``."""
+
+    name = "task"
+
+    def sample(self, seed: int, n: int) -> list[Problem]:
+        """``n`` problems drawn from ``random.Random(seed)``: the same seed gives the same list,
+        whatever the global RNG state."""
+        rng = random.Random(seed)
+        return [self._problem(rng) for _ in range(n)]
+
+    def supervised_pairs(self, seed: int, n: int) -> list[tuple[str, str]]:
+        """``(prompt, answer)`` pairs for an optional supervised warm-up."""
+        return [(p.prompt, p.answer) for p in self.sample(seed, n)]
+
+    def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
+        """1.0 when ``completion`` equals the answer, else 0.0; with ``partial_credit``, a
+        wrong completion earns the fraction of positions it gets right (in [0, 1))."""
+        if completion == problem.answer:
+            return 1.0
+        return positional_match(problem.answer, completion) if partial_credit else 0.0
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest prompt this task can produce."""
+        raise NotImplementedError
+
+    @property
+    def max_answer_chars(self) -> int:
+        """Longest answer this task can produce."""
+        raise NotImplementedError
+
+    def _problem(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+
+def positional_match(answer: str, completion: str) -> float:
+    """Matching characters at equal positions over the longer length; 1.0 only on equality."""
+    longest = max(len(answer), len(completion))
+    if longest == 0:
+        return 1.0
+    return sum(a == c for a, c in zip(answer, completion)) / longest
+
+
+@dataclass
+class ModularArithmetic(Task):
+    """``"a<op>b%m="`` -> ``str((a <op> b) % m)``; operands uniform in [min, max]_operand."""
+
+    name = "modular_arithmetic"
+    modulus: int = 7
+    """m, written in the prompt; answers lie in [0, m)."""
+    min_operand: int = 0
+    """Smallest operand (>= 0)."""
+    max_operand: int = 20
+    """Largest operand."""
+    ops: str = "+*"
+    """Operators to draw from, a subset of ``+-*``."""
+
+    def __post_init__(self):
+        _require(self.modulus >= 2, f"modulus must be >= 2, got {self.modulus}")
+        lo, hi = self.min_operand, self.max_operand
+        _require(0 <= lo <= hi, f"need 0 <= min_operand <= max_operand, got {lo}, {hi}")
+        _require(bool(self.ops) and set(self.ops) <= set("+-*"),
+                 f"ops must be a non-empty subset of '+-*', got {self.ops!r}")
+
+    def _problem(self, rng):
+        a, b = (rng.randint(self.min_operand, self.max_operand) for _ in range(2))
+        op = rng.choice(self.ops)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op] % self.modulus
+        return Problem(f"{a}{op}{b}%{self.modulus}=", str(value))
+
+    @property
+    def max_prompt_chars(self):
+        return 2 * len(str(self.max_operand)) + len(str(self.modulus)) + 3
+
+    @property
+    def max_answer_chars(self):
+        return len(str(self.modulus - 1))
+
+
+@dataclass
+class _StringTask(Task):
+    """Shared options of the string tasks: a random string, then ``marker``."""
+
+    min_len: int = 3
+    """Shortest input string."""
+    max_len: int = 6
+    """Longest input string."""
+    alphabet: str = string.ascii_lowercase
+    """Characters the input is drawn from."""
+    marker = ">"
+
+    def __post_init__(self):
+        _require(1 <= self.min_len <= self.max_len,
+                 f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        _require(bool(self.alphabet), "alphabet must not be empty")
+
+    def _problem(self, rng):
+        text = "".join(rng.choices(self.alphabet, k=rng.randint(self.min_len, self.max_len)))
+        return Problem(text + self.marker, self._answer(text))
+
+    def _answer(self, text: str) -> str:
+        raise NotImplementedError
+
+    @property
+    def max_prompt_chars(self):
+        return self.max_len + 1
+
+    @property
+    def max_answer_chars(self):
+        return self.max_len
+
+
+@dataclass
+class Reverse(_StringTask):
+    """``"abc>"`` -> ``"cba"``."""
+
+    name = "reverse"
+
+    def _answer(self, text):
+        return text[::-1]
+
+
+@dataclass
+class Sort(_StringTask):
+    """``"c3a|"`` -> ``"3ac"`` (characters in code-point order: digits before letters)."""
+
+    name = "sort"
+    alphabet: str = string.digits + string.ascii_lowercase
+    """Characters the input is drawn from."""
+    marker = "|"
+
+    def _answer(self, text):
+        return "".join(sorted(text))
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort)}
+"""Registry of built-in tasks by name."""
+
+
+def get_task(name: str, **options) -> Task:
+    """The task ``name`` built with ``options``; unknown names or options raise ValueError."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    cls = TASKS[name]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"task {name!r} has no option {unknown[0]!r}; options: {allowed}")
+    for f in dataclasses.fields(cls):
+        if f.name in options and type(options[f.name]) is not type(f.default):
+            expected = type(f.default).__name__
+            raise ValueError(f"task option {f.name!r} expects {expected}, got {options[f.name]!r}")
+    return cls(**options)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

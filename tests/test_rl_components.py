@@ -1,0 +1,184 @@
+"""Tokenizer, tasks and advantage / loss functions of ``scalerlt_mcore.rl``."""
+
+import random
+
+import pytest
+import torch
+
+from scalerlt_mcore.rl import (
+    CharTokenizer,
+    Problem,
+    get_task,
+    group_advantages,
+    kl_k3,
+    ppo_clipped_objective,
+)
+from scalerlt_mcore.rl.tasks import TASKS
+
+# ----------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_specials():
+    tok = CharTokenizer()
+    text = "17+25%7= abc>cba|z:,-"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.decode(ids) == text
+    assert max(ids) < tok.vocab_size == 3 + len(tok.alphabet)
+
+
+def test_tokenizer_decode_stops_at_eos_and_drops_pad():
+    tok = CharTokenizer()
+    ids = [tok.pad_id, tok.bos_id] + tok.encode("42") + [tok.eos_id] + tok.encode("99")
+    assert tok.decode(ids) == "42"
+    assert tok.decode(torch.tensor(tok.encode("7") + [tok.pad_id] * 3)) == "7"
+
+
+def test_tokenizer_errors_name_the_character():
+    tok = CharTokenizer()
+    with pytest.raises(ValueError, match="'A'"):
+        tok.encode("aAb")
+    with pytest.raises(ValueError, match="out of range"):
+        tok.decode([tok.vocab_size])
+
+
+# ----------------------------------------------------------------------- tasks
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_task_deterministic_from_seed_not_global_rng(name):
+    task = get_task(name)
+    random.seed(0)
+    torch.manual_seed(0)
+    first = task.sample(seed=5, n=20)
+    random.seed(99)
+    assert task.sample(seed=5, n=20) == first
+    assert task.sample(seed=6, n=20) != first
+    assert task.supervised_pairs(5, 3) == [(p.prompt, p.answer) for p in first[:3]]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_task_problems_fit_tokenizer_and_limits(name):
+    task, tok = get_task(name), CharTokenizer()
+    for p in task.sample(seed=1, n=200):
+        tok.encode(p.prompt + p.answer)
+        assert len(p.prompt) <= min(task.max_prompt_chars, 12)
+        assert 1 <= len(p.answer) <= task.max_answer_chars
+        assert task.reward(p, p.answer) == 1.0
+
+
+def test_modular_arithmetic_answers_and_options():
+    task = get_task("modular_arithmetic", modulus=11, min_operand=3, max_operand=9, ops="*")
+    for p in task.sample(seed=0, n=50):
+        a, rest = p.prompt.split("*")
+        b = rest.split("%")[0]
+        assert p.prompt.endswith("%11=") and 3 <= int(a) <= 9 and 3 <= int(b) <= 9
+        assert p.answer == str(int(a) * int(b) % 11)
+    assert get_task("modular_arithmetic").max_prompt_chars == len("20+20%7=")
+
+
+def test_reverse_and_sort_answers():
+    rev = get_task("reverse", min_len=2, max_len=3)
+    for p in rev.sample(seed=0, n=30):
+        assert p.prompt.endswith(">") and p.answer == p.prompt[:-1][::-1]
+        assert 2 <= len(p.answer) <= 3
+    srt = get_task("sort", alphabet="ba9")
+    for p in srt.sample(seed=0, n=30):
+        assert p.prompt.endswith("|") and p.answer == "".join(sorted(p.prompt[:-1]))
+
+
+def test_reward_exact_wrong_and_partial():
+    task = get_task("reverse")
+    p = Problem("abcd>", "dcba")
+    assert task.reward(p, "dcba") == 1.0
+    assert task.reward(p, "dcbx") == 0.0
+    assert task.reward(p, "dcbx", partial_credit=True) == 0.75
+    assert task.reward(p, "dcbaa", partial_credit=True) == 0.8
+    assert task.reward(p, "dc", partial_credit=True) == 0.5
+    assert task.reward(p, "", partial_credit=True) == 0.0
+    assert task.reward(p, "dcba", partial_credit=True) == 1.0
+
+
+def test_get_task_errors():
+    with pytest.raises(ValueError, match="known tasks: modular_arithmetic, reverse, sort"):
+        get_task("revers")
+    with pytest.raises(ValueError, match="no option 'modulos'"):
+        get_task("modular_arithmetic", modulos=7)
+    with pytest.raises(ValueError, match="'modulus' expects int"):
+        get_task("modular_arithmetic", modulus="7")
+    with pytest.raises(ValueError, match="min_len <= max_len"):
+        get_task("sort", min_len=5, max_len=2)
+
+
+# ----------------------------------------------------------------------- advantages
+
+
+def test_group_advantages_known_values():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 4.0, 6.0, 8.0]])
+    torch.testing.assert_close(group_advantages(r, "none"), r)
+    centred = torch.tensor([[0.5, -0.5, -0.5, 0.5], [-3.0, -1.0, 1.0, 3.0]])
+    torch.testing.assert_close(group_advantages(r, "dr_grpo"), centred)
+    std = torch.tensor([[0.5], [5.0**0.5]])  # population std (unbiased=False)
+    torch.testing.assert_close(group_advantages(r, "grpo", eps=0.0), centred / std)
+    torch.testing.assert_close(group_advantages(r), centred / (std + 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_group_advantages_zero_variance_group_is_zero(dtype):
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=dtype)
+    adv = group_advantages(r, "grpo")
+    assert adv.dtype == dtype and torch.isfinite(adv).all()
+    assert (adv[:2] == 0).all() and adv[2, 1] > 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_group_advantages_reject_non_finite_naming_group(bad):
+    r = torch.zeros(3, 4)
+    r[2, 1] = bad
+    with pytest.raises(ValueError, match="reward is NaN/inf in group 2: step rejected"):
+        group_advantages(r, "dr_grpo")
+
+
+def test_group_advantages_unknown_mode():
+    with pytest.raises(ValueError, match="unknown advantage mode 'gpro'"):
+        group_advantages(torch.zeros(1, 2), "gpro")
+
+
+# ----------------------------------------------------------------------- PPO and KL
+
+
+def test_ppo_objective_known_values_and_clipping_both_sides():
+    ratio = torch.tensor([[1.0, 1.5, 0.5, 1.5, 0.5, 1.1]])
+    adv = torch.tensor([[2.0, 1.0, -1.0, -1.0, 1.0, 3.0]])
+    logp_old = torch.full_like(ratio, -1.3)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    loss, clipped = ppo_clipped_objective(ratio.log() + logp_old, logp_old, adv, mask,
+                                          clip_low=0.2, clip_high=0.3)
+    # A>0 above 1+high: clipped at 1.3; A<0 below 1-low: clipped at 0.8;
+    # A<0 above / A>0 below the range: the unclipped (pessimistic) term wins.
+    expected = torch.tensor([[-2.0, -1.3, 0.8, 1.5, -0.5, 0.0]])
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(clipped, torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_ppo_objective_per_sequence_advantage_and_gradient():
+    logp_old = torch.log(torch.tensor([[0.5, 0.25]], dtype=torch.float64))
+    logp_new = logp_old.clone().requires_grad_()
+    loss, clipped = ppo_clipped_objective(logp_new, logp_old, torch.tensor([2.0]),
+                                          torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(loss, torch.tensor([[-2.0, -2.0]], dtype=torch.float64))
+    loss.sum().backward()  # at ratio 1 the gradient is -A per token
+    torch.testing.assert_close(logp_new.grad, torch.full((1, 2), -2.0, dtype=torch.float64))
+    assert clipped.sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_kl_k3_non_negative_and_zero_when_equal(dtype):
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(4, 16, generator=g).to(dtype)
+    ref = (new + 1e-3 * torch.randn(4, 16, generator=g)).to(dtype)
+    assert (kl_k3(new, ref) >= 0).all() and kl_k3(new, ref).dtype == dtype
+    assert (kl_k3(new, new) == 0).all()
+    d = torch.tensor([0.5], dtype=torch.float64)
+    torch.testing.assert_close(kl_k3(torch.zeros(1, dtype=torch.float64), d), d.exp() - d - 1)
