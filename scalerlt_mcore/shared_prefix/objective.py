@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..rl.advantages import kl_k3, ppo_clipped_objective
+
 NORMALIZATIONS = ("token_mean", "seq_mean", "constant")
 LOOP_WEIGHTS = ("final", "uniform", "progressive")
 
@@ -74,26 +76,19 @@ class RLObjective:
         """logprobs/old/ref [R, B, T'], advantages [B], weights [B, T'] -> (loss, stats).
 
         ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens."""
-        R = logprobs.shape[0]
-        acc = logprobs.dtype
-        ratio = torch.exp(logprobs - old.to(acc))
-        adv = advantages.to(acc)[None, :, None]
-        unclipped = ratio * adv
-        clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv
-        per_token = -torch.minimum(unclipped, clipped)  # [R, B, T']
+        R, acc = logprobs.shape[0], logprobs.dtype
+        mask = (weights != 0)[None].expand_as(logprobs)  # [R, B, T']
+        adv = advantages.to(acc)[None].expand(R, -1)  # [R, B]
+        per_token, clipped = ppo_clipped_objective(
+            logprobs, old.to(acc), adv, mask, self.clip_low, self.clip_high)
         kl = torch.zeros_like(per_token)
         if self.kl_coef > 0:
             if ref is None:
                 raise ValueError("kl_coef > 0 needs ref_logprobs")
-            delta = ref.to(acc) - logprobs
-            kl = torch.exp(delta) - delta - 1
+            kl = kl_k3(logprobs, ref.to(acc)) * mask
             per_token = per_token + self.kl_coef * kl
         w_loop = loop_weights(self.loop_weights, R).to(acc)[:, None, None]
         coef = w_loop * weights.to(acc)[None]  # [R, B, T']
-        mask = (weights != 0).to(acc)[None]
-        stats = {
-            "clipped": ((unclipped != clipped).to(acc) * mask)[-1].sum().detach(),
-            "kl": (kl * mask)[-1].sum().detach(),
-            "tokens": mask[0].sum().detach(),
-        }
+        stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
+                 "tokens": mask[-1].sum().to(acc).detach()}
         return (coef * per_token).sum(), stats
