@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 MCORE_VERSION = "0.16.1"
 _MARKER = "_scalerlt_cpu_backend"  # set on torch.cuda once the backend is applied
 
-# "module.attr" of every applied patch, in order; filled by enable_cpu_backend().
+# "module:attr" of every applied patch, in order; filled by enable_cpu_backend().
 APPLIED: list[str] = []
 
 
@@ -128,13 +128,7 @@ class _CpuStream:
         pass
 
     def record_event(self, event=None):
-        return event if event is not None else _CpuStream()
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
+        return event
 
     def synchronize(self) -> None:
         pass
@@ -257,13 +251,14 @@ def _patch_table() -> list[tuple[str, object]]:
         (f"{_OPT}:Float16OptimizerWithFloat16Params.__init__", _call_through(True)),
         ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
          _call_through(True)),
-        # grad-norm / clip / zero-count buffers on device='cuda' (optimizer.py imports by name)
+        # grad-norm / clip / zero-count buffers on device='cuda' (optimizer.py imports by name);
+        # clip asserts grad.type() == 'torch.cuda.FloatTensor'
         (f"{_OPT}:get_grad_norm_fp32", _call_through()),
-        (f"{_OPT}:clip_grad_by_total_norm_fp32", _call_through()),
-        (f"{_OPT}:count_zeros_fp32", _call_through(True)),
+        (f"{_OPT}:clip_grad_by_total_norm_fp32", _call_through(True)),
+        (f"{_OPT}:count_zeros_fp32", _call_through()),
         (f"{_CLIP}:get_grad_norm_fp32", _call_through()),
-        (f"{_CLIP}:clip_grad_by_total_norm_fp32", _call_through()),
-        (f"{_CLIP}:count_zeros_fp32", _call_through(True)),
+        (f"{_CLIP}:clip_grad_by_total_norm_fp32", _call_through(True)),
+        (f"{_CLIP}:count_zeros_fp32", _call_through()),
         # loss-scale tensors on device='cuda' (fp16 only)
         (f"{_SCALER}:MegatronGradScaler.__init__", _call_through()),
         (f"{_SCALER}:DynamicGradScaler.__init__", _call_through()),

@@ -1,0 +1,192 @@
+"""The opt-in CPU backend: explicit, idempotent, version-checked, and each patch works."""
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import megatron.core
+import pytest
+import torch
+
+from scalerlt_mcore import cpu_backend
+from scalerlt_mcore.cpu_backend import cpu_backend_enabled, enable_cpu_backend
+
+LEDGER = Path(__file__).resolve().parents[1] / "patches" / "README.md"
+
+# Runs in a fresh interpreter: ids of every patch target before importing scalerlt_mcore,
+# after importing all of it, and after enable_cpu_backend().
+_IMPORT_PROBE = """
+import importlib, json, pkgutil, sys
+targets = json.loads(sys.argv[1])
+def ids():
+    out = []
+    for target in targets:
+        module, _, path = target.partition(":")
+        obj = importlib.import_module(module)
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        out.append(id(obj))
+    return out
+stock = ids()
+import scalerlt_mcore
+for info in pkgutil.walk_packages(scalerlt_mcore.__path__, "scalerlt_mcore."):
+    importlib.import_module(info.name)
+imported = ids()
+from scalerlt_mcore.cpu_backend import cpu_backend_enabled, enable_cpu_backend
+enabled_at_import = cpu_backend_enabled()
+enable_cpu_backend()
+print(json.dumps({"imported": [a == b for a, b in zip(stock, imported)],
+                  "enabled": [a != b for a, b in zip(stock, ids())],
+                  "enabled_at_import": enabled_at_import}))
+"""
+
+
+def _targets() -> list[str]:
+    return [target for target, _ in cpu_backend._patch_table()]
+
+
+def test_not_applied_at_import_and_every_target_patched_when_enabled():
+    """Importing all of scalerlt_mcore patches nothing; enabling replaces every target."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, json.dumps(_targets())],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not probe["enabled_at_import"]
+    assert all(probe["imported"]), [t for t, ok in zip(_targets(), probe["imported"]) if not ok]
+    assert all(probe["enabled"]), [t for t, ok in zip(_targets(), probe["enabled"]) if not ok]
+
+
+def test_enable_twice_is_a_noop():
+    assert enable_cpu_backend() is True
+    patched = {t: getattr(*cpu_backend._resolve(t)) for t in _targets()}
+    applied = list(cpu_backend.APPLIED)
+    assert enable_cpu_backend() is True
+    assert cpu_backend_enabled()
+    assert cpu_backend.APPLIED == applied
+    assert all(getattr(*cpu_backend._resolve(t)) is obj for t, obj in patched.items())
+
+
+def test_wrong_mcore_version_is_refused(monkeypatch):
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match=r"0\.16\.1.*found megatron-core 0\.17\.0"):
+        enable_cpu_backend()
+
+
+def test_noop_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert enable_cpu_backend() is False
+
+
+def test_ledger_lists_every_patch():
+    """patches/README.md has exactly one row per applied patch."""
+    enable_cpu_backend()
+    rows = re.findall(r"^\| \d+ \| `([^`]+)` \|", LEDGER.read_text(), flags=re.M)
+    assert sorted(rows) == sorted(cpu_backend.APPLIED)
+
+
+def test_rng_tracker_uses_cpu_generator(mcore_single, caplog):
+    """Seeded like MCore on GPU: default stream = seed, fork = seed + 2718 (TP rank 0)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    default = torch.Generator().manual_seed(1234)
+    forked = torch.Generator().manual_seed(1234 + 2718)
+    with caplog.at_level(logging.WARNING):
+        first = torch.rand(3)
+        with get_cuda_rng_tracker().fork():
+            inside = torch.rand(3)
+        after = torch.rand(3)
+    assert torch.equal(first, torch.rand(3, generator=default))
+    assert torch.equal(inside, torch.rand(3, generator=forked))
+    assert torch.equal(after, torch.rand(3, generator=default))
+    assert "RNG" not in caplog.text
+
+
+def test_streams_and_sync_are_noops():
+    enable_cpu_backend()
+    assert torch.cuda.current_device() == torch.device("cpu")
+    side = torch.cuda.Stream(device=torch.cuda.current_device())
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.default_stream())
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def test_softmax_masks_on_cpu():
+    from megatron.core.fusions import fused_softmax
+
+    enable_cpu_backend()
+    causal = fused_softmax.get_default_causal_mask(4)
+    assert causal.device.type == "cpu"
+    assert torch.equal(causal, torch.ones(4, 4).triu(1).bool())
+    assert fused_softmax.get_sliding_window_causal_mask(4, 4, (2, 0)).device.type == "cpu"
+
+
+def test_clip_grads_module_functions(mcore_single):
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import clip_grads
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
+    group = parallel_state.get_data_parallel_group()
+    grads = [p.grad for p in params]
+    norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+    assert norm == pytest.approx(5.0)
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    assert params[0].grad[0].item() == pytest.approx(0.6, rel=1e-5)
+    assert clip_grads.count_zeros_fp32(params, grad_stats_parallel_group=group) == 5
+
+
+def _tiny_gpt(dtype: torch.dtype):
+    """2-layer GPT in MCore DDP (no distributed optimizer), in `dtype` via Float16Module."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+        fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+    if dtype != torch.float32:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+_OPTIMIZERS = {  # dtype -> (MCore optimizer class, grad scaler class)
+    torch.float32: ("FP32Optimizer", "NoneType"),
+    torch.bfloat16: ("Float16OptimizerWithFloat16Params", "NoneType"),
+    torch.float16: ("Float16OptimizerWithFloat16Params", "DynamicGradScaler"),
+}
+
+
+@pytest.mark.parametrize("dtype", list(_OPTIMIZERS))
+def test_non_distributed_optimizers_step(mcore_single, dtype):
+    """FP32Optimizer, Float16OptimizerWithFloat16Params (bf16; fp16 with a grad scaler)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _tiny_gpt(dtype)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, log_num_zeros_in_grad=True, initial_loss_scale=2.0**7,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    (inner,) = optimizer.chained_optimizers
+    scaler = getattr(inner, "grad_scaler", None)
+    assert (type(inner).__name__, type(scaler).__name__) == _OPTIMIZERS[dtype]
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = torch.randint(0, 64, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    optimizer.scale_loss(loss).backward()
+    model.finish_grad_sync()
+    ok, grad_norm, num_zeros = optimizer.step()
+    assert ok and grad_norm > 0 and num_zeros is not None
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
