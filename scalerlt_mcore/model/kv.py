@@ -67,10 +67,12 @@ class PrefixState:
         """Raise if this state was not produced by a model of ``config``'s structure."""
         expected = config_signature(config)
         if self.signature != expected:
+            names = ("prelude", "core", "coda", "loops", "kv groups", "kv channels", "hidden")
+            diffs = ", ".join(f"{n} {a} != {b}" for n, a, b in zip(names, self.signature, expected)
+                              if a != b)
             raise ValueError(
-                "prefix state comes from a different model config: signature "
-                f"(prelude, core, coda, loops, kv groups, kv channels, hidden) = {self.signature}, "
-                f"model has {expected}"
+                f"prefix state comes from a different model config: {diffs} (prefix state vs "
+                f"model; signature ({', '.join(names)}) = {self.signature}, model has {expected})"
             )
         depths = config.looped_num_depths
         if len(self.keys) != depths or len(self.values) != depths:
