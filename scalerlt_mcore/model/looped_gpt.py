@@ -119,6 +119,7 @@ class LoopedGPTModel(LanguageModule):
     def boundary_logprobs(self, prefix_state: PrefixState, labels: Tensor) -> Tensor:
         """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
         readout of the prompt's last position (``prefix_state.boundary``)."""
+        self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
         logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
         logits = logits.expand(batch, -1, -1)  # [B, R, V]
