@@ -103,16 +103,21 @@ class SharedPrefixSchedule:
     def _train_groups(self, inner, groups, config) -> list:
         no_sync = config.no_sync_func or contextlib.nullcontext
         scale = 1.0 / len(groups)  # as MCore divides every microbatch loss by their number
+        # Fingerprint every group now, right after the up-front checks: a later group changed
+        # while an earlier one trains must not slip past those checks.
+        guards = [ReplayGuard(g) for g in groups]
         results = []
         with no_sync():
-            for g in groups[:-1]:
-                results.append(self.train_group(inner, g, config, scale, contextlib.nullcontext))
-        results.append(self.train_group(inner, groups[-1], config, scale, no_sync))
+            for g, guard in zip(groups[:-1], guards):
+                results.append(self.train_group(inner, g, config, scale, contextlib.nullcontext,
+                                                guard))
+        results.append(self.train_group(inner, groups[-1], config, scale, no_sync, guards[-1]))
         return results
 
-    def train_group(self, inner, group, config, scale, waves_context) -> dict:
-        """All three phases for one group; phases 1-2 inside ``waves_context``."""
-        guard = ReplayGuard(group)
+    def train_group(self, inner, group, config, scale, waves_context, guard=None) -> dict:
+        """All three phases for one group; phases 1-2 inside ``waves_context``. ``guard``:
+        the group's fingerprints if taken earlier (default: taken now)."""
+        guard = guard or ReplayGuard(group)
         weights = self.objective.token_weights(group.loss_mask)  # [G, T]
         waves = list(torch.arange(group.group_size).split(self.wave_size))
         stats = {}
