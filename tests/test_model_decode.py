@@ -1,0 +1,145 @@
+"""Decoding with the depth-indexed KV cache.
+
+Prefill of right-padded prompts of different lengths, then token-by-token `decode_step`, must
+give every loop's logits of one full forward per sequence. A core layer reused across loops
+must own one cache slot per loop: the slots hold the K/V the independent reference computes
+at that (loop, layer) application, and corrupting one slot changes only the readouts that
+depend on it.
+"""
+
+import copy
+
+import pytest
+import torch
+from reference_looped import RefConfig, reference_forward, weights_from_state_dict
+
+from scalerlt_mcore.config import LoopedTransformerConfig
+from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+
+VOCAB, LOOPS, N_PRE, N_CORE, N_CODA = 64, 3, 1, 2, 1
+LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts are right-padded to 7
+STEPS = 4  # decode steps after the prefill
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core host they spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(pe: str, dtype=torch.float64) -> tuple:
+    """R=3 with prelude, coda and injection, random weights; plus its reference weights."""
+    cfg = LoopedTransformerConfig(
+        num_layers=N_CORE, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        use_cpu_initialization=True, looped_num_loops=LOOPS, looped_num_prelude_layers=N_PRE,
+        looped_num_coda_layers=N_CODA, looped_injection="linear_concat",
+    )
+    model = LoopedGPTModel(cfg, get_looped_gpt_layer_local_spec(), VOCAB, 32,
+                           position_embedding_type=pe).to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
+            p.copy_(1 + 0.1 * noise if "layernorm.weight" in name else 0.2 * noise)
+    ref = RefConfig(hidden=32, heads=4, groups=2, n_core=N_CORE, n_prelude=N_PRE,
+                    n_coda=N_CODA, loops=LOOPS, injection="linear_concat", position=pe)
+    return model, ref, weights_from_state_dict(model.state_dict(), ref)
+
+
+def sequences(seed: int = 0) -> tuple:
+    """Full sequences [3, 7 + STEPS] and the right-padded prompts [3, 7] (junk padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, VOCAB, (3, int(LENGTHS.max()) + STEPS), generator=gen)
+    prompts = seqs[:, : int(LENGTHS.max())].clone()
+    for b, n in enumerate(LENGTHS.tolist()):
+        prompts[b, n:] = torch.randint(0, VOCAB, (prompts.shape[1] - n,), generator=gen)
+    return seqs, prompts
+
+
+def decode(model, seqs, prompts) -> tuple:
+    """Prefill then STEPS teacher-forced decode steps -> ([STEPS+1] x [R, B, V], cache)."""
+    cache = model.new_kv_cache(3, int(LENGTHS.max()) + STEPS + 1)
+    outs = [model.prefill(cache, prompts, LENGTHS)]
+    for _ in range(STEPS):
+        nxt = seqs[torch.arange(3), cache.lengths]  # [B]
+        outs.append(model.decode_step(cache, nxt))
+    return outs, cache
+
+
+def depth(r: int, layer: int, coda: bool = False) -> int:
+    """Virtual depth of core (or coda) layer `layer` in loop r: application order."""
+    return N_PRE + r * (N_CORE + N_CODA) + (N_CORE if coda else 0) + layer
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
+                         ids=["fp64", "fp32"])
+@pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
+def test_decode_matches_full_forward(mcore_single, pe, dtype, tol):
+    model, ref, weights = build(pe, dtype)
+    seqs, prompts = sequences()
+    with torch.no_grad():
+        outs, cache = decode(model, seqs, prompts)
+        assert cache.lengths.tolist() == (LENGTHS + STEPS).tolist()
+        err_model = err_ref = 0.0
+        for b, n in enumerate(LENGTHS.tolist()):
+            seq = seqs[b : b + 1, : n + STEPS]
+            full = model(seq).logits  # R x [1, n+STEPS, V]
+            want_ref, _ = reference_forward(weights, ref, seq)
+            for r in range(LOOPS):
+                got = torch.stack([o[r, b] for o in outs])  # [STEPS+1, V]
+                err_model = max(err_model, (got - full[r][0, n - 1 :]).abs().max().item())
+                err_ref = max(err_ref, (got - want_ref[r][0, n - 1 :]).abs().max().item())
+    assert err_model <= tol
+    assert err_ref <= tol
+
+
+def test_cache_slots_hold_each_loops_kv(mcore_single):
+    """Every depth's cache slot holds the reference K/V of that (loop, layer) application;
+    a core layer's slots differ between loops."""
+    model, ref, weights = build("rope")
+    seqs, prompts = sequences(seed=1)
+    with torch.no_grad():
+        _, cache = decode(model, seqs, prompts)
+    assert cache.keys.shape[0] == N_PRE + LOOPS * (N_CORE + N_CODA)
+    for b, n in enumerate((LENGTHS + STEPS).tolist()):
+        _, kv = reference_forward(weights, ref, seqs[b : b + 1, :n])
+        assert len(kv) == cache.keys.shape[0]
+        for d, (k, v) in enumerate(kv):
+            assert (cache.keys[d, :n, b] - k[0]).abs().max().item() <= 1e-10, d
+            assert (cache.values[d, :n, b] - v[0]).abs().max().item() <= 1e-10, d
+    for layer in range(N_CORE):
+        slots = [cache.keys[depth(r, layer)] for r in range(LOOPS)]
+        for r in range(1, LOOPS):
+            assert (slots[r] - slots[r - 1]).abs().max() > 1e-3, (layer, r)
+
+
+@pytest.mark.parametrize("slot, changed", [
+    pytest.param(depth(1, 0), {1, 2}, id="core-loop1"),
+    pytest.param(depth(1, N_CORE - 1), {1, 2}, id="core-last-loop1"),
+    pytest.param(depth(2, 0), {2}, id="core-loop2"),
+    pytest.param(depth(1, 0, coda=True), {1}, id="coda-loop1"),
+    pytest.param(depth(0, 0, coda=True), {0}, id="coda-loop0"),
+    pytest.param(0, {0, 1, 2}, id="prelude"),
+])
+def test_zeroing_one_slot_changes_only_dependent_loops(mcore_single, slot, changed):
+    """Loop r reads the core slots of loops <= r and only its own coda slot."""
+    model, _, _ = build("learned_absolute")
+    seqs, prompts = sequences(seed=2)
+    with torch.no_grad():
+        cache = model.new_kv_cache(3, 12)
+        model.prefill(cache, prompts, LENGTHS)
+        corrupted = copy.deepcopy(cache)
+        corrupted.keys[slot].zero_()
+        corrupted.values[slot].zero_()
+        nxt = seqs[torch.arange(3), LENGTHS]
+        clean = model.decode_step(cache, nxt)  # [R, B, V]
+        dirty = model.decode_step(corrupted, nxt)
+    for r in range(LOOPS):
+        diff = (clean[r] - dirty[r]).abs().max().item()
+        if r in changed:
+            assert diff > 1e-6, r
+        else:
+            assert diff == 0.0, r
