@@ -1,0 +1,227 @@
+"""Shared helpers of the joint-replay tests: tiny looped models, random GRPO groups, and the
+NAIVE reference (every response a full prompt+response sequence through STOCK MCore
+``get_forward_backward_func()``, with the RL loss written here in plain PyTorch).
+
+The reference loss never calls ``RLObjective``; it is this file's own implementation of
+DESIGN.md section 2: PPO clipped ratio, k3 KL, per-loop weights, and token_mean / seq_mean /
+constant normalisation over the whole group.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from scalerlt_mcore.config import LoopedTransformerConfig
+from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.shared_prefix import (
+    RLObjective,
+    SharedPrefixGroup,
+    get_shared_prefix_forward_backward_func,
+)
+
+VOCAB = 48
+MAX_SEQ = 64
+
+
+@contextmanager
+def one_thread():
+    """Tiny matmuls on a shared 2-core host run far faster single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- model and data ----------------------------------------------------------------------
+
+
+def build_model(R: int = 2, arch: bool = False, attn: str = "cascade", hidden: int = 16,
+                heads: int = 2, layers: int = 2, vocab: int = VOCAB, **extra) -> LoopedGPTModel:
+    """Tiny looped GPT (fp32 parameters). ``arch``: one prelude and one coda layer and
+    linear_concat injection (its weight perturbed away from [I | 0] so the embedding path
+    carries gradient)."""
+    cfg = LoopedTransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        use_cpu_initialization=True, looped_num_loops=R,
+        looped_num_prelude_layers=int(arch), looped_num_coda_layers=int(arch),
+        looped_injection="linear_concat" if arch else "none", looped_prefix_attention=attn,
+        **extra,
+    )
+    model = LoopedGPTModel(cfg, get_looped_gpt_layer_local_spec(), vocab, MAX_SEQ)
+    if arch:
+        with torch.no_grad():
+            w = model.decoder.injection.weight
+            w.add_(0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(7)))
+    return model
+
+
+def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
+               kl: bool = False, group_id: int = 0, vocab: int = VOCAB) -> SharedPrefixGroup:
+    """A group with one random prompt and G right-padded responses of uneven lengths in
+    [1, S] (the first has length S, the last is shorter when S > 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = P + S
+    prompt = torch.randint(1, vocab, (P,), generator=gen)
+    lens = torch.randint(1, S + 1, (G,), generator=gen)
+    lens[0] = S
+    if G > 1 and S > 1:
+        lens[-1] = max(1, S // 2)
+    tokens = torch.zeros(G, T, dtype=torch.long)
+    tokens[:, :P] = prompt
+    mask = torch.zeros(G, T, dtype=dtype)
+    for i, n in enumerate(lens.tolist()):
+        tokens[i, P : P + n] = torch.randint(1, vocab, (n,), generator=gen)
+        mask[i, P - 1 : P - 1 + n] = 1  # position t predicts token t + 1
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    adv = torch.randn(G, generator=gen, dtype=dtype)
+    # Behaviour/reference log-probs near the tiny model's (almost uniform, log 1/V) so that
+    # some tokens are clipped and some are not, whatever the advantage's sign.
+    base = -math.log(vocab)
+    old = base + 0.25 * torch.randn(R, G, T, generator=gen, dtype=dtype)
+    ref = base + 0.25 * torch.randn(R, G, T, generator=gen, dtype=dtype) if kl else None
+    return SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
+                             advantages=adv, old_logprobs=old, ref_logprobs=ref,
+                             group_id=group_id)
+
+
+# ---- the naive reference loss (independent of RLObjective) -------------------------------
+
+
+@dataclass
+class LossSpec:
+    normalization: str = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loop_weights: str = "final"
+    constant_length: int = 0
+
+    def objective(self) -> RLObjective:
+        return RLObjective(normalization=self.normalization, clip_low=self.clip_low,
+                           clip_high=self.clip_high, kl_coef=self.kl_coef,
+                           loop_weights=self.loop_weights,
+                           constant_length=self.constant_length)
+
+
+def ref_loop_weights(scheme: str, R: int) -> list:
+    if scheme == "final":
+        return [0.0] * (R - 1) + [1.0]
+    if scheme == "uniform":
+        return [1.0 / R] * R
+    assert scheme == "progressive"
+    return [r / (R * (R + 1) / 2) for r in range(1, R + 1)]
+
+
+def ref_token_weights(spec: LossSpec, group_mask: torch.Tensor) -> torch.Tensor:
+    """[G, T] per-token coefficient from the WHOLE group's mask (fp64)."""
+    m = group_mask.double()
+    G, T = m.shape
+    if spec.normalization == "token_mean":
+        return m / m.sum()
+    if spec.normalization == "seq_mean":
+        return torch.stack([m[i] / m[i].sum() for i in range(G)]) / G
+    assert spec.normalization == "constant"
+    return m / (G * (spec.constant_length or T))
+
+
+def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None) -> torch.Tensor:
+    """sum_r w_r sum_{i,t} coef[i,t] * (-min(rho A, clip(rho) A) + kl_coef * k3).
+
+    logprobs/old/ref [R, b, T]; adv [b]; coef [b, T] (zero off the loss mask)."""
+    R = logprobs.shape[0]
+    dt = logprobs.dtype
+    total = logprobs.new_zeros(())
+    for r, w in enumerate(ref_loop_weights(spec.loop_weights, R)):
+        lp = logprobs[r]
+        rho = torch.exp(lp - old[r].to(dt))
+        a = adv.to(dt)[:, None]
+        surrogate = torch.minimum(rho * a,
+                                  torch.clamp(rho, 1 - spec.clip_low, 1 + spec.clip_high) * a)
+        per_token = -surrogate
+        if spec.kl_coef > 0:
+            d = ref[r].to(dt) - lp
+            per_token = per_token + spec.kl_coef * (torch.exp(d) - d - 1)
+        on = coef != 0  # never multiply an off-mask inf/nan by zero
+        total = total + w * torch.where(on, per_token * coef.to(dt), 0).sum()
+    return total
+
+
+# ---- naive training through stock MCore --------------------------------------------------
+
+
+def naive_microbatches(groups, spec: LossSpec, per_mb: int) -> list:
+    """Every response a full sequence; ``per_mb`` responses of one group per microbatch."""
+    batches = []
+    for k, g in enumerate(groups):
+        coef = ref_token_weights(spec, g.loss_mask)
+        for idx in torch.arange(g.group_size).split(per_mb):
+            batches.append(dict(
+                group=k, tokens=g.tokens[idx], labels=g.labels[idx], coef=coef[idx],
+                adv=g.advantages[idx], old=g.old_logprobs[:, idx],
+                ref=None if g.ref_logprobs is None else g.ref_logprobs[:, idx],
+            ))
+    return batches
+
+
+def naive_forward_step(spec: LossSpec, scale: float, data_iterator, model):
+    """MCore forward_step_func: full sequences, RL loss as ``loss_func``."""
+    batch = next(data_iterator)
+    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, b, T]
+
+    def loss_func(output):
+        loss = ref_rl_loss(spec, output, batch["old"], batch["adv"], batch["coef"], batch["ref"])
+        # MCore divides by num_microbatches; ``scale`` = num_microbatches / num_groups makes
+        # the step loss the mean of the group losses, as joint replay defines it.
+        return loss * scale, {"loss": loss.detach(), "group": batch["group"],
+                              "logprobs": output.detach()}
+
+    return logprobs, loss_func
+
+
+def naive_step(model, groups, spec: LossSpec, per_mb: int, forward_only: bool = False):
+    """Stock MCore step over the naive microbatches -> (group losses, forward data store)."""
+    batches = naive_microbatches(groups, spec, per_mb)
+    fb = get_forward_backward_func()
+    out = fb(forward_step_func=partial(naive_forward_step, spec, len(batches) / len(groups)),
+             data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+             seq_length=0, micro_batch_size=1, forward_only=forward_only)
+    losses = [sum(o["loss"] for o in out if o["group"] == k) for k in range(len(groups))]
+    return losses, out
+
+
+def joint_step(model, groups, spec: LossSpec, wave_size: int, checkpoint_waves: bool = False,
+               forward_only: bool = False, **kw):
+    fb = get_shared_prefix_forward_backward_func(spec.objective(), wave_size,
+                                                 checkpoint_waves=checkpoint_waves, **kw)
+    return fb(forward_step_func=None, data_iterator=iter(groups), model=model,
+              num_microbatches=len(groups), seq_length=0, micro_batch_size=1,
+              forward_only=forward_only)
+
+
+# ---- comparisons ---------------------------------------------------------------------------
+
+
+def grads(model) -> dict:
+    """A copy of every parameter's grad (zeros where autograd left None)."""
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in model.named_parameters()}
+
+
+def rel_errors(got: dict, ref: dict) -> dict:
+    """Per tensor: max |got - ref| / max |ref| (computed in fp64)."""
+    out = {}
+    for n, r in ref.items():
+        r64, g64 = r.double(), got[n].double()
+        scale = r64.abs().max()
+        assert scale > 0, f"reference grad of {n} is identically zero: test is not probing it"
+        out[n] = float((g64 - r64).abs().max() / scale)
+    return out

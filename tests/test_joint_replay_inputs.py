@@ -1,0 +1,261 @@
+"""Replay inputs are explicit and checked (DESIGN.md section 4).
+
+- A replay input mutated in place after phase 2 (from the ``phase_callback`` of the last
+  non-final wave) is caught before the joint replay: ``ReplayInputError`` naming the tensor
+  and the group; the replay never ran and no parameter grad changed after phase 2.
+- With checkpointed waves, a mutation made during a wave's backward is caught before that
+  wave's recompute.
+- A malformed group is rejected before any compute: no phase callback, grads untouched.
+"""
+
+import math
+
+import pytest
+import torch
+from sp_helpers import VOCAB, LossSpec, build_model, grads, joint_step, make_group, one_thread
+
+from scalerlt_mcore.shared_prefix import ReplayInputError
+
+R, G, P, S, W = 2, 5, 6, 4, 2  # waves [0, 1], [2, 3], [4]: two non-final waves
+GID = 17
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture
+def model(mcore_single):
+    return build_model(R=R, arch=True).double()
+
+
+def _group(**kw):
+    return make_group(G, P, S, R, seed=4, kl=True, group_id=GID, **kw)
+
+
+class Recorder:
+    """phase_callback that records the phases and runs ``action`` at the n-th "wave"."""
+
+    def __init__(self, model, at_wave=None, action=None):
+        self.model, self.at_wave, self.action = model, at_wave, action
+        self.calls, self.waves, self.grads_at_action = [], 0, None
+
+    def __call__(self, phase, group):
+        self.calls.append(phase)
+        if phase == "wave":
+            self.waves += 1
+            if self.waves == self.at_wave:
+                self.grads_at_action = grads(self.model)
+                self.action(group)
+
+
+def _bump_token(t: torch.Tensor, index) -> None:
+    t[index] = t[index] % (VOCAB - 1) + 1  # another valid token id
+
+
+def _mutate_data_only(t: torch.Tensor) -> None:
+    """Write through ``.data``: the version counter does not move, only the checksum does."""
+    t.data[0, 0, P] += 0.125
+
+
+MUTATIONS = {
+    "tokens": lambda g: _bump_token(g.tokens, (G - 1, P)),  # a response token of the last wave
+    "labels": lambda g: _bump_token(g.labels, (1, P - 1)),
+    "loss_mask": lambda g: g.loss_mask[2, P - 1].mul_(0.5),
+    "advantages": lambda g: g.advantages.add_(0.25),
+    "old_logprobs": lambda g: g.old_logprobs[1, 3, P].sub_(0.1),
+    "ref_logprobs": lambda g: g.ref_logprobs[0, 4, P].add_(0.1),
+}
+
+
+@pytest.mark.parametrize("ck", [False, True], ids=["nockpt", "ckpt"])
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutation_after_waves_is_caught_before_replay(model, name, ck):
+    group = _group()
+    rec = Recorder(model, at_wave=2, action=MUTATIONS[name])  # the last non-final wave
+    with pytest.raises(ReplayInputError) as info:
+        joint_step(model, [group], LossSpec(kl_coef=0.1), W, checkpoint_waves=ck,
+                   phase_callback=rec)
+    msg = str(info.value)
+    assert f"'{name}'" in msg and f"group {GID}" in msg and "joint replay" in msg, msg
+    assert rec.calls == ["prompt_producer", "wave", "wave"], rec.calls
+    after = grads(model)
+    for n, g in rec.grads_at_action.items():
+        assert torch.equal(after[n], g), f"{n} changed after phase 2"
+
+
+def test_mutation_bypassing_version_counter_is_caught(model):
+    """The content checksum catches a write the version counter does not see."""
+    group = _group()
+    version = group.old_logprobs._version
+    rec = Recorder(model, at_wave=2, action=lambda g: _mutate_data_only(g.old_logprobs))
+    with pytest.raises(ReplayInputError, match=rf"group {GID}: replay input 'old_logprobs'"):
+        joint_step(model, [group], LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    assert group.old_logprobs._version == version  # the guard did not rely on it
+    assert "joint_replay" not in rec.calls
+
+
+def test_mutation_in_second_group_names_that_group(model):
+    groups = [_group(), make_group(4, 5, 3, R, seed=8, kl=True, group_id=GID + 1)]
+    rec = Recorder(model, at_wave=3, action=MUTATIONS["advantages"])  # 2 waves of group 0
+    with pytest.raises(ReplayInputError, match=rf"group {GID + 1}: replay input 'advantages'"):
+        joint_step(model, groups, LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    assert rec.calls == ["prompt_producer", "wave", "wave", "joint_replay",
+                         "prompt_producer", "wave"], rec.calls
+
+
+@pytest.mark.parametrize("name", ["tokens", "advantages", "old_logprobs"])
+def test_mutation_during_checkpointed_wave_backward_caught_before_recompute(model, name):
+    """A hook on the first wave's loss fires at the very start of its backward, before the
+    checkpointed wave is recomputed; the recompute must refuse the changed input."""
+    group = _group()
+    cfg = model.config
+    fired = []
+
+    def scale_and_hook(loss):
+        if not fired:
+            def mutate(grad):
+                fired.append(True)
+                MUTATIONS[name](group)
+                return grad
+            loss.register_hook(mutate)
+        return loss
+
+    rec = Recorder(model)
+    cfg.grad_scale_func = scale_and_hook
+    try:
+        with pytest.raises(ReplayInputError) as info:
+            joint_step(model, [group], LossSpec(kl_coef=0.1), W, checkpoint_waves=True,
+                       phase_callback=rec)
+    finally:
+        cfg.grad_scale_func = None
+    msg = str(info.value)
+    assert fired and f"'{name}'" in msg and f"group {GID}" in msg, msg
+    assert "wave recompute" in msg, msg
+    assert rec.calls == ["prompt_producer"], rec.calls  # the first wave never finished
+    assert all(p.grad is None for p in model.parameters())  # no parameter grad reached
+
+
+# ---- malformed groups: rejected before any compute ---------------------------------------
+
+
+def _reject(model, group, error, pattern, groups_before=(), forward_only=False, **kw):
+    """Run a step expected to fail its up-front checks; assert nothing was computed."""
+    sentinel = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = sentinel[n].clone()
+    rec = Recorder(model)
+    with pytest.raises(error, match=pattern):
+        joint_step(model, [*groups_before, group], LossSpec(kl_coef=0.1), W,
+                   phase_callback=rec, forward_only=forward_only, **kw)
+    assert rec.calls == [], rec.calls
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, sentinel[n]), f"{n} grad touched"
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_mismatched_prompts_rejected_before_compute(model, forward_only):
+    group = _group()
+    group.tokens[3, 2] = group.tokens[0, 2] % (VOCAB - 1) + 1
+    _reject(model, group, ReplayInputError, rf"group {GID}: response 3 .*prompt",
+            forward_only=forward_only)
+
+
+def test_bad_second_group_rejects_the_whole_step(model):
+    """The first (valid) group is not trained either: all groups are checked up front."""
+    bad = _group()
+    bad.group_id = GID + 1
+    bad.tokens[1, 0] = bad.tokens[0, 0] % (VOCAB - 1) + 1
+    good = make_group(4, 5, 3, R, seed=8, kl=True, group_id=GID)
+    _reject(model, bad, ReplayInputError, rf"group {GID + 1}: response 1", groups_before=[good])
+
+
+def _empty_response(g):
+    g.loss_mask[3] = 0
+
+
+def _wrong(name, shape_fn):
+    def f(g):
+        t = getattr(g, name)
+        setattr(g, name, torch.zeros(shape_fn(t.shape), dtype=t.dtype))
+    return f
+
+
+def _nan_advantage(g):
+    g.advantages[2] = math.nan
+
+
+def _inf_old(g):
+    g.old_logprobs[1, 0, P] = -math.inf
+
+
+def _mask_on_prompt(g):
+    g.loss_mask[0, 1] = 1
+
+
+def _no_advantages(g):
+    g.advantages = None
+
+
+BAD = {
+    "empty_response": (_empty_response, r"response 3 is empty"),
+    "labels_shape": (_wrong("labels", lambda s: (s[0], s[1] - 1)), r"labels has shape"),
+    "loss_mask_shape": (_wrong("loss_mask", lambda s: (s[0] - 1, s[1])),
+                        r"loss_mask has shape"),
+    "advantages_shape": (_wrong("advantages", lambda s: (s[0], 1)), r"advantages has shape"),
+    "old_logprobs_shape": (_wrong("old_logprobs", lambda s: (s[0] + 1, s[1], s[2])),
+                           r"old_logprobs has shape"),
+    "ref_logprobs_shape": (_wrong("ref_logprobs", lambda s: (s[0], s[1], s[2] + 1)),
+                           r"ref_logprobs has shape"),
+    "nan_advantages": (_nan_advantage, r"advantages contains NaN"),
+    "inf_old_logprobs": (_inf_old, r"old_logprobs contains NaN or inf"),
+    "mask_on_prompt": (_mask_on_prompt, r"loss_mask is non-zero on prompt positions"),
+    "no_advantages": (_no_advantages, r"needs advantages"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_rejected_with_clear_error(model, case):
+    group = _group()
+    corrupt, pattern = BAD[case]
+    corrupt(group)
+    _reject(model, group, ValueError, rf"group {GID}: .*{pattern}")
+
+
+def test_response_longer_than_max_rejected(model):
+    group = _group()  # responses padded to S = 4; the first is S long
+    _reject(model, group, ValueError,
+            rf"group {GID}: response length {S} exceeds the configured maximum {S - 1}",
+            max_response_length=S - 1)
+
+
+def test_response_at_max_length_accepted(model):
+    rec = Recorder(model)
+    joint_step(model, [_group()], LossSpec(kl_coef=0.1), W, max_response_length=S,
+               phase_callback=rec)
+    assert rec.calls == ["prompt_producer", "wave", "wave", "joint_replay"]
+
+
+def test_later_group_changed_while_earlier_group_trains_is_caught(model):
+    """Group 2 passes the up-front checks, then its advantages become NaN while group 1
+    trains: refused before group 2 contributes anything (no silent NaN gradients)."""
+    first = make_group(4, 5, 3, R, seed=8, kl=True, group_id=GID)
+    second = _group()
+    second.group_id = GID + 1
+    calls, after_first = [], {}
+
+    def callback(phase, group):
+        calls.append((phase, group.group_id))
+        if (phase, group) == ("wave", first):
+            second.advantages[0] = math.nan
+        if (phase, group) == ("joint_replay", first):
+            after_first.update(grads(model))
+
+    with pytest.raises(ReplayInputError, match=rf"group {GID + 1}: replay input 'advantages'"):
+        joint_step(model, [first, second], LossSpec(kl_coef=0.1), W, phase_callback=callback)
+    assert ("joint_replay", GID) in calls and ("wave", GID + 1) not in calls, calls
+    now = grads(model)
+    for n, g in after_first.items():
+        assert torch.equal(now[n], g), f"{n} changed by the refused group"
