@@ -52,20 +52,70 @@ def cascade_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
     q [S, B, np, hn]; k, v [S, B, ng, hn]; pk, pv [P, Bp, ng, hn] with Bp = 1 (one prompt
     shared by the batch) or Bp = B. Returns [B, np, S, hn]. The prefix is read once: its part
     is one product per query group of all rep * B * S queries against the P prefix keys.
+    On CPU both parts run on PyTorch's flash kernel (no score matrix is materialised or saved);
+    elsewhere on matmuls.
     """
     S, B, heads, hn = q.shape
     groups, bp = k.shape[2], pk.shape[1]
-    rep = heads // groups
-    qg = q.reshape(S, bp, B // bp, groups, rep, hn)  # [S, Bp, B/Bp, ng, rep, hn]
-    qp = qg.permute(1, 3, 2, 4, 0, 5).reshape(bp, groups, -1, hn)  # [Bp, ng, (B/Bp)*rep*S, hn]
-    out_p, lse_p = attend_with_lse(qp, _bhsd(pk), _bhsd(pv), None, scale)
-    out_p = out_p.reshape(bp, groups, B // bp, rep, S, hn).permute(0, 2, 1, 3, 4, 5)
-    out_p = out_p.reshape(B, heads, S, hn)  # [B, np, S, hn]
-    lse_p = lse_p.reshape(bp, groups, B // bp, rep, S).permute(0, 2, 1, 3, 4).reshape(B, heads, S)
-    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, S, hn]
+    layout = _PrefixLayout(bp, B // bp, groups, heads // groups, S)
+    qs = _bhsd(q)  # [B, np, S, hn]
+    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, S, hn]
+    qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [Bp, ng, M, hn], [Bp, ng, P, hn]
+    if q.device.type == "cpu":
+        return _CpuCascade.apply(qp, pk, pv, qs, ks, vs, scale, layout)
+    out_p, lse_p = attend_with_lse(qp, pk, pv, None, scale)
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    out_s, lse_s = attend_with_lse(_bhsd(q), ks, vs, causal, scale)
-    return merge_by_lse(out_p, lse_p, out_s, lse_s)
+    out_s, lse_s = attend_with_lse(qs, ks, vs, causal, scale)
+    return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)
+
+
+class _PrefixLayout:
+    """Between the per-sequence layout [B, np, S(, hn)] and the prefix-product layout
+    [Bp, ng, M(, hn)] with M = (B / Bp) * rep * S: every query of a KV group in one row block."""
+
+    def __init__(self, bp, per, groups, rep, S):
+        self.bp, self.per, self.groups, self.rep, self.S = bp, per, groups, rep, S
+
+    def to_prefix(self, x: Tensor) -> Tensor:
+        tail = x.shape[3:]
+        x = x.reshape(self.bp, self.per, self.groups, self.rep, self.S, *tail)
+        return x.transpose(1, 2).reshape(self.bp, self.groups, -1, *tail)  # [Bp, ng, M(, hn)]
+
+    def from_prefix(self, x: Tensor) -> Tensor:
+        tail = x.shape[3:]
+        x = x.reshape(self.bp, self.groups, self.per, self.rep, self.S, *tail).transpose(1, 2)
+        return x.reshape(self.bp * self.per, self.groups * self.rep, self.S, *tail)
+
+
+class _CpuCascade(torch.autograd.Function):
+    """Cascade attention on PyTorch's CPU flash kernel, which returns the log-sum-exp.
+
+    Backward runs each part's flash backward against the *merged* output and log-sum-exp:
+    that is exactly the gradient of softmax attention over the union of the two key sets, so
+    only q, k, v, the prefix K/V, the output and the log-sum-exp are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, qp, pk, pv, qs, ks, vs, scale, layout):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_p, lse_p = flash(qp, pk, pv, 0.0, False, scale=scale)  # [Bp, ng, M(, hn)]
+        out_s, lse_s = flash(qs, ks, vs, 0.0, True, scale=scale)  # [B, np, S(, hn)]
+        lse_p = layout.from_prefix(lse_p)
+        lse = torch.logaddexp(lse_p, lse_s)  # fp32 for half inputs
+        out = merge_by_lse(layout.from_prefix(out_p), lse_p, out_s, lse_s)
+        ctx.save_for_backward(qp, pk, pv, qs, ks, vs, out, lse)
+        ctx.scale, ctx.layout = scale, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qp, pk, pv, qs, ks, vs, out, lse = ctx.saved_tensors
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        to_p, dout = ctx.layout.to_prefix, dout.contiguous()
+        dqs, dks, dvs = flash_bwd(dout, qs, ks, vs, out, lse, 0.0, True, scale=ctx.scale)
+        dqp, dpk, dpv = flash_bwd(to_p(dout), qp, pk, pv, to_p(out), to_p(lse), 0.0, False,
+                                  scale=ctx.scale)
+        return dqp, dpk, dpv, dqs, dks, dvs, None, None
 
 
 def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
