@@ -38,8 +38,12 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample_next(logits: Tensor, temperature: float, top_p: float, generator) -> Tensor:
-    """logits [B, V] -> token ids [B]; temperature 0 is greedy."""
+def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
+                banned=()) -> Tensor:
+    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids never drawn."""
+    if banned:
+        logits = logits.clone()
+        logits[:, list(banned)] = float("-inf")
     if temperature == 0:
         return logits.argmax(-1)
     probs = top_p_filter(logits.float() / temperature, top_p).softmax(-1)
@@ -57,20 +61,21 @@ def _right_pad(rows: list, pad_id: int) -> tuple:
 @torch.no_grad()
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             generator=None) -> Rollout:
-    """Sample ``group_size`` responses per prompt (a list of token lists)."""
+             generator=None, banned=(), loop: int = -1) -> Rollout:
+    """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
+    ``loop`` (default the last). Log-probs are the policy's own (temperature 1, no ban)."""
     rows = [p for p in prompts for _ in range(group_size)]
     tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp]
     device = next(model.parameters()).device
     tokens, lengths = tokens.to(device), lengths.to(device)
     B = tokens.shape[0]
     cache = model.new_kv_cache(B, tokens.shape[1] + max_new_tokens)
-    logits = model.prefill(cache, tokens, lengths)[-1]  # final loop [B, V]
+    logits = model.prefill(cache, tokens, lengths)[loop]  # [B, V]
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, generator)
+        nxt = sample_next(logits, temperature, top_p, generator, banned)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
         logps[:, t] = torch.where(done, 0.0, lp.gather(-1, nxt[:, None]).squeeze(-1).float())
@@ -78,8 +83,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
         done |= nxt == eos_id
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        logits = model.decode_step(cache, nxt)[-1]
-    resp_len = (out != pad_id).sum(-1)
+        logits = model.decode_step(cache, nxt)[loop]
+    resp_len = (out != pad_id).sum(-1)  # pad is never sampled (banned by the caller)
     n = len(prompts)
     return Rollout(prompts, out.view(n, group_size, -1).cpu(),
                    resp_len.view(n, group_size).cpu(), logps.view(n, group_size, -1).cpu())

@@ -1,0 +1,57 @@
+"""Checkpoints with MCore distributed checkpointing: model, (distributed) optimizer, LR
+schedule and the step counter, plus the model's structure to refuse a mismatched load."""
+
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+
+from .model.kv import config_signature
+
+
+def _model_signature(model) -> list:
+    return [int(x) for x in config_signature(model.config)] + [int(model.vocab_size)]
+
+
+def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+
+
+def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
+    """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer)."""
+    root = Path(path)
+    ckpt = root / f"iter_{step:07d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    state = _sharded_state(model, optimizer)
+    state["meta"] = {"step": step, "scheduler": scheduler.state_dict(),
+                     "signature": _model_signature(model)}
+    dist_checkpointing.save(state, str(ckpt))
+    if torch.distributed.get_rank() == 0:
+        (root / "latest").write_text(ckpt.name)
+    torch.distributed.barrier()
+    return ckpt
+
+
+def load_checkpoint(path, model, optimizer, scheduler) -> int:
+    """Restore the latest checkpoint under ``path``; returns the step to continue from."""
+    root = Path(path)
+    pointer = root / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"no checkpoint under {root} (missing {pointer})")
+    ckpt = root / pointer.read_text().strip()
+    meta = dist_checkpointing.load_common_state_dict(str(ckpt))["meta"]
+    if list(meta["signature"]) != _model_signature(model):
+        raise ValueError(
+            f"checkpoint {ckpt} was saved from a different model config: structure "
+            f"{list(meta['signature'])} (prelude, core, coda, loops, kv groups, kv channels, "
+            f"hidden, vocab) vs this run's {_model_signature(model)}"
+        )
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(ckpt))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(meta["scheduler"])
+    return int(meta["step"])

@@ -1,0 +1,225 @@
+"""The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
+
+Every step's prompts derive from (seed, step, rank) alone, so a resumed run draws the same data
+as an uninterrupted one.
+"""
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..shared_prefix import (
+    RLObjective,
+    SavedTensorProbe,
+    SharedPrefixGroup,
+    get_shared_prefix_forward_backward_func,
+    naive_step,
+)
+from .advantages import group_advantages
+from .rollout import generate
+from .tasks import get_task
+from .tokenizer import CharTokenizer
+
+
+def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
+
+
+def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> list:
+    """SharedPrefixGroups (tokens, labels, loss mask) from rollout tensors [N, G, S]."""
+    groups = []
+    for n, prompt in enumerate(prompts):
+        P, S = len(prompt), int(lengths[n].max())
+        G = responses.shape[1]
+        tokens = torch.full((G, P + S), pad_id, dtype=torch.long)
+        tokens[:, :P] = torch.tensor(prompt)
+        tokens[:, P:] = responses[n, :, :S]
+        labels = torch.full_like(tokens, pad_id)
+        labels[:, :-1] = tokens[:, 1:]
+        span = torch.arange(P + S)[None, :]
+        mask = ((span >= P - 1) & (span < P - 1 + lengths[n][:, None])).float()  # [G, T]
+        groups.append(SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask,
+                                        prompt_length=P, group_id=step * 100_000 + n))
+    return groups
+
+
+def summarise(out: list, num_groups: int) -> dict:
+    """Mean group loss, clip fraction and k3 KL from either schedule's per-microbatch dicts
+    (joint replay: one per group, normalised; naive: one per microbatch, token sums)."""
+    loss = sum(float(o["loss"]) for o in out) / num_groups
+    if "clip_fraction" in out[0]:
+        clip = sum(float(o["clip_fraction"]) for o in out) / len(out)
+        kl = sum(float(o["kl"]) for o in out) / len(out)
+    else:
+        tokens = sum(float(o["tokens"]) for o in out)
+        clip = sum(float(o["clipped"]) for o in out) / tokens
+        kl = sum(float(o["kl"]) for o in out) / tokens
+    return {"loss": loss, "clip_fraction": clip, "kl": kl}
+
+
+class RLTrainer:
+    """GRPO/PPO over all-loop readouts of a looped GPT on MCore DDP + distributed Adam."""
+
+    def __init__(self, cfg, model, ddp, optimizer, scheduler):
+        self.cfg, self.model, self.ddp = cfg, model, ddp
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tok = CharTokenizer()
+        self.task = get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
+        rl = cfg.rl
+        self.objective = RLObjective(
+            normalization=rl.rl_loss_normalization, constant_length=rl.rl_max_response_length,
+            clip_low=rl.rl_clip_low, clip_high=rl.rl_clip_high, kl_coef=rl.rl_kl_coef,
+            loop_weights=rl.rl_loop_weights,
+        )
+        self.schedule = get_shared_prefix_forward_backward_func(
+            self.objective, cfg.shared_prefix.shared_prefix_wave_size,
+            cfg.shared_prefix.shared_prefix_checkpoint_waves, rl.rl_max_response_length)
+        self.ref = self._frozen_copy(model) if rl.rl_kl_coef > 0 else None
+        self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
+
+    @staticmethod
+    def _frozen_copy(model):
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def _prompts(self, problems) -> list:
+        return [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems]
+
+    def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
+        gen = torch.Generator().manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        self.model.eval()
+        out = generate(self.model, self._prompts(problems), group_size,
+                       self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
+                       pad_id=self.tok.pad_id, temperature=temperature,
+                       top_p=self.cfg.rl.rl_top_p, generator=gen,
+                       banned=(self.tok.pad_id, self.tok.bos_id), loop=loop)
+        self.model.train()
+        return out
+
+    def rewards(self, problems, rollout) -> torch.Tensor:
+        """[N, G] verifiable rewards of the decoded responses."""
+        partial = self.cfg.rl.rl_partial_credit
+        return torch.tensor([
+            [self.task.reward(p, self.tok.decode(r.tolist()), partial_credit=partial)
+             for r in rollout.responses[n]]
+            for n, p in enumerate(problems)
+        ], dtype=torch.float64)
+
+    def score(self, model, groups: list) -> list:
+        """forward_only through the shared-prefix schedule: per-loop log-probs [R, G, T]."""
+        out = self.schedule(forward_step_func=None, data_iterator=iter(groups), model=model,
+                            num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
+                            micro_batch_size=groups[0].group_size, forward_only=True)
+        return [o["logprobs"] for o in out]
+
+    # ---- one RL step -----------------------------------------------------------------------
+
+    def rl_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
+                                    self.groups_per_rank)
+        ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
+        rewards = self.rewards(problems, ro)
+        advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
+        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step)
+        drift = self._attach_logprobs(groups, advantages, ro)
+        train = self.optimize(groups)
+        tokens = float(sum(g.loss_mask.sum() for g in groups))
+        return self._reduce({
+            "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "response_length": ro.lengths.float().mean().item(), **train,
+            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
+        })
+
+    def _attach_logprobs(self, groups, advantages, ro) -> float:
+        """old (and ref) log-probs; returns max |rollout - training forward| log-prob."""
+        old = self.score(self.ddp, groups)
+        ref = self.score(self.ref, groups) if self.ref is not None else [None] * len(groups)
+        drift = 0.0
+        for n, g in enumerate(groups):
+            g.old_logprobs, g.ref_logprobs = old[n].detach(), ref[n]
+            g.advantages = advantages[n]
+            P, lens = g.prompt_length, ro.lengths[n]
+            for i in range(g.group_size):
+                train_lp = g.old_logprobs[-1, i, P - 1 : P - 1 + lens[i]]
+                diff = (train_lp.float() - ro.logprobs[n, i, : lens[i]]).abs().max().item()
+                drift = max(drift, diff)
+        return drift
+
+    def optimize(self, groups: list) -> dict:
+        """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
+        for _ in range(self.cfg.rl.rl_ppo_epochs):
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with SavedTensorProbe(self.model) as probe:
+                out = self._forward_backward(groups)
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError("optimizer step skipped: non-finite gradients")
+            self.scheduler.step(increment=1)
+        return {**summarise(out, len(groups)), "grad_norm": float(grad_norm or 0.0),
+                "peak_saved_bytes": probe.peak_bytes,
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _forward_backward(self, groups: list) -> list:
+        if self.cfg.shared_prefix.shared_prefix_schedule == "naive":
+            return naive_step(self.ddp, groups, self.objective, self.cfg.training.micro_batch_size)
+        return self.schedule(forward_step_func=None, data_iterator=iter(groups), model=self.ddp,
+                             num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
+                             micro_batch_size=groups[0].group_size)
+
+    # ---- supervised warm-up and evaluation ------------------------------------------------
+
+    def sft_step(self, step: int) -> dict:
+        """Supervised warm-up on gold answers through the same schedule: advantage 1 and
+        old = current log-probs make the PPO gradient exactly the NLL gradient."""
+        pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
+                                           self.groups_per_rank * self.cfg.rl.rl_group_size)
+        groups = []
+        for n, (prompt, answer) in enumerate(pairs):
+            resp = torch.tensor([self.tok.encode(answer) + [self.tok.eos_id]])
+            groups += build_groups(self._prompts([_P(prompt)]), resp[None],
+                                   torch.tensor([[resp.shape[1]]]), self.tok.pad_id, n)
+        self._attach_sft(groups)
+        return self._reduce(self.optimize(groups))
+
+    def _attach_sft(self, groups) -> None:
+        old = self.score(self.ddp, groups)
+        for g, lp in zip(groups, old):
+            g.old_logprobs, g.advantages = lp.detach(), torch.ones(1, dtype=torch.float64)
+            if self.ref is not None:
+                g.ref_logprobs = lp.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Greedy accuracy on fixed held-out prompts, from every loop's readout."""
+        problems = self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
+                                    self.cfg.rl.rl_eval_prompts)
+        per_loop = []
+        for loop in range(self.model.config.looped_num_loops):
+            ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop)
+            per_loop.append(self.rewards(problems, ro).mean().item())
+        return {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+
+    def _reduce(self, metrics: dict) -> dict:
+        """Mean of scalar metrics over data-parallel ranks."""
+        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+        vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(vals)
+            vals /= self.world
+        return {**metrics, **dict(zip(keys, vals.tolist()))}
+
+
+class _P:
+    """A prompt-only stand-in for ``Problem`` in the warm-up."""
+
+    def __init__(self, prompt: str):
+        self.prompt = prompt

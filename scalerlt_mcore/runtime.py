@@ -1,0 +1,111 @@
+"""Process setup and model/optimizer construction from a ``RunConfig`` (trainer-side only).
+
+Device: CUDA (NCCL) when available, else CPU with gloo and the opt-in CPU backend.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from .config import LoopedTransformerConfig
+from .cpu_backend import enable_cpu_backend
+from .model import LoopedGPTModel, get_looped_gpt_layer_local_spec, get_looped_gpt_layer_te_spec
+
+
+def init_distributed(cfg) -> str:
+    """Process group (torchrun env or a single process), model parallelism, RNG. -> device."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        enable_cpu_backend()
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
+    model_parallel_cuda_manual_seed(cfg.training.seed)
+    return "cuda" if cuda else "cpu"
+
+
+def shutdown_distributed() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def model_config(cfg, device: str) -> LoopedTransformerConfig:
+    """The MCore ``TransformerConfig`` (with ``looped_*`` fields) of a run."""
+    m = cfg.model
+    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    return LoopedTransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
+        bf16=m.bf16, fp16=m.fp16, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        use_cpu_initialization=device == "cpu", perform_initialization=True,
+        looped_num_loops=m.looped_num_loops,
+        looped_num_prelude_layers=m.looped_num_prelude_layers,
+        looped_num_coda_layers=m.looped_num_coda_layers,
+        looped_injection=m.looped_injection, looped_prefix_attention=m.looped_prefix_attention,
+    )
+
+
+def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: str):
+    """The bare looped GPT on ``device``."""
+    te = cfg.model.transformer_impl == "transformer_engine"
+    spec = get_looped_gpt_layer_te_spec() if te else get_looped_gpt_layer_local_spec(
+        normalization=cfg.model.normalization)
+    model = LoopedGPTModel(
+        config, spec, vocab_size=vocab_size,
+        max_sequence_length=cfg.model.max_position_embeddings,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.model.position_embedding_type,
+        backend="te" if te else "local",
+    )
+    return model.to(device)
+
+
+def wrap_for_training(cfg, config, model):
+    """MCore DDP + (distributed) Adam + LR schedule; config funcs set as MCore's training."""
+    t = cfg.training
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce,
+            use_distributed_optimizer=t.use_distributed_optimizer, bucket_size=t.ddp_bucket_size,
+        ),
+        module=model,
+    )
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=cfg.model.bf16, fp16=cfg.model.fp16,
+        params_dtype=config.params_dtype, use_distributed_optimizer=t.use_distributed_optimizer,
+    ), [ddp])
+    steps = max(t.lr_warmup_iters + 1, t.train_iters * cfg.rl.rl_ppo_epochs)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=steps, lr_decay_style="cosine",
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+    config.no_sync_func = ddp.no_sync
+    config.grad_sync_func = ddp.start_grad_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer, scheduler
