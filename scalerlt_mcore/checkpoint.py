@@ -51,7 +51,8 @@ def load_checkpoint(path, model, optimizer, scheduler) -> int:
             f"hidden, vocab) vs this run's {_model_signature(model)}"
         )
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(ckpt))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])
