@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 
 import pytest
+import torch
 
 from scalerlt_mcore.testing import model_parallel_context
 
@@ -10,3 +11,13 @@ def mcore_single():
     """World size 1 gloo + MCore model-parallel state (TP=PP=1, seed 1234), destroyed after."""
     with model_parallel_context(seed=1234):
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tests use tiny tensors: intra-op threads gain nothing and spin on a busy 2-core host.
+    Spawned ranks set one thread themselves (scalerlt_mcore.testing)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,7 +10,6 @@ constant normalisation over the whole group.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,17 +26,6 @@ from scalerlt_mcore.shared_prefix import (
 
 VOCAB = 48
 MAX_SEQ = 64
-
-
-@contextmanager
-def one_thread():
-    """Tiny matmuls on a shared 2-core host run far faster single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # ---- model and data ----------------------------------------------------------------------

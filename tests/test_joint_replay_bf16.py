@@ -32,7 +32,6 @@ from sp_helpers import (
     joint_step,
     make_group,
     naive_step,
-    one_thread,
     rel_errors,
 )
 
@@ -40,11 +39,6 @@ BF16_TOL = 5e-2
 SCHEDULE_FACTOR = 2.0
 P, S = 10, 6
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
 
 
 def _l2_rel(got: dict, ref: dict) -> float:

@@ -24,7 +24,6 @@ from sp_helpers import (
     naive_forward_step,
     naive_microbatches,
     naive_step,
-    one_thread,
     rel_errors,
 )
 
@@ -35,11 +34,6 @@ DTYPES = {"f64": torch.float64, "f32": torch.float32}
 
 MEASURED = {}  # dtype -> max relative error seen (printed at the end with -s)
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,18 +12,13 @@ import math
 
 import pytest
 import torch
-from sp_helpers import VOCAB, LossSpec, build_model, grads, joint_step, make_group, one_thread
+from sp_helpers import VOCAB, LossSpec, build_model, grads, joint_step, make_group
 
 from scalerlt_mcore.shared_prefix import ReplayInputError
 
 R, G, P, S, W = 2, 5, 6, 4, 2  # waves [0, 1], [2, 3], [4]: two non-final waves
 GID = 17
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture

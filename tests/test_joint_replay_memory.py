@@ -12,17 +12,12 @@ for the per-token logits and attention terms.
 
 import pytest
 import torch
-from sp_helpers import LossSpec, build_model, joint_step, make_group, naive_step, one_thread
+from sp_helpers import LossSpec, build_model, joint_step, make_group, naive_step
 
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 
 G, P, S, HIDDEN, HEADS, R, W = 8, 32, 8, 32, 4, 2, 2
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture

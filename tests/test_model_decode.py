@@ -21,14 +21,6 @@ LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts are right-padded to
 STEPS = 4  # decode steps after the prefill
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core host they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def build(pe: str, dtype=torch.float64) -> tuple:
     """R=3 with prelude, coda and injection, random weights; plus its reference weights."""

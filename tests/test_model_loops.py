@@ -14,14 +14,6 @@ from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 HIDDEN, HEADS, VOCAB, MAX_LEN = 32, 4, 64, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core host they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def build(pe: str, groups: int = HEADS, **looped) -> tuple:
     """A tiny looped GPT with random weights (norms and biases too) and its RefConfig."""

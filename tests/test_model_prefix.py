@@ -18,14 +18,6 @@ from scalerlt_mcore.model.attention import cascade_prefix_attention, concat_pref
 VOCAB, PROMPT, SUFFIX = 64, 7, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core host they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def build(pe: str, mode: str, groups: int = 4) -> LoopedGPTModel:
     """R=3, prelude + coda + injection, random weights, fp64."""
