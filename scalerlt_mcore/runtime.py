@@ -77,7 +77,10 @@ def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: s
         position_embedding_type=cfg.model.position_embedding_type,
         backend="te" if te else "local",
     )
-    return model.to(device)
+    # As MCore's Float16Module: every parameter (norms too) in the half dtype; the optimizer
+    # keeps fp32 main params. Inputs are token ids and log-probs come out in fp32, so the
+    # wrapper's input/output casts are not needed.
+    return model.to(device=device, dtype=config.params_dtype)
 
 
 def wrap_for_training(cfg, config, model):
