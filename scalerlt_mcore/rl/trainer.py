@@ -82,7 +82,15 @@ class RLTrainer:
 
     @staticmethod
     def _frozen_copy(model):
-        ref = copy.deepcopy(model).eval()
+        """A frozen copy of the weights. MCore modules hold process groups (which cannot be
+        copied) and the config holds the DDP hooks: the copy shares both."""
+        memo = {id(model.config): model.config}
+        for module in model.modules():
+            for value in vars(module).values():  # e.g. tp_group, pg_collection.dp
+                for obj in (value, *getattr(value, "__dict__", {}).values()):
+                    if isinstance(obj, dist.ProcessGroup):
+                        memo[id(obj)] = obj
+        ref = copy.deepcopy(model, memo).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
