@@ -77,7 +77,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool) -> dict:
     log, stop = MetricsLog(run_dir, enabled=rank0), _Interrupt()
     t0, total = time.perf_counter(), cfg.training.train_iters
     sft = cfg.rl.rl_warmup_sft_steps
-    step = start
+    step, saved = start, None
     for step in tqdm(range(start, total), disable=not rank0, desc="RL", initial=start,
                      total=total, file=sys.stderr):
         if step < sft:
@@ -90,13 +90,16 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool) -> dict:
                 tqdm.write(_line(step, m))
         if (step + 1) % cfg.rl.rl_eval_every == 0:
             _eval(trainer, log, step + 1, rank0)
-        _maybe_save(cfg, trainer, step + 1, stop.requested)
+        if _maybe_save(cfg, trainer, step + 1, stop.requested):
+            saved = step + 1
         if stop.requested:
             if rank0:
-                print(f"interrupted: checkpoint saved after step {step + 1}", flush=True)
+                what = "checkpoint saved" if saved == step + 1 else "nothing saved (no --save)"
+                print(f"interrupted: {what} after step {step + 1}", flush=True)
             return {}
     final = _eval(trainer, log, total, rank0)
-    _maybe_save(cfg, trainer, total, True)
+    if saved != total:  # not again: rewriting it would expose a complete checkpoint to a kill
+        _maybe_save(cfg, trainer, total, True)
     if rank0:
         _finish(cfg, log, run_dir, final, total - start, time.perf_counter() - t0)
     return final
@@ -111,11 +114,14 @@ def _eval(trainer, log, step: int, rank0: bool) -> dict:
     return e
 
 
-def _maybe_save(cfg, trainer, step: int, force: bool) -> None:
+def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
+    """Save after ``step`` when forced or at the interval; True when it saved."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler)
+        return True
+    return False
 
 
 def _finish(cfg, log, run_dir, final, steps: int, seconds: float) -> None:
