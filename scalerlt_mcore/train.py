@@ -27,12 +27,20 @@ from .runtime import (
 
 
 class _Interrupt:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current step."""
+    """While entered, SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current
+    step. The previous handlers are restored on exit."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self._previous = False, {}
+
+    def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -52,8 +60,16 @@ def _line(step: int, m: dict) -> str:
 
 
 def run(cfg) -> dict:
-    """Train; returns the final evaluation."""
+    """Train; returns the final evaluation. The process group and MCore's parallel state are
+    destroyed on return and on error."""
     device = init_distributed(cfg)
+    try:
+        return _run(cfg, device)
+    finally:
+        shutdown_distributed()
+
+
+def _run(cfg, device: str) -> dict:
     validate(cfg, dist.get_world_size())
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
@@ -68,13 +84,12 @@ def run(cfg) -> dict:
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
     start = load_checkpoint(cfg.logging.load, model, optimizer, scheduler) if cfg.logging.load \
         else 0
-    final = _loop(cfg, trainer, start, run_dir, rank0)
-    shutdown_distributed()
-    return final
+    with _Interrupt() as stop:
+        return _loop(cfg, trainer, start, run_dir, rank0, stop)
 
 
-def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool) -> dict:
-    log, stop = MetricsLog(run_dir, enabled=rank0), _Interrupt()
+def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt) -> dict:
+    log = MetricsLog(run_dir, enabled=rank0)
     t0, total = time.perf_counter(), cfg.training.train_iters
     sft = cfg.rl.rl_warmup_sft_steps
     step, saved = start, None
