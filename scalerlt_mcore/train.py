@@ -103,7 +103,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
             log.log({"kind": "train", "step": step, **m})
             if rank0 and step % cfg.logging.log_interval == 0:
                 tqdm.write(_line(step, m))
-        if (step + 1) % cfg.rl.rl_eval_every == 0:
+        if cfg.rl.rl_eval_every and (step + 1) % cfg.rl.rl_eval_every == 0:
             _eval(trainer, log, step + 1, rank0)
         if _maybe_save(cfg, trainer, step + 1, stop.requested):
             saved = step + 1
