@@ -21,6 +21,22 @@ def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
                 metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
 
 
+def _init_adam_state(optimizer) -> None:
+    """Give a never-stepped torch Adam its state: step 0 and zero moments (the same next update
+    as no state). MCore 0.16's DistributedOptimizer.state_dict(), which building the loading
+    state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0),
+                                      "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
 def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
     """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer)."""
     root = Path(path)
@@ -50,6 +66,7 @@ def load_checkpoint(path, model, optimizer, scheduler) -> int:
             f"{list(meta['signature'])} (prelude, core, coda, loops, kv groups, kv channels, "
             f"hidden, vocab) vs this run's {_model_signature(model)}"
         )
+    _init_adam_state(optimizer)
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(ckpt))
     with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
         model.load_state_dict(state["model"])
