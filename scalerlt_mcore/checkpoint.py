@@ -5,12 +5,33 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from .model.kv import config_signature
+
+_SIGNATURE_FIELDS = ("prelude layers", "core layers", "coda layers", "loops", "kv groups",
+                     "kv channels", "hidden size", "vocab size")
 
 
 def _model_signature(model) -> list:
     return [int(x) for x in config_signature(model.config)] + [int(model.vocab_size)]
+
+
+def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
+    """'<what> <checkpoint's> != <this model's>' for every difference: the loop structure,
+    else the name and shape of every model tensor."""
+    diffs = [f"{name} {a} != {b}" for name, a, b in
+             zip(_SIGNATURE_FIELDS, meta["signature"], _model_signature(model)) if a != b]
+    if diffs:
+        return diffs
+    saved = {k: tuple(t.global_shape) for k, t in
+             dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
+             if not k.startswith("optimizer.")}
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model.sharded_state_dict())
+            if isinstance(t, ShardedTensor)}
+    return [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
+            for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
 
 
 def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
@@ -60,12 +81,11 @@ def load_checkpoint(path, model, optimizer, scheduler) -> int:
         raise FileNotFoundError(f"no checkpoint under {root} (missing {pointer})")
     ckpt = root / pointer.read_text().strip()
     meta = dist_checkpointing.load_common_state_dict(str(ckpt))["meta"]
-    if list(meta["signature"]) != _model_signature(model):
-        raise ValueError(
-            f"checkpoint {ckpt} was saved from a different model config: structure "
-            f"{list(meta['signature'])} (prelude, core, coda, loops, kv groups, kv channels, "
-            f"hidden, vocab) vs this run's {_model_signature(model)}"
-        )
+    diffs = _structure_mismatch(ckpt, meta, model)
+    if diffs:
+        more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
+        raise ValueError(f"checkpoint {ckpt} was saved from a different model config "
+                         f"(checkpoint != this run): {', '.join(diffs[:4])}{more}")
     _init_adam_state(optimizer)
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(ckpt))
     with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
