@@ -111,9 +111,8 @@ class RLTrainer:
         self.model.train()
         return out
 
-    def rewards(self, problems, rollout) -> torch.Tensor:
-        """[N, G] verifiable rewards of the decoded responses."""
-        partial = self.cfg.rl.rl_partial_credit
+    def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
+        """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""
         return torch.tensor([
             [self.task.reward(p, self.tok.decode(r.tolist()), partial_credit=partial)
              for r in rollout.responses[n]]
@@ -134,7 +133,7 @@ class RLTrainer:
         problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
                                     self.groups_per_rank)
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
-        rewards = self.rewards(problems, ro)
+        rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
         groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step)
         drift = self._attach_logprobs(groups, advantages, ro)
@@ -207,7 +206,7 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy accuracy on fixed held-out prompts, from every loop's readout."""
+        """Greedy exact-match accuracy on fixed held-out prompts, from every loop's readout."""
         problems = self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
                                     self.cfg.rl.rl_eval_prompts)
         per_loop = []
