@@ -93,6 +93,8 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
     t0, total = time.perf_counter(), cfg.training.train_iters
     sft = cfg.rl.rl_warmup_sft_steps
     step, saved = start, None
+    if start == 0:
+        _eval(trainer, log, 0, rank0)  # the starting point of the reward curve
     for step in tqdm(range(start, total), disable=not rank0, desc="RL", initial=start,
                      total=total, file=sys.stderr):
         if step < sft:
