@@ -46,12 +46,14 @@ def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> l
 
 
 def summarise(out: list, num_groups: int) -> dict:
-    """Mean group loss, clip fraction and k3 KL from either schedule's per-microbatch dicts
-    (joint replay: one per group, normalised; naive: one per microbatch, token sums)."""
+    """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
+    per-microbatch dicts (joint replay: one per group, normalised by its tokens; naive: one per
+    microbatch, token sums): the same numbers from both."""
     loss = sum(float(o["loss"]) for o in out) / num_groups
     if "clip_fraction" in out[0]:
-        clip = sum(float(o["clip_fraction"]) for o in out) / len(out)
-        kl = sum(float(o["kl"]) for o in out) / len(out)
+        tokens = sum(float(o["num_tokens"]) for o in out)
+        clip = sum(float(o["clip_fraction"] * o["num_tokens"]) for o in out) / tokens
+        kl = sum(float(o["kl"] * o["num_tokens"]) for o in out) / tokens
     else:
         tokens = sum(float(o["tokens"]) for o in out)
         clip = sum(float(o["clipped"]) for o in out) / tokens
