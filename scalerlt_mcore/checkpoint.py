@@ -42,20 +42,33 @@ def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
                 metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
 
 
+def _torch_adams(optimizer) -> list:
+    """The torch Adam(W) optimizers inside a (chained) MCore optimizer."""
+    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [opt for opt in inner if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _restore_adam_step(optimizer) -> None:
+    """Set Adam's step count from the loaded param groups. MCore 0.16's dp_reshardable load
+    sets it from them, then copies the loading template's step (0) over it (torch Adam keeps
+    a per-parameter step; Apex/TE Adam does not), which restarts Adam's bias correction."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            for p in group["params"]:
+                if "step" in group and "step" in adam.state[p]:
+                    adam.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
 def _init_adam_state(optimizer) -> None:
     """Give a never-stepped torch Adam its state: step 0 and zero moments (the same next update
     as no state). MCore 0.16's DistributedOptimizer.state_dict(), which building the loading
     state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
             for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                if not adam.state[p]:
+                    adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
 
 
 def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
@@ -91,5 +104,6 @@ def load_checkpoint(path, model, optimizer, scheduler) -> int:
     with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_step(optimizer)
     scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])
