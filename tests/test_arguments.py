@@ -94,7 +94,8 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 def test_batch_divisibility_names_both_numbers():
-    cfg = parse_args(["--global-batch-size", "24", "--rl-group-size", "8"])
+    cfg = parse_args(["--global-batch-size", "24", "--rl-group-size", "8",
+                      "--micro-batch-size", "8"])
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"global_batch_size \(24\) must be divisible by "
                        r"data-parallel size x rl_group_size \(2 x 8 = 16\)"):
