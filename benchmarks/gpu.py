@@ -1,0 +1,224 @@
+"""GPU benchmark (one CUDA GPU): workloads A and B at a larger hidden size in bf16.
+
+Runs naive / packed tree mask / joint replay (cascade, checkpointed waves, concat) on the same
+model and data, after checking in fp32 (TF32 off) that every schedule's loss and gradients
+equal naive training's. Reports response tokens/s, peak ``torch.cuda.max_memory_allocated``
+per schedule (absolute and above the memory held before the step), saved-tensor bytes, FLOPs
+and the naive/joint and tree/joint ratios. Uses the Transformer Engine layer spec when TE is
+importable (else MCore's local spec with PyTorch SDPA, and says so). Not run in CI.
+
+``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]``;
+``--dry-run`` runs a tiny version on CPU to exercise the code path without a GPU.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per schedule")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds")
+    p.add_argument("--only", default="A,B", help="comma-separated workload names")
+    p.add_argument("--spec", choices=("auto", "te", "local"), default="auto",
+                   help="layer spec: auto = Transformer Engine when importable")
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="fp32 agreement tolerance (max rel err per tensor)")
+    p.add_argument("--out", default=os.path.join(RESULTS, "gpu.json"))
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny workloads on CPU (no GPU needed): checks the script runs")
+    return p.parse_args(argv)
+
+
+def workloads(args) -> list:
+    from .run import HEADLINE
+
+    keep = set(args.only.split(","))
+    out = []
+    for wl in HEADLINE:
+        if wl.name not in keep:
+            continue
+        if args.dry_run:
+            wl = dataclasses.replace(wl, group_size=4, prompt_length=32, response_length=8,
+                                     wave_size=2, hidden=64, heads=4)
+        else:
+            wl = dataclasses.replace(wl, hidden=args.hidden, heads=args.heads)
+        out.append(dataclasses.replace(wl, repetitions=args.reps))
+    return out
+
+
+def choose_spec(choice: str):
+    """(layer spec, final-norm backend, description)."""
+    from scalerlt_mcore.model import get_looped_gpt_layer_local_spec
+    from scalerlt_mcore.model.specs import HAVE_TE, get_looped_gpt_layer_te_spec
+
+    if choice == "te" or (choice == "auto" and HAVE_TE):
+        return get_looped_gpt_layer_te_spec(), "te", "Transformer Engine layer spec"
+    why = "requested" if choice == "local" else "Transformer Engine is not importable"
+    return get_looped_gpt_layer_local_spec(), "local", f"local layer spec + PyTorch SDPA ({why})"
+
+
+def _build(wl, spec, backend, device):
+    from scalerlt_mcore.model import LoopedGPTModel
+
+    from .workloads import build_config
+
+    config = build_config(wl, use_cpu_initialization=device.type == "cpu")
+    model = LoopedGPTModel(config, spec, wl.vocab, wl.prompt_length + wl.response_length,
+                           backend=backend)
+    return model.to(device).train()
+
+
+def _memory(steps: dict, model, device) -> dict:
+    """name -> (peak bytes, peak bytes above what was allocated when the step began, with no
+    gradients held)."""
+    out = {}
+    for name, step in steps.items():
+        if device.type != "cuda":
+            out[name] = (None, None)
+            continue
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        out[name] = (peak, peak - base)
+    return out
+
+
+def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> dict:
+    from .measure import check_agreement, count_flops, peak_saved_bytes, time_round_robin
+    from .report import workload_result
+    from .schedules import step_functions
+    from .workloads import attach_old_logprobs, build_model, make_group, objective
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = _build(wl, spec, backend, device)  # fp32 for the agreement check
+    group = attach_old_logprobs(model, make_group(wl, 0, device), 0)
+    steps = step_functions(model, group, objective(), wl.wave_size)
+    agreement = check_agreement(steps, model, tolerance=tolerance)
+    model.to(torch.bfloat16)
+    if backend == "local":
+        flops = {n: count_flops(s) for n, s in steps.items()}
+    else:  # TE kernels are invisible to FlopCounterMode: count a local-spec twin (same math)
+        twin = build_model(wl, use_cpu_initialization=device.type == "cpu")
+        twin = twin.to(device=device, dtype=torch.bfloat16)
+        flops = {n: count_flops(s) for n, s in
+                 step_functions(twin, group, objective(), wl.wave_size).items()}
+        del twin
+    saved = {n: peak_saved_bytes(s, model) for n, s in steps.items()}
+    memory = _memory(steps, model, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    times = time_round_robin(steps, wl.repetitions, warmup=warmup, sync=sync)
+    result = workload_result(wl, flops, saved, times, agreement)
+    for name, (peak, above) in memory.items():
+        result["schedules"][name].update(peak_memory_bytes=peak, peak_memory_above_base_bytes=above)
+    for key, num in (("naive_over_joint", "naive"), ("tree_over_joint", "tree")):
+        above = [memory[n][1] for n in (num, "joint")]
+        result[key]["memory"] = None if None in above else above[0] / above[1]
+    result["bench_seconds"] = time.perf_counter() - t0
+    log(f"[{wl.name}] {result['bench_seconds']:.0f}s naive/joint "
+        + " ".join(f"{k} {_f(v)}" for k, v in result["naive_over_joint"].items()))
+    return result
+
+
+def _f(x):
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _mib(b):
+    return "n/a" if b is None else f"{b / 2**20:.0f}"
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | schedule | resp. tokens/s | wall ms | peak mem MiB | above base MiB "
+             "| saved MiB | GFLOP |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        for sched, s in r["schedules"].items():
+            gflop = "n/a" if s["flops"] is None else f"{s['flops'] / 1e9:.0f}"
+            lines.append(f"| {name} | {sched} | {s['tokens_per_s']:.0f} | {1e3 * s['wall_s']:.1f} "
+                         f"| {_mib(s['peak_memory_bytes'])} "
+                         f"| {_mib(s['peak_memory_above_base_bytes'])} "
+                         f"| {_mib(s['saved_bytes'])} | {gflop} |")
+    lines += ["", "| workload | ratio | flops | saved bytes | memory | wall |",
+              "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        for key in ("naive_over_joint", "tree_over_joint"):
+            x = r[key]
+            lines.append(f"| {name} | {key} | {_f(x['flops'])} | {_f(x['saved_bytes'])} "
+                         f"| {_f(x['memory'])} | {_f(x['wall'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("benchmarks.gpu needs a CUDA GPU (use --dry-run to exercise it on CPU)",
+              file=sys.stderr)
+        return 1
+    for category in (UserWarning, DeprecationWarning, FutureWarning):  # MCore's import notes
+        warnings.filterwarnings("ignore", category=category)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny ops: one thread is faster on a shared CPU
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 agreement check is exact
+        torch.backends.cudnn.allow_tf32 = False
+    from scalerlt_mcore.testing import model_parallel_context
+
+    from .measure import AgreementError
+
+    t0 = time.perf_counter()
+    results = {}
+    with model_parallel_context(seed=0):
+        spec, backend, spec_note = choose_spec(args.spec)
+        print(f"layer spec: {spec_note}", flush=True)
+        for wl in workloads(args):
+            try:
+                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
+                                               args.warmup)
+            except AgreementError as err:
+                print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
+                      file=sys.stderr)
+                return 2
+            except Exception as err:  # the TE path is untested here: fall back to local
+                if backend != "te" or args.spec == "te":
+                    raise
+                spec, backend, _ = choose_spec("local")
+                spec_note = f"local layer spec + PyTorch SDPA (TE spec failed: {err!r})"
+                print(f"layer spec: {spec_note}", flush=True)
+                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
+                                               args.warmup)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "dtype": "bfloat16 (agreement checked in float32)",
+            "layer_spec": spec_note, "bench_seconds": time.perf_counter() - t0,
+            "notes": ["tokens/s counts trained response tokens (G * S per step)",
+                      "memory ratios use the peak above the memory held when the step began",
+                      "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square); "
+                      "with TE, counted on a local-spec twin of the same model"]}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, **results}, f, indent=1)
+    print(table(results))
+    print(f"\nwhole GPU benchmark: {meta['bench_seconds']:.0f} s; results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

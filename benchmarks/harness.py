@@ -1,0 +1,31 @@
+"""One workload end to end: build, check agreement with naive, count, probe, time."""
+
+import time
+
+import torch
+
+from .measure import check_agreement, count_flops, peak_saved_bytes, time_round_robin
+from .report import workload_result
+from .schedules import step_functions
+from .workloads import attach_old_logprobs, build_model, make_group, objective
+
+
+def run_workload(wl, seed: int = 0, log=print) -> dict:
+    """CPU fp32: agreement (aborts on mismatch), FLOPs, saved bytes, round-robin wall time."""
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = build_model(wl)
+    group = attach_old_logprobs(model, make_group(wl, seed), seed)
+    steps = step_functions(model, group, objective(), wl.wave_size)
+    agreement = check_agreement(steps, model)  # raises AgreementError: nothing is timed
+    counted = {n: count_flops(s) for n, s in steps.items()}
+    saved = {n: peak_saved_bytes(s, model) for n, s in steps.items()}
+    times = time_round_robin(steps, wl.repetitions)
+    result = workload_result(wl, counted, saved, times, agreement)
+    result["bench_seconds"] = time.perf_counter() - t0
+    nj = result["naive_over_joint"]
+    log(f"[{wl.name}] {result['bench_seconds']:.0f}s  naive/joint flops "
+        f"{nj['flops'] or float('nan'):.2f} saved {nj['saved_bytes']:.2f} wall {nj['wall']:.2f}"
+        f"  | max rel err {max((e['grad'] for e in agreement.values()), default=0):.1e}",
+        flush=True)
+    return result

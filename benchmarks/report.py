@@ -1,0 +1,214 @@
+"""Assemble per-workload results, check the targets, write JSON / markdown / PNG."""
+
+import json
+import os
+
+from .measure import median, prefix_state_bytes, theory
+
+# (workload, figure, minimum) from the benchmark brief: naive / joint replay on CPU.
+TARGETS = (
+    ("A", "naive_over_joint.flops", 3.0), ("A", "naive_over_joint.flops_causal", 3.0),
+    ("A", "naive_over_joint.saved_bytes", 5.0), ("A", "naive_over_joint.wall", 3.0),
+    ("B", "naive_over_joint.flops", 5.4), ("B", "naive_over_joint.flops_causal", 5.4),
+    ("B", "naive_over_joint.saved_bytes", 7.0), ("B", "naive_over_joint.wall", 4.5),
+)
+JOINT_OVER_TREE_FLOPS_MAX = 1.15
+
+
+def _div(a, b):
+    return None if a is None or b is None else a / b
+
+
+def _ratios(num: dict, den: dict) -> dict:
+    return {"flops": _div(num["flops"], den["flops"]),
+            "flops_causal": _div(num["flops_causal"], den["flops_causal"]),
+            "saved_bytes": num["saved_bytes"] / den["saved_bytes"],
+            "wall": num["wall_s"] / den["wall_s"]}
+
+
+def workload_result(wl, flops: dict, saved: dict, times: dict, agreement: dict) -> dict:
+    """The JSON object of one workload: raw figures of every schedule, the ratios, theory."""
+    th = theory(wl)
+    schedules = {
+        name: {"flops": flops.get(name, {}).get("dense"),
+               "flops_causal": flops.get(name, {}).get("causal"), "saved_bytes": saved[name],
+               "wall_s": median(times[name]), "wall_all_s": times[name],
+               "tokens_per_s": wl.group_size * wl.response_length / median(times[name]),
+               "theory_work": th["work"][name], "theory_held_tokens": th["held_tokens"][name]}
+        for name in times
+    }
+    naive, tree, joint = schedules["naive"], schedules["tree"], schedules["joint"]
+    work = th["work"]
+    out = {
+        "workload": wl.describe(),
+        "schedules": schedules,
+        "naive_over_joint": _ratios(naive, joint),
+        "tree_over_joint": _ratios(tree, joint),
+        "joint_ckpt_over_joint": _ratios(schedules["joint_ckpt"], joint),
+        "cascade_vs_concat": {"concat_over_cascade": _ratios(schedules["joint_concat"], joint)},
+        "joint_over_tree_flops": _div(joint["flops"], tree["flops"]),
+        "joint_over_tree_flops_causal": _div(joint["flops_causal"], tree["flops_causal"]),
+        "theory": {
+            "naive_over_joint_work": work["naive"] / work["joint"],
+            "tree_over_joint_work": work["tree"] / work["joint"],
+            "naive_over_tree_work": work["naive"] / work["tree"],
+            "joint_ckpt_over_joint_work": work["joint_ckpt"] / work["joint"],
+            "naive_over_joint_held_tokens": th["held_tokens"]["naive"] / th["held_tokens"]["joint"],
+            "tree_over_joint_held_tokens": th["held_tokens"]["tree"] / th["held_tokens"]["joint"],
+        },
+        "joint_prefix_adjoint_bytes": prefix_state_bytes(wl),
+        "agreement_max_rel_err": agreement,
+    }
+    return out
+
+
+def _get(result: dict, dotted: str):
+    for part in dotted.split("."):
+        result = result[part]
+    return result
+
+
+def check_targets(results: dict) -> list:
+    """[{workload, figure, measured, target, ok}] for the brief's targets present in results."""
+    rows = []
+    for name, figure, minimum in TARGETS:
+        if name in results:
+            value = _get(results[name], figure)
+            rows.append({"workload": name, "figure": f"{figure} >=", "measured": value,
+                         "target": minimum, "ok": value is not None and value >= minimum})
+    for name, res in results.items():
+        for key in ("joint_over_tree_flops", "joint_over_tree_flops_causal"):
+            value = res.get(key)
+            if name in ("A", "B") and value is not None:
+                rows.append({"workload": name, "figure": f"{key} <=", "measured": value,
+                             "target": JOINT_OVER_TREE_FLOPS_MAX,
+                             "ok": value <= JOINT_OVER_TREE_FLOPS_MAX})
+    return rows
+
+
+def write_json(path: str, results: dict, meta: dict) -> dict:
+    doc = {"meta": meta, **results}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+    return doc
+
+
+def _fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(results: dict) -> str:
+    """One row per workload: naive/joint and tree/joint (measured, theory), cascade vs concat.
+    FLOPs: PyTorch's counter convention, then the causal-aware count in brackets."""
+    head = ("| workload | G | P | S | W | naive/joint FLOPs [causal] (theory) | saved | wall "
+            "| tree/joint FLOPs [causal] (theory) | saved | wall | joint/tree FLOPs [causal] "
+            "| ckpt/joint wall | concat/cascade saved | wall |")
+    lines = [head, "|" + "---|" * 15]
+    for name, r in results.items():
+        w, nj, tj, th = r["workload"], r["naive_over_joint"], r["tree_over_joint"], r["theory"]
+        cc = r["cascade_vs_concat"]["concat_over_cascade"]
+        lines.append(
+            f"| {name} | {w['group_size']} | {w['prompt_length']} | {w['response_length']} "
+            f"| {w['wave_size']} | {_fmt(nj['flops'])} [{_fmt(nj['flops_causal'])}] "
+            f"({_fmt(th['naive_over_joint_work'])}) "
+            f"| {_fmt(nj['saved_bytes'])} | {_fmt(nj['wall'])} "
+            f"| {_fmt(tj['flops'])} [{_fmt(tj['flops_causal'])}] "
+            f"({_fmt(th['tree_over_joint_work'])}) "
+            f"| {_fmt(tj['saved_bytes'])} | {_fmt(tj['wall'])} "
+            f"| {_fmt(r['joint_over_tree_flops'])} [{_fmt(r['joint_over_tree_flops_causal'])}] "
+            f"| {_fmt(r['joint_ckpt_over_joint']['wall'])} "
+            f"| {_fmt(cc['saved_bytes'])} | {_fmt(cc['wall'])} |")
+    return "\n".join(lines)
+
+
+def raw_table(results: dict) -> str:
+    """Raw figures of every schedule of every workload."""
+    lines = ["| workload | schedule | GFLOP [causal] | saved MiB | wall s (median) "
+             "| response tokens/s |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        for sched, s in r["schedules"].items():
+            gf = [None if s[k] is None else s[k] / 1e9 for k in ("flops", "flops_causal")]
+            lines.append(f"| {name} | {sched} | {_fmt(gf[0], 1)} [{_fmt(gf[1], 1)}] "
+                         f"| {_fmt(s['saved_bytes'] / 2**20, 1)} | {_fmt(s['wall_s'], 3)} "
+                         f"| {_fmt(s['tokens_per_s'], 0)} |")
+    return "\n".join(lines)
+
+
+def targets_table(rows: list) -> str:
+    lines = ["| workload | figure | target | measured | met |", "|---|---|---|---|---|"]
+    for t in rows:
+        lines.append(f"| {t['workload']} | {t['figure']} | {t['target']} "
+                     f"| {_fmt(t['measured'])} | {'yes' if t['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, results: dict, targets: list, preamble: str) -> str:
+    text = "\n\n".join([preamble, "## Ratios (higher = joint replay better)",
+                        markdown_table(results), "## Targets", targets_table(targets),
+                        "## Raw figures", raw_table(results)]) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+def plot(path: str, results: dict, title: str) -> None:
+    """Headline workloads as bars (measured vs theory); the sweep as ratio-vs-G lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
+    _plot_bars(axes[0], {n: r for n, r in results.items() if not n.startswith("sweep_")})
+    sweep = {n: r for n, r in results.items() if n.startswith("sweep_")}
+    for ax, key in zip(axes[1:], ("flops", "saved_bytes", "wall")):
+        _plot_sweep(ax, sweep, key)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+_BAR_SERIES = (("flops", "FLOPs"), ("flops_causal", "FLOPs (causal count)"),
+               ("saved_bytes", "saved bytes"), ("wall", "wall time"))
+
+
+def _plot_bars(ax, results):
+    groups = [(n, key) for n in results for key in ("naive_over_joint", "tree_over_joint")]
+    width = 0.8 / len(_BAR_SERIES)
+    for i, (fig_key, label) in enumerate(_BAR_SERIES):
+        xs = [j + (i - 1.5) * width for j in range(len(groups))]
+        ax.bar(xs, [results[n][key][fig_key] or 0 for n, key in groups], width, label=label)
+    for j, (n, key) in enumerate(groups):
+        th = results[n]["theory"][f"{key}_work"]
+        ax.plot([j - 0.4, j + 0.4], [th, th], "k--", lw=1)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xticks(range(len(groups)), [f"{n}\n{key.replace('_over_', '/')}" for n, key in groups])
+    ax.set_ylabel("ratio (> 1: joint replay better); dashed: DESIGN.md work ratio")
+    ax.legend(fontsize=8)
+    ax.set_title("headline workloads")
+
+
+def _plot_sweep(ax, sweep, key):
+    by_ratio = {}
+    for r in sweep.values():
+        w = r["workload"]
+        by_ratio.setdefault(w["prompt_length"] // w["response_length"], []).append(
+            (w["group_size"], r))
+    for ratio, pts in sorted(by_ratio.items()):
+        pts.sort(key=lambda p: p[0])
+        gs = [g for g, _ in pts]
+        line, = ax.plot(gs, [r["naive_over_joint"][key] or 0 for _, r in pts], "o-",
+                        label=f"naive/joint, P:S = {ratio}")
+        if key == "flops":
+            ax.plot(gs, [r["theory"]["naive_over_joint_work"] for _, r in pts], "--",
+                    color=line.get_color(), lw=1)
+        ax.plot(gs, [r["tree_over_joint"][key] or 0 for _, r in pts], "s:",
+                color=line.get_color(), label=f"tree/joint, P:S = {ratio}")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("G (responses per prompt)")
+    ax.set_ylabel(f"{key} ratio" + (" (dashed: DESIGN.md work ratio)" if key == "flops" else ""))
+    ax.set_title(f"sweep: {key}")
+    ax.legend(fontsize=7)

@@ -1,0 +1,129 @@
+"""CPU benchmark: naive vs packed tree mask vs joint replay, one process, same model and data.
+
+``python -m benchmarks.run [--only A,B] [--no-sweep] [--out benchmarks/results]``
+Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
+schedule's loss or gradients differ from naive training's by more than 1e-5 (fp32, relative
+to each tensor's max).
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+import warnings
+
+import torch
+
+from .workloads import Workload
+
+HEADLINE = (
+    Workload("A", group_size=8, prompt_length=512, response_length=128, wave_size=2,
+             repetitions=7),
+    Workload("B", group_size=16, prompt_length=512, response_length=64, wave_size=4,
+             repetitions=7),
+)
+SWEEP_RESPONSE, SWEEP_HIDDEN, SWEEP_REPS = 32, 128, 3
+
+
+def sweep_workloads() -> list:
+    """G in {2, 4, 8, 16} x prompt:response in {1, 4, 8}, small so that it is fast."""
+    out = []
+    for ratio in (1, 4, 8):
+        for G in (2, 4, 8, 16):
+            out.append(Workload(f"sweep_G{G}_r{ratio}", group_size=G,
+                                prompt_length=ratio * SWEEP_RESPONSE,
+                                response_length=SWEEP_RESPONSE, wave_size=max(1, G // 4),
+                                hidden=SWEEP_HIDDEN, heads=2, repetitions=SWEEP_REPS))
+    return out
+
+
+NOTES = [
+    "Model: looped GPT (local MCore layer spec, fp32), no prelude/coda, learned absolute "
+    "positions; A/B hidden 256, 4 heads (head dim 64), 2 core layers x 4 loops; sweep hidden "
+    "128, 2 heads, response 32.",
+    "Vocabulary 64 on purpose, so the readout (every loop reads out) does not dominate the "
+    "layer work; with a real vocabulary the readout adds the same per-token cost to every "
+    "schedule's response tokens, and naive also reads out every prompt position G times.",
+    "Loss: PPO-clipped, token-mean over the whole group, progressive loop credit (all R "
+    "readouts train); old log-probs = current policy + N(0, 0.05) noise.",
+    "FLOPs: torch.utils.flop_counter.FlopCounterMode over one step (forward + backward). "
+    "PyTorch has no formula for the CPU SDPA kernel; the benchmark adds one that counts the "
+    "(query, key) pairs the kernel computes: the causal triangle for is_causal, the full "
+    "square under an explicit mask (tree). Joint replay counts the no-grad prompt forward.",
+    "Saved bytes: SavedTensorProbe peak (autograd-saved tensors, parameters excluded). The "
+    "probe does not see activations recomputed in backward, so joint_ckpt's figure is a lower "
+    "bound; joint replay's prefix adjoints (gradients, not saved tensors) are reported apart "
+    "as joint_prefix_adjoint_bytes.",
+    "Wall: median of the timed repetitions after one warm-up; all schedules of a workload "
+    "interleaved round-robin in one process.",
+    "Theory: DESIGN.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
+    "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), tree "
+    "P+GS, joint P+WS (prompt replay + one wave).",
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated workload names")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    for category in (UserWarning, DeprecationWarning, FutureWarning):  # MCore's import notes
+        warnings.filterwarnings("ignore", category=category)
+    from scalerlt_mcore.testing import model_parallel_context
+
+    from .harness import run_workload
+    from .measure import AgreementError
+
+    workloads = list(HEADLINE) + ([] if args.no_sweep else sweep_workloads())
+    if args.only:
+        keep = set(args.only.split(","))
+        workloads = [w for w in workloads if w.name in keep]
+    results = {}
+    with model_parallel_context(seed=args.seed):
+        for wl in workloads:
+            try:
+                results[wl.name] = run_workload(wl, seed=args.seed)
+            except AgreementError as err:
+                print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
+                      file=sys.stderr)
+                return 2
+    total = time.perf_counter() - t0
+    return _write(args.out, results, total)
+
+
+def _write(out: str, results: dict, total: float) -> int:
+    from .measure import TOLERANCE
+    from .report import (
+        check_targets,
+        markdown_table,
+        plot,
+        targets_table,
+        write_json,
+        write_markdown,
+    )
+
+    meta = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "notes": NOTES}
+    targets = check_targets(results)
+    meta["targets"] = targets
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "cpu.json"), results, meta)
+    preamble = (f"# CPU benchmark: naive vs packed tree mask vs joint replay\n\n"
+                f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
+                f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in NOTES))
+    write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble)
+    plot(os.path.join(out, "cpu.png"), results, "CPU: naive / joint replay")
+    print(markdown_table(results))
+    print()
+    print(targets_table(targets))
+    print(f"\nwhole benchmark: {total:.0f} s; results in {out}/cpu.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The training schedules under comparison, each one full step (forward + backward) of one
+GRPO group that leaves the parameter gradients in ``p.grad`` and returns the group loss.
+
+- ``naive``: every response a full prompt+response sequence, all G in one microbatch through
+  stock MCore ``get_forward_backward_func()``;
+- ``tree``: prompt + G responses packed into one sequence of P + G*S tokens with a prefix-tree
+  attention mask and position ids restarting at P for every response (verl / OpenPipe ART);
+- ``joint`` / ``joint_ckpt`` / ``joint_concat``: shared-prefix joint replay with cascade prefix
+  attention, the same with per-wave checkpointing, and with the prefix K/V concatenated per
+  response instead (``looped_prefix_attention='concat'``).
+"""
+
+import contextlib
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from scalerlt_mcore.model.looped_gpt import token_logprobs
+from scalerlt_mcore.shared_prefix import (
+    RLObjective,
+    SharedPrefixGroup,
+    get_shared_prefix_forward_backward_func,
+)
+
+SCHEDULES = ("naive", "tree", "joint", "joint_ckpt", "joint_concat")
+
+
+# ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
+
+def _naive_loss_func(objective, batch, logprobs):
+    loss, _ = objective.loss(logprobs, batch["old_logprobs"], batch["advantages"],
+                             batch["weights"])
+    return loss, {"loss": loss.detach()}
+
+
+def _naive_forward_step(objective, data_iterator, model):
+    batch = next(data_iterator)
+    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, G, T]
+    return logprobs, partial(_naive_loss_func, objective, batch)
+
+
+def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int):
+    """Token weights come from the whole group, as in joint replay (same loss number)."""
+    batch = {"tokens": group.tokens, "labels": group.labels,
+             "weights": objective.token_weights(group.loss_mask),
+             "advantages": group.advantages, "old_logprobs": group.old_logprobs}
+    G, T = group.tokens.shape
+    out = get_forward_backward_func()(
+        forward_step_func=partial(_naive_forward_step, objective),
+        data_iterator=iter([batch]), model=[model], num_microbatches=1, seq_length=T,
+        micro_batch_size=G,
+    )
+    return out[0]["loss"]
+
+
+# ---- packed tree mask: one sequence, prefix once, each response sees prompt + itself --------
+
+def tree_inputs(group: SharedPrefixGroup) -> dict:
+    """Packed tokens [1, L], position ids [1, L], MCore mask [1, 1, L, L] (True = masked), and
+    for every response the packed positions [G, S + 1] that predict labels[:, P - 1:]."""
+    P, (G, T) = group.prompt_length, group.tokens.shape
+    S, dev = T - P, group.tokens.device
+    tokens = torch.cat([group.tokens[0, :P], group.tokens[:, P:].reshape(-1)])[None]  # [1, L]
+    offsets = torch.arange(S, device=dev)
+    positions = torch.cat([torch.arange(P, device=dev), (P + offsets).repeat(G)])[None]
+    segment = torch.cat([torch.full((P,), -1, device=dev),
+                         torch.arange(G, device=dev).repeat_interleave(S)])  # [L]: -1 = prompt
+    L = segment.shape[0]
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    same = (segment[None, :] == -1) | (segment[None, :] == segment[:, None])  # key visible
+    mask = ~(causal & same)[None, None]  # [1, 1, L, L]
+    starts = P + S * torch.arange(G, device=dev)  # packed index of each response's token 0
+    index = torch.empty(G, S + 1, dtype=torch.long, device=dev)
+    index[:, 0] = P - 1  # the first response token is predicted from the last prompt position
+    index[:, 1:] = starts[:, None] + offsets[None, :]  # token j >= 1 from response token j - 1
+    return {"tokens": tokens, "positions": positions, "mask": mask, "index": index}
+
+
+def tree_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
+              packed=None):
+    packed = packed if packed is not None else tree_inputs(group)
+    P, R = group.prompt_length, model.config.looped_num_loops
+    out = model(packed["tokens"], position_ids=packed["positions"],
+                attention_mask=packed["mask"])
+    logits = torch.stack(out.logits)[:, 0]  # [R, L, V]
+    G, S1 = packed["index"].shape
+    picked = logits[:, packed["index"].reshape(-1)]  # [R, G * (S + 1), V]
+    labels = group.labels[:, P - 1 :].reshape(1, -1).expand(R, -1)  # [R, G * (S + 1)]
+    logprobs = token_logprobs(picked, labels).reshape(R, G, S1)  # [R, G, S + 1]
+    weights = objective.token_weights(group.loss_mask)[:, P - 1 :]
+    loss, _ = objective.loss(logprobs, group.old_logprobs[:, :, P - 1 :], group.advantages,
+                             weights)
+    loss.backward()
+    return loss.detach()
+
+
+# ---- shared-prefix joint replay ------------------------------------------------------------
+
+@contextlib.contextmanager
+def prefix_attention(model, mode: str):
+    """Temporarily switch ``looped_prefix_attention`` of the (shared) model config."""
+    old = model.config.looped_prefix_attention
+    model.config.looped_prefix_attention = mode
+    try:
+        yield
+    finally:
+        model.config.looped_prefix_attention = old
+
+
+def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
+               checkpoint_waves: bool = False, attention: str = "cascade"):
+    schedule = get_shared_prefix_forward_backward_func(objective, wave_size,
+                                                       checkpoint_waves=checkpoint_waves)
+    with prefix_attention(model, attention):
+        out = schedule(forward_step_func=None, data_iterator=iter([group]), model=model,
+                       num_microbatches=1, seq_length=0, micro_batch_size=1)
+    return out[0]["loss"].detach()
+
+
+def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
+                   wave_size: int) -> dict:
+    """name -> zero-argument callable running one full training step (grads zeroed first)."""
+    packed = tree_inputs(group)
+    raw = {
+        "naive": partial(naive_step, model, group, objective, wave_size),
+        "tree": partial(tree_step, model, group, objective, wave_size, packed=packed),
+        "joint": partial(joint_step, model, group, objective, wave_size),
+        "joint_ckpt": partial(joint_step, model, group, objective, wave_size,
+                              checkpoint_waves=True),
+        "joint_concat": partial(joint_step, model, group, objective, wave_size,
+                                attention="concat"),
+    }
+
+    def zeroed(fn):
+        def step():
+            model.zero_grad(set_to_none=True)
+            return fn()
+        return step
+
+    return {name: zeroed(raw[name]) for name in SCHEDULES}

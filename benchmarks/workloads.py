@@ -1,0 +1,105 @@
+"""Benchmark workloads: the model configuration and one synthetic GRPO group per workload."""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Megatron-Core is imported inside the functions below, so that the workload definitions
+# (and ``--help`` of the entry points) load without it.
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One group of G responses of length S after a prompt of length P, and the model."""
+
+    name: str
+    group_size: int  # G
+    prompt_length: int  # P
+    response_length: int  # S
+    wave_size: int  # W
+    num_loops: int = 4  # R
+    core_layers: int = 2  # L_core
+    hidden: int = 256
+    heads: int = 4
+    vocab: int = 64  # small on purpose: the readout must not dominate the layer work
+    repetitions: int = 5  # timed repetitions per schedule (after one warm-up)
+    full_length: bool = True  # every response exactly S tokens (else random lengths <= S)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def build_config(wl: Workload, **overrides):
+    """Looped GPT config: no prelude/coda, ``looped_num_loops`` = R, dropout 0."""
+    from scalerlt_mcore.config import LoopedTransformerConfig
+
+    kwargs = dict(num_layers=wl.core_layers, hidden_size=wl.hidden,
+                  num_attention_heads=wl.heads, use_cpu_initialization=True,
+                  looped_num_loops=wl.num_loops, looped_prefix_attention="cascade")
+    kwargs.update(overrides)
+    return LoopedTransformerConfig(**kwargs)
+
+
+def build_model(wl: Workload, layer_spec=None, **config_overrides):
+    """The benchmark model (local layer spec unless one is given), in train mode."""
+    from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+
+    spec = layer_spec if layer_spec is not None else get_looped_gpt_layer_local_spec()
+    config = build_config(wl, **config_overrides)
+    max_len = wl.prompt_length + wl.response_length
+    model = LoopedGPTModel(config, spec, wl.vocab, max_len)
+    return model.train()
+
+
+def objective():
+    """Token-mean PPO over all-loop readouts with progressive loop credit (every loop trains)."""
+    from scalerlt_mcore.shared_prefix import RLObjective
+
+    return RLObjective(normalization="token_mean", loop_weights="progressive")
+
+
+def make_group(wl: Workload, seed: int = 0, device=None):
+    """A group with random tokens; old log-probs are filled in by ``attach_old_logprobs``."""
+    from scalerlt_mcore.shared_prefix import SharedPrefixGroup
+
+    gen = torch.Generator().manual_seed(seed)
+    G, P, S, V = wl.group_size, wl.prompt_length, wl.response_length, wl.vocab
+    T = P + S
+    prompt = torch.randint(1, V, (P,), generator=gen)
+    if wl.full_length:
+        lens = torch.full((G,), S)
+    else:
+        lens = torch.randint(1, S + 1, (G,), generator=gen)
+        lens[0] = S
+    tokens = torch.zeros(G, T, dtype=torch.long)  # [G, T]: prompt, response, right padding
+    tokens[:, :P] = prompt
+    mask = torch.zeros(G, T)
+    for i, n in enumerate(lens.tolist()):
+        tokens[i, P : P + n] = torch.randint(1, V, (n,), generator=gen)
+        mask[i, P - 1 : P - 1 + n] = 1.0  # position t predicts token t + 1
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    advantages = torch.randn(G, generator=gen)
+    old = torch.zeros(wl.num_loops, G, T)  # [R, G, T], placeholder
+    group = SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
+                              advantages=advantages, old_logprobs=old)
+    return to_device(group, device)
+
+
+@torch.no_grad()
+def attach_old_logprobs(model, group, seed: int = 0, noise: float = 0.05):
+    """Behaviour log-probs near the current policy's (ratios near 1, few clipped tokens), so
+    that every token contributes gradient: a plain forward of every full sequence + noise."""
+    lp = model(group.tokens, labels=group.labels).logprobs.float()  # [R, G, T]
+    gen = torch.Generator().manual_seed(seed + 1)
+    lp = lp + noise * torch.randn(lp.shape, generator=gen).to(lp.device)
+    group.old_logprobs = lp * (group.loss_mask > 0)
+    return group
+
+
+def to_device(group, device):
+    if device is None:
+        return group
+    for name in ("tokens", "labels", "loss_mask", "advantages", "old_logprobs"):
+        setattr(group, name, getattr(group, name).to(device))
+    return group

@@ -1,0 +1,126 @@
+"""The benchmark harness (benchmarks/): schedules agree with naive training on a tiny
+workload, a wrong schedule aborts, the FLOP formula for the CPU SDPA kernel, the JSON /
+markdown / PNG writers, and that the GPU script imports and answers --help on CPU."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `pytest` without `python -m`: the repo root holds benchmarks/
+    sys.path.insert(0, ROOT)
+
+from benchmarks import gpu  # noqa: E402
+from benchmarks.harness import run_workload  # noqa: E402
+from benchmarks.measure import AgreementError, check_agreement, count_flops  # noqa: E402
+from benchmarks.report import check_targets, plot, write_json, write_markdown  # noqa: E402
+from benchmarks.schedules import SCHEDULES, step_functions  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    Workload,
+    attach_old_logprobs,
+    build_model,
+    make_group,
+    objective,
+)
+
+TINY = Workload("A", group_size=5, prompt_length=12, response_length=6, wave_size=2,
+                num_loops=2, hidden=32, heads=4, repetitions=1, full_length=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _steps(wl=TINY):
+    torch.manual_seed(0)
+    model = build_model(wl)
+    group = attach_old_logprobs(model, make_group(wl, seed=1), seed=1)
+    return model, step_functions(model, group, objective(), wl.wave_size)
+
+
+def test_schedules_agree_with_naive(mcore_single):
+    model, steps = _steps()
+    assert tuple(steps) == SCHEDULES
+    errors = check_agreement(steps, model)
+    assert set(errors) == set(SCHEDULES) - {"naive"}
+    for name, err in errors.items():
+        assert err["loss"] <= 1e-5 and err["grad"] <= 1e-5, (name, err)
+
+
+def test_disagreeing_schedule_aborts(mcore_single):
+    model, steps = _steps()
+    joint = steps["joint"]
+
+    def skewed():  # a schedule whose gradients are 1% off
+        loss = joint()
+        for p in model.parameters():
+            p.grad.mul_(1.01)
+        return loss
+
+    steps["joint"] = skewed
+    with pytest.raises(AgreementError, match="joint disagrees with naive"):
+        check_agreement(steps, model)
+
+
+def test_cpu_sdpa_flops_dense_and_causal():
+    q, k, v = (torch.randn(1, 1, 4, 2, requires_grad=True) for _ in range(3))
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    flops = count_flops(step)
+    per_pair = 2 * 2 * 2  # QK^T and PV, head dim 2
+    assert flops["dense"] == 3 * per_pair * 16  # forward + backward (2x), full 4x4 square
+    assert flops["causal"] == 3 * per_pair * 10  # the causal triangle: 1 + 2 + 3 + 4 pairs
+
+
+def test_writers_produce_required_keys(mcore_single, tmp_path):
+    sweep = dataclasses.replace(TINY, name="sweep_G4_r2", group_size=4, prompt_length=12,
+                                full_length=True)
+    results = {wl.name: run_workload(wl, log=lambda *a, **k: None) for wl in (TINY, sweep)}
+    targets = check_targets(results)
+    doc = write_json(str(tmp_path / "cpu.json"), results, {"targets": targets})
+    loaded = json.loads((tmp_path / "cpu.json").read_text())
+    assert loaded.keys() == doc.keys() == {"meta", "A", "sweep_G4_r2"}
+    for name in ("A", "sweep_G4_r2"):
+        r = loaded[name]
+        for key in ("naive_over_joint", "tree_over_joint"):
+            for fig in ("flops", "saved_bytes", "wall"):
+                assert isinstance(r[key][fig], float) and r[key][fig] > 0, (name, key, fig)
+        assert set(r["schedules"]) == set(SCHEDULES)
+        for s in r["schedules"].values():
+            assert s["flops"] > 0 and s["saved_bytes"] > 0 and s["wall_s"] > 0
+        assert set(r["cascade_vs_concat"]["concat_over_cascade"]) >= {"saved_bytes", "wall"}
+        assert r["theory"]["naive_over_joint_work"] > 1
+    assert {t["workload"] for t in targets} == {"A"}
+    md = write_markdown(str(tmp_path / "cpu.md"), results, targets, "# test")
+    assert "sweep_G4_r2" in md and "| A |" in md
+    plot(str(tmp_path / "cpu.png"), results, "test")
+    assert (tmp_path / "cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse_args(["--help"])
+    assert exit_.value.code == 0 and "--dry-run" in capsys.readouterr().out
+    assert gpu.parse_args([]).hidden == 1024
+    if torch.cuda.is_available():
+        return
+    assert gpu.main([]) == 1  # refuses to run without a GPU unless --dry-run
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--only", "A",
+                          "--reps", "1", "--warmup", "0", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())["A"]
+    assert set(result["schedules"]) == set(SCHEDULES)
+    assert result["naive_over_joint"]["flops"] > 1
