@@ -100,7 +100,8 @@ def wrap_for_training(cfg, config, model):
         clip_grad=t.clip_grad, bf16=cfg.model.bf16, fp16=cfg.model.fp16,
         params_dtype=config.params_dtype, use_distributed_optimizer=t.use_distributed_optimizer,
     ), [ddp])
-    steps = max(t.lr_warmup_iters + 1, t.train_iters * cfg.rl.rl_ppo_epochs)
+    sft = min(cfg.rl.rl_warmup_sft_steps, t.train_iters)  # one optimizer step per warm-up step
+    steps = max(t.lr_warmup_iters + 1, sft + (t.train_iters - sft) * cfg.rl.rl_ppo_epochs)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
         lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=steps, lr_decay_style="cosine",

@@ -100,12 +100,14 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
         if step < sft:
             m = trainer.sft_step(step)
             log.log({"kind": "sft", "step": step, **m})
+            if rank0 and step % cfg.logging.log_interval == 0:
+                tqdm.write(f"warm-up step {step:4d} | answer NLL {m['loss']:.4f}")
         else:
             m = trainer.rl_step(step)
             log.log({"kind": "train", "step": step, **m})
             if rank0 and step % cfg.logging.log_interval == 0:
                 tqdm.write(_line(step, m))
-        if cfg.rl.rl_eval_every and (step + 1) % cfg.rl.rl_eval_every == 0:
+        if cfg.rl.rl_eval_every and (step + 1) % cfg.rl.rl_eval_every == 0 and step + 1 < total:
             _eval(trainer, log, step + 1, rank0)
         if _maybe_save(cfg, trainer, step + 1, stop.requested):
             saved = step + 1

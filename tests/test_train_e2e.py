@@ -204,7 +204,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, two_rank_job):
 
 # ---- 2. joint replay vs naive training ------------------------------------------------------
 
-JN_ITERS = 7  # 2 warm-up + 5 RL steps; 2 PPO epochs: 14 optimizer steps
+JN_ITERS = 7  # 2 warm-up steps (one optimizer step each) + 5 RL steps x 2 PPO epochs
 BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # the trainer's defaults (asserted below)
 # Reduced gradients at equal parameters (naive C at joint replay A's parameters), every
 # optimizer step: max |g_A - g_C| <= GRAD_RTOL * max |g_C|. The schedules sum the same
@@ -317,7 +317,8 @@ def test_joint_replay_and_naive_training_agree(mcore_single):
     for ra, rb in zip(*rec["rollouts"].values()):
         assert torch.equal(ra.responses, rb.responses) and torch.equal(ra.lengths, rb.lengths)
     assert len(rec["rollouts"]["A"]) == JN_ITERS - SFT
-    assert len(rec["grad_err"]) == len(rec["lr"]) == JN_ITERS * TINY["rl_ppo_epochs"]
+    rl_steps = (JN_ITERS - SFT) * TINY["rl_ppo_epochs"]
+    assert len(rec["grad_err"]) == rl_steps and len(rec["lr"]) == SFT + rl_steps
     assert max(rec["grad_err"]) <= GRAD_RTOL, f"grad rel errors per step {rec['grad_err']}"
     assert max(rec["loss_err"]) <= LOSS_ATOL, f"loss/kl errors per step {rec['loss_err']}"
 
@@ -421,7 +422,8 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path):
     # final checkpoints: parameters, Adam moments and counters, LR schedule: bitwise
     sa, sb = (_load(common, tmp_path / d) for d in ("a_ckpt", "b_ckpt"))
     assert sa["step"] == sb["step"] == RESUME_ITERS
-    assert sa["steps"] == sb["steps"] == [float(RESUME_ITERS * TINY["rl_ppo_epochs"])]
+    adam_steps = SFT + (RESUME_ITERS - SFT) * TINY["rl_ppo_epochs"]  # warm-up: one each
+    assert sa["steps"] == sb["steps"] == [float(adam_steps)]
     assert sa["num_steps"] == sb["num_steps"]
     for key in ("params", "exp_avg", "exp_avg_sq"):
         assert torch.equal(sa[key], sb[key]), f"{key}: max diff {(sa[key] - sb[key]).abs().max()}"

@@ -6,15 +6,18 @@ as an uninterrupted one.
 
 import copy
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..shared_prefix import (
     RLObjective,
     SavedTensorProbe,
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
+    loop_weights,
     naive_step,
 )
 from .advantages import group_advantages
@@ -99,13 +102,14 @@ class RLTrainer:
 
     # ---- data ------------------------------------------------------------------------------
 
-    def _prompts(self, problems) -> list:
-        return [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems]
+    def _prompts(self, texts) -> list:
+        """Token lists of prompt strings, each led by bos."""
+        return [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
         gen = torch.Generator().manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
         self.model.eval()
-        out = generate(self.model, self._prompts(problems), group_size,
+        out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
@@ -187,24 +191,38 @@ class RLTrainer:
     # ---- supervised warm-up and evaluation ------------------------------------------------
 
     def sft_step(self, step: int) -> dict:
-        """Supervised warm-up on gold answers through the same schedule: advantage 1 and
-        old = current log-probs make the PPO gradient exactly the NLL gradient."""
+        """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
+        through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
                                            self.groups_per_rank * self.cfg.rl.rl_group_size)
-        groups = []
-        for n, (prompt, answer) in enumerate(pairs):
-            resp = torch.tensor([self.tok.encode(answer) + [self.tok.eos_id]])
-            groups += build_groups(self._prompts([_P(prompt)]), resp[None],
-                                   torch.tensor([[resp.shape[1]]]), self.tok.pad_id, n)
-        self._attach_sft(groups)
-        return self._reduce(self.optimize(groups))
+        batch = self._sft_batch(pairs)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
+            data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
+            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs))
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.scheduler.step(increment=1)
+        return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": float(grad_norm or 0.0),
+                             "lr": self.optimizer.param_groups[0]["lr"]})
 
-    def _attach_sft(self, groups) -> None:
-        old = self.score(self.ddp, groups)
-        for g, lp in zip(groups, old):
-            g.old_logprobs, g.advantages = lp.detach(), torch.ones(1, dtype=torch.float64)
-            if self.ref is not None:
-                g.ref_logprobs = lp.detach()
+    def _sft_batch(self, pairs: list) -> dict:
+        """tokens/labels [N, T] right-padded; mask on the positions that predict the answer."""
+        prompts = self._prompts([p for p, _ in pairs])
+        answers = [self.tok.encode(a) + [self.tok.eos_id] for _, a in pairs]
+        T = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        tokens = torch.full((len(pairs), T), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(pairs), T)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
+            mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
+        labels = torch.full_like(tokens, self.tok.pad_id)
+        labels[:, :-1] = tokens[:, 1:]
+        device = next(self.model.parameters()).device
+        return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -227,8 +245,14 @@ class RLTrainer:
         return {**metrics, **dict(zip(keys, vals.tolist()))}
 
 
-class _P:
-    """A prompt-only stand-in for ``Problem`` in the warm-up."""
+def _sft_loss(scheme: str, mask, logprobs):
+    """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]."""
+    w = loop_weights(scheme, logprobs.shape[0]).to(logprobs.dtype)[:, None, None]
+    nll = -(w * logprobs * mask.to(logprobs.dtype)).sum() / mask.sum()
+    return nll, {"nll": nll.detach()}
 
-    def __init__(self, prompt: str):
-        self.prompt = prompt
+
+def _sft_forward_step(scheme: str, data_iterator, model):
+    batch = next(data_iterator)
+    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, N, T]
+    return logprobs, partial(_sft_loss, scheme, batch["mask"])
