@@ -47,16 +47,28 @@ NOTES = [
     "schedule's response tokens, and naive also reads out every prompt position G times.",
     "Loss: PPO-clipped, token-mean over the whole group, progressive loop credit (all R "
     "readouts train); old log-probs = current policy + N(0, 0.05) noise.",
-    "FLOPs: torch.utils.flop_counter.FlopCounterMode over one step (forward + backward). "
-    "PyTorch has no formula for the CPU SDPA kernel; the benchmark adds one that counts the "
-    "(query, key) pairs the kernel computes: the causal triangle for is_causal, the full "
-    "square under an explicit mask (tree). Joint replay counts the no-grad prompt forward.",
+    "FLOPs: torch.utils.flop_counter.FlopCounterMode over one step (forward + backward), "
+    "the no-grad prompt forward of joint replay included. PyTorch has no formula for the CPU "
+    "SDPA kernel (it would count that attention as zero); the benchmark registers one with "
+    "PyTorch's convention for its other SDPA kernels, the full score square, causal or not "
+    "(`flops`). `flops_causal` (in brackets) counts only the causal triangle of is_causal "
+    "calls, the work a causal kernel needs. The cost table counts token-layer (linear) work "
+    "only; every response token's attention to all P prompt keys (G*S*P pairs) is the same in "
+    "every schedule, so with the causal count attention narrows the naive/joint gap below the "
+    "table's ratio, with the full-square count it widens it.",
     "Saved bytes: SavedTensorProbe peak (autograd-saved tensors, parameters excluded). The "
     "probe does not see activations recomputed in backward, so joint_ckpt's figure is a lower "
     "bound; joint replay's prefix adjoints (gradients, not saved tensors) are reported apart "
     "as joint_prefix_adjoint_bytes.",
     "Wall: median of the timed repetitions after one warm-up; all schedules of a workload "
-    "interleaved round-robin in one process.",
+    "interleaved round-robin in one process, default torch threads. The host is shared: other "
+    "jobs inflate single repetitions (wall_all_s holds them all; `wall_min` ratios, from the "
+    "fastest repetitions, are given beside the median ones in the JSON). Joint replay runs "
+    "n + 2 "
+    "forward and n + 1 backward passes through the layer stack (n waves, the prompt twice) "
+    "against naive's one each, on smaller matrices: at the sweep's small sizes the per-call "
+    "cost dominates and its wall time can trail naive's even "
+    "where its FLOPs are several times lower.",
     "Theory: DESIGN.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
     "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), tree "
     "P+GS, joint P+WS (prompt replay + one wave).",
