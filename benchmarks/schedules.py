@@ -14,7 +14,6 @@ import contextlib
 from functools import partial
 
 import torch
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from scalerlt_mcore.model.looped_gpt import token_logprobs
 from scalerlt_mcore.shared_prefix import (
@@ -22,35 +21,17 @@ from scalerlt_mcore.shared_prefix import (
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
 )
+from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
 
 SCHEDULES = ("naive", "tree", "joint", "joint_ckpt", "joint_concat")
 
 
 # ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
 
-def _naive_loss_func(objective, batch, logprobs):
-    loss, _ = objective.loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                             batch["weights"])
-    return loss, {"loss": loss.detach()}
-
-
-def _naive_forward_step(objective, data_iterator, model):
-    batch = next(data_iterator)
-    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, G, T]
-    return logprobs, partial(_naive_loss_func, objective, batch)
-
-
 def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int):
-    """Token weights come from the whole group, as in joint replay (same loss number)."""
-    batch = {"tokens": group.tokens, "labels": group.labels,
-             "weights": objective.token_weights(group.loss_mask),
-             "advantages": group.advantages, "old_logprobs": group.old_logprobs}
-    G, T = group.tokens.shape
-    out = get_forward_backward_func()(
-        forward_step_func=partial(_naive_forward_step, objective),
-        data_iterator=iter([batch]), model=[model], num_microbatches=1, seq_length=T,
-        micro_batch_size=G,
-    )
+    """All G full sequences in one microbatch through stock MCore's schedule (the library's
+    ``naive_step``); token weights come from the whole group, so the loss equals joint's."""
+    out = library_naive_step([model], [group], objective, micro_batch_size=group.group_size)
     return out[0]["loss"]
 
 
