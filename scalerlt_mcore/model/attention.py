@@ -46,14 +46,15 @@ def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     return out_a * w_a + out_b * w_b
 
 
-def cascade_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
+def cascade_prefix_attention(q, k, v, pk, pv, scale: float, flash: Optional[bool] = None
+                             ) -> Tensor:
     """Suffix queries attend to a prefix (all visible) and causally to their own keys.
 
     q [S, B, np, hn]; k, v [S, B, ng, hn]; pk, pv [P, Bp, ng, hn] with Bp = 1 (one prompt
     shared by the batch) or Bp = B. Returns [B, np, S, hn]. The prefix is read once: its part
     is one product per query group of all rep * B * S queries against the P prefix keys.
-    On CPU both parts run on PyTorch's flash kernel (no score matrix is materialised or saved);
-    elsewhere on matmuls.
+    ``flash`` (default: on CPU): both parts on PyTorch's CPU flash kernel (no score matrix is
+    materialised or saved); otherwise on matmuls that return the log-sum-exp.
     """
     S, B, heads, hn = q.shape
     groups, bp = k.shape[2], pk.shape[1]
@@ -61,7 +62,7 @@ def cascade_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
     qs = _bhsd(q)  # [B, np, S, hn]
     ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, S, hn]
     qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [Bp, ng, M, hn], [Bp, ng, P, hn]
-    if q.device.type == "cpu":
+    if flash if flash is not None else q.device.type == "cpu":
         return _CpuCascade.apply(qp, pk, pv, qs, ks, vs, scale, layout)
     out_p, lse_p = attend_with_lse(qp, pk, pv, None, scale)
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
