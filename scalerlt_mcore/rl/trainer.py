@@ -4,6 +4,7 @@ Every step's prompts derive from (seed, step, rank) alone, so a resumed run draw
 as an uninterrupted one.
 """
 
+import contextlib
 import copy
 import time
 from functools import partial
@@ -125,12 +126,15 @@ class RLTrainer:
             for n, p in enumerate(problems)
         ], dtype=torch.float64)
 
+    def _run_schedule(self, model, groups: list, forward_only: bool = False) -> list:
+        """The shared-prefix schedule over ``groups``, one group per microbatch."""
+        return self.schedule(forward_step_func=None, data_iterator=iter(groups), model=model,
+                             num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
+                             micro_batch_size=groups[0].group_size, forward_only=forward_only)
+
     def score(self, model, groups: list) -> list:
         """forward_only through the shared-prefix schedule: per-loop log-probs [R, G, T]."""
-        out = self.schedule(forward_step_func=None, data_iterator=iter(groups), model=model,
-                            num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
-                            micro_batch_size=groups[0].group_size, forward_only=True)
-        return [o["logprobs"] for o in out]
+        return [o["logprobs"] for o in self._run_schedule(model, groups, forward_only=True)]
 
     # ---- one RL step -----------------------------------------------------------------------
 
@@ -169,24 +173,29 @@ class RLTrainer:
     def optimize(self, groups: list) -> dict:
         """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
         for _ in range(self.cfg.rl.rl_ppo_epochs):
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            with SavedTensorProbe(self.model) as probe:
-                out = self._forward_backward(groups)
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok:
-                raise FloatingPointError("optimizer step skipped: non-finite gradients")
-            self.scheduler.step(increment=1)
-        return {**summarise(out, len(groups)), "grad_norm": float(grad_norm or 0.0),
+            probe = SavedTensorProbe(self.model)
+            out, grad_norm = self._optimizer_step(lambda: self._forward_backward(groups), probe)
+        return {**summarise(out, len(groups)), "grad_norm": grad_norm,
                 "peak_saved_bytes": probe.peak_bytes,
                 "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _optimizer_step(self, forward_backward, context=None) -> tuple:
+        """Zero the grads, run ``forward_backward()`` (inside ``context``), step the optimizer
+        and the LR schedule. -> (its output, grad norm)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with context or contextlib.nullcontext():
+            out = forward_backward()
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.scheduler.step(increment=1)
+        return out, float(grad_norm or 0.0)
 
     def _forward_backward(self, groups: list) -> list:
         if self.cfg.shared_prefix.shared_prefix_schedule == "naive":
             return naive_step(self.ddp, groups, self.objective, self.cfg.training.micro_batch_size)
-        return self.schedule(forward_step_func=None, data_iterator=iter(groups), model=self.ddp,
-                             num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
-                             micro_batch_size=groups[0].group_size)
+        return self._run_schedule(self.ddp, groups)
 
     # ---- supervised warm-up and evaluation ------------------------------------------------
 
@@ -196,17 +205,11 @@ class RLTrainer:
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
                                            self.groups_per_rank * self.cfg.rl.rl_group_size)
         batch = self._sft_batch(pairs)
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        out = get_forward_backward_func()(
+        out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
-            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs))
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        self.scheduler.step(increment=1)
-        return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": float(grad_norm or 0.0),
+            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
+        return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
                              "lr": self.optimizer.param_groups[0]["lr"]})
 
     def _sft_batch(self, pairs: list) -> dict:
