@@ -16,8 +16,8 @@ from functools import partial
 import torch
 
 from scalerlt_mcore.model.looped_gpt import token_logprobs
+from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
-    RLObjective,
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
 )
@@ -31,7 +31,8 @@ SCHEDULES = ("naive", "tree", "joint", "joint_ckpt", "joint_concat")
 def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int):
     """All G full sequences in one microbatch through stock MCore's schedule (the library's
     ``naive_step``); token weights come from the whole group, so the loss equals joint's."""
-    out = library_naive_step([model], [group], objective, micro_batch_size=group.group_size)
+    out = library_naive_step([model], [group], rl_forward_step(objective),
+                             micro_batch_size=group.group_size)
     return out[0]["loss"]
 
 
@@ -91,11 +92,12 @@ def prefix_attention(model, mode: str):
 
 def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
                checkpoint_waves: bool = False, attention: str = "cascade"):
-    schedule = get_shared_prefix_forward_backward_func(objective, wave_size,
+    schedule = get_shared_prefix_forward_backward_func(wave_size,
                                                        checkpoint_waves=checkpoint_waves)
     with prefix_attention(model, attention):
-        out = schedule(forward_step_func=None, data_iterator=iter([group]), model=model,
-                       num_microbatches=1, seq_length=0, micro_batch_size=1)
+        out = schedule(forward_step_func=rl_forward_step(objective),
+                       data_iterator=iter([group]), model=model, num_microbatches=1,
+                       seq_length=0, micro_batch_size=1)
     return out[0]["loss"].detach()
 
 

@@ -31,7 +31,7 @@ class Workload:
 
 def build_config(wl: Workload, **overrides):
     """Looped GPT config: no prelude/coda, ``looped_num_loops`` = R, dropout 0."""
-    from scalerlt_mcore.config import LoopedTransformerConfig
+    from scalerlt_mcore.model.config import LoopedTransformerConfig
 
     kwargs = dict(num_layers=wl.core_layers, hidden_size=wl.hidden,
                   num_attention_heads=wl.heads, use_cpu_initialization=True,
@@ -53,7 +53,7 @@ def build_model(wl: Workload, layer_spec=None, **config_overrides):
 
 def objective():
     """Token-mean PPO over all-loop readouts with progressive loop credit (every loop trains)."""
-    from scalerlt_mcore.shared_prefix import RLObjective
+    from scalerlt_mcore.rl.objective import RLObjective
 
     return RLObjective(normalization="token_mean", loop_weights="progressive")
 

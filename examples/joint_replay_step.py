@@ -12,12 +12,13 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.rl import RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
-    RLObjective,
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
+    logprobs_forward_step,
 )
 from scalerlt_mcore.testing import model_parallel_context
 
@@ -54,21 +55,22 @@ def main() -> None:
         config.no_sync_func, config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
         config.finalize_model_grads_func = finalize_model_grads
 
-        forward_backward = get_shared_prefix_forward_backward_func(
-            RLObjective(loop_weights="progressive"), wave_size=3)
+        forward_backward = get_shared_prefix_forward_backward_func(wave_size=3)
+        rl_step = rl_forward_step(RLObjective(loop_weights="progressive"))
         groups = [group(torch.Generator().manual_seed(s)) for s in range(2)]
-        scores = forward_backward(forward_step_func=None, data_iterator=iter(groups), model=ddp,
-                                  num_microbatches=2, seq_length=PROMPT + RESPONSE,
-                                  micro_batch_size=G, forward_only=True)
-        for g, s in zip(groups, scores):
-            g.old_logprobs = s["logprobs"]  # per-loop behaviour log-probs [R, G, T]
+        scores = forward_backward(forward_step_func=logprobs_forward_step,
+                                  data_iterator=iter(groups), model=ddp, num_microbatches=2,
+                                  seq_length=PROMPT + RESPONSE, micro_batch_size=G,
+                                  forward_only=True, collect_non_loss_data=True)
+        for g, logprobs in zip(groups, scores):
+            g.old_logprobs = logprobs  # per-loop behaviour log-probs [R, G, T]
         ddp.zero_grad_buffer()
-        results = forward_backward(forward_step_func=None, data_iterator=iter(groups),
+        results = forward_backward(forward_step_func=rl_step, data_iterator=iter(groups),
                                    model=ddp, num_microbatches=2,
                                    seq_length=PROMPT + RESPONSE, micro_batch_size=G)
         ok, grad_norm, _ = optimizer.step()
         for r in results:
-            print(f"group loss {float(r['loss']):+.5f} in {r['num_waves']} waves")
+            print(f"group loss {float(r['loss']):+.5f} in {int(r['num_waves'])} waves")
         print(f"optimizer step ok={ok}, grad norm {grad_norm:.4f}")
 
 

@@ -16,10 +16,10 @@ from functools import partial
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
-    RLObjective,
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
 )
@@ -188,11 +188,13 @@ def naive_step(model, groups, spec: LossSpec, per_mb: int, forward_only: bool = 
 
 def joint_step(model, groups, spec: LossSpec, wave_size: int, checkpoint_waves: bool = False,
                forward_only: bool = False, **kw):
-    fb = get_shared_prefix_forward_backward_func(spec.objective(), wave_size,
-                                                 checkpoint_waves=checkpoint_waves, **kw)
-    return fb(forward_step_func=None, data_iterator=iter(groups), model=model,
-              num_microbatches=len(groups), seq_length=0, micro_batch_size=1,
-              forward_only=forward_only)
+    fb = get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves=checkpoint_waves,
+                                                 **kw)
+    step = rl_forward_step(spec.objective())
+    out = fb(forward_step_func=step, data_iterator=iter(groups), model=model,
+             num_microbatches=len(groups), seq_length=0, micro_batch_size=1,
+             forward_only=forward_only, collect_non_loss_data=forward_only)
+    return [{"logprobs": lp} for lp in out] if forward_only else out
 
 
 # ---- comparisons ---------------------------------------------------------------------------

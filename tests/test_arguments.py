@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from scalerlt_mcore.arguments import (
+from scalerlt_mcore.app.arguments import (
     ConfigError,
     RunConfig,
     cli_flags,
@@ -157,8 +157,8 @@ def test_every_field_has_a_docstring():
 
 
 def test_choices_match_model_config():
-    from scalerlt_mcore.arguments import CHOICES
-    from scalerlt_mcore.config import INJECTIONS, PREFIX_ATTENTIONS
+    from scalerlt_mcore.app.arguments import CHOICES
+    from scalerlt_mcore.model.config import INJECTIONS, PREFIX_ATTENTIONS
 
     assert set(CHOICES["looped_injection"]) == set(INJECTIONS)
     assert set(CHOICES["looped_prefix_attention"]) == set(PREFIX_ATTENTIONS)

@@ -207,8 +207,8 @@ def _build(overlap_grad_reduce: bool):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from scalerlt_mcore.config import LoopedTransformerConfig
     from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+    from scalerlt_mcore.model.config import LoopedTransformerConfig
 
     config = LoopedTransformerConfig(
         num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
@@ -342,13 +342,15 @@ def _shard_grads(shards) -> list:
 
 
 def _step_a(model_a, groups, wave_size: int, normalization: str) -> list:
-    from scalerlt_mcore.shared_prefix import RLObjective, get_shared_prefix_forward_backward_func
+    from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
+    from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 
     objective = RLObjective(normalization=normalization, loop_weights="progressive",
                             clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF)
-    schedule = get_shared_prefix_forward_backward_func(objective, wave_size)
-    return schedule(forward_step_func=None, data_iterator=iter(groups), model=[model_a],
-                    num_microbatches=len(groups), seq_length=MAX_SEQ, micro_batch_size=1)
+    schedule = get_shared_prefix_forward_backward_func(wave_size)
+    return schedule(forward_step_func=rl_forward_step(objective), data_iterator=iter(groups),
+                    model=[model_a], num_microbatches=len(groups), seq_length=MAX_SEQ,
+                    micro_batch_size=1)
 
 
 def _step_naive(model, groups, normalization: str) -> list:

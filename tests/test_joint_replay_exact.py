@@ -207,7 +207,7 @@ def test_dict_batches_go_to_stock_mcore(mcore_single, forward_only):
     stock = get_forward_backward_func()(data_iterator=iter(batches), **kwargs)
     stock_grads = grads(model)
     model.zero_grad(set_to_none=True)
-    schedule = get_shared_prefix_forward_backward_func(spec.objective(), 2)
+    schedule = get_shared_prefix_forward_backward_func(2)
     ours = schedule(data_iterator=iter(batches), **kwargs)
     ours_grads = grads(model)
 

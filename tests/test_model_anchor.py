@@ -8,8 +8,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 VOCAB, MAX_LEN = 64, 32
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from reference_looped import RefConfig, reference_forward, weights_from_state_dict
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 VOCAB, LOOPS, N_PRE, N_CORE, N_CODA = 64, 3, 1, 2, 1
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts are right-padded to 7

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 VOCAB = 64
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,

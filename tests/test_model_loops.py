@@ -8,8 +8,8 @@ import pytest
 import torch
 from reference_looped import RefConfig, reference_forward, weights_from_state_dict
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 HIDDEN, HEADS, VOCAB, MAX_LEN = 32, 4, 64, 32
 

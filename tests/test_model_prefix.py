@@ -12,9 +12,9 @@ from functools import partial
 import pytest
 import torch
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.attention import cascade_prefix_attention, concat_prefix_attention
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 VOCAB, PROMPT, SUFFIX = 64, 7, 6
 

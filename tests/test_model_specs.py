@@ -19,7 +19,6 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from scalerlt_mcore.config import LoopedTransformerConfig
 from scalerlt_mcore.model import (
     LoopedCoreAttention,
     LoopedGPTModel,
@@ -30,6 +29,7 @@ from scalerlt_mcore.model import (
 )
 from scalerlt_mcore.model import specs as specs_module
 from scalerlt_mcore.model.block import LinearConcatInjection
+from scalerlt_mcore.model.config import LoopedTransformerConfig
 
 H, HEADS, V, MAX_LEN = 32, 4, 64, 16
 

@@ -32,7 +32,7 @@ import pytest
 import torch
 import yaml
 
-from scalerlt_mcore.arguments import ConfigError, load_config, parse_args, to_dict, validate
+from scalerlt_mcore.app.arguments import ConfigError, load_config, parse_args, to_dict, validate
 from scalerlt_mcore.testing import _free_port, model_parallel_context, run_distributed
 
 TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
@@ -80,9 +80,9 @@ def _records(run_dir) -> list:
 
 def _trainer(argv: list):
     """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
-    from scalerlt_mcore import runtime
+    from scalerlt_mcore.app import runtime
+    from scalerlt_mcore.app.trainer import RLTrainer
     from scalerlt_mcore.rl.tokenizer import CharTokenizer
-    from scalerlt_mcore.rl.trainer import RLTrainer
 
     cfg = parse_args(argv)
     validate(cfg, torch.distributed.get_world_size())
@@ -119,7 +119,7 @@ def _adam_state(optimizer, model) -> dict:
 def _load(argv: list, ckpt) -> dict:
     """Parameters, Adam state and schedule of checkpoint ``ckpt``, loaded on one process by
     the trainer's own loader into a model built from ``argv``."""
-    from scalerlt_mcore.checkpoint import load_checkpoint
+    from scalerlt_mcore.app.checkpoint import load_checkpoint
 
     with model_parallel_context(TINY["seed"]):
         tr = _trainer(argv)
@@ -269,7 +269,7 @@ class _AdamBound:
 
 
 def _summary(out: list, groups: list) -> dict:
-    from scalerlt_mcore.rl.trainer import summarise
+    from scalerlt_mcore.app.trainer import summarise
 
     return summarise(out, len(groups))
 
@@ -449,7 +449,7 @@ def test_cli_unknown_flag_exits_with_message(tmp_path):
     (["--config", "bad_type.yaml"], r"key 'num_layers' expects int, got 2.5"),
 ])
 def test_main_rejects_bad_config(tmp_path, monkeypatch, argv, message):
-    from scalerlt_mcore.train import main
+    from scalerlt_mcore.app.train import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad_key.yaml").write_text("num_layers: 2\nlr_decay: cosine\n")
@@ -497,7 +497,7 @@ def _full_state(tr) -> dict:
 
 
 def test_load_from_a_different_model_config_names_the_mismatch(tmp_path):
-    from scalerlt_mcore.train import run
+    from scalerlt_mcore.app.train import run
 
     base = _flags(global_batch_size=8, rl_warmup_sft_steps=0, rl_eval_prompts=2, no_plot=True,
                   rl_eval_every=0, run_dir=str(tmp_path / "run"))  # 0: no periodic evaluation

@@ -126,14 +126,18 @@ class LoopedGPTModel(LanguageModule):
         first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
         return first.t().unsqueeze(-1)  # [R, B, 1]
 
-    def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor) -> Tensor:
-        """Per-loop log-probs [R, B, S] of ``tokens`` [B, S] continuing the prompt of
-        ``prefix_state``: token 0 from the prompt's boundary readout, token j >= 1 from a
-        forward over tokens[:, :j] against the prefix K/V."""
-        first = self.boundary_logprobs(prefix_state, tokens[:, 0])
-        if tokens.shape[1] == 1:
+    def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
+                        labels: Optional[Tensor] = None) -> Tensor:
+        """Per-loop log-probs [R, B, S] of ``labels`` [B, S] continuing the prompt of
+        ``prefix_state``: label 0 from the prompt's boundary readout, label j >= 1 from a
+        forward over ``tokens[:, :j]`` (the suffix's inputs, [B, >= S - 1]) against the prefix
+        K/V. Default ``labels``: ``tokens`` (the log-probs of the suffix itself)."""
+        labels = tokens if labels is None else labels
+        first = self.boundary_logprobs(prefix_state, labels[:, 0])  # [R, B, 1]
+        S = labels.shape[1]
+        if S == 1:
             return first
-        rest = self.forward(tokens[:, :-1], labels=tokens[:, 1:], prefix_state=prefix_state)
+        rest = self.forward(tokens[:, : S - 1], labels=labels[:, 1:], prefix_state=prefix_state)
         return torch.cat([first, rest.logprobs], dim=2)  # [R, B, S]
 
     # ---- decoding --------------------------------------------------------------------------

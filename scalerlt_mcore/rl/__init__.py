@@ -1,11 +1,16 @@
-"""RL building blocks with no model or process-group dependencies.
+"""RL building blocks (the library's top floor): the objective, advantages, rollouts, tasks
+and the tokenizer glue. No process groups, no optimizer: the app wires them.
 
-- ``tokenizer``: ``CharTokenizer``, a character vocabulary for the built-in tasks.
-- ``tasks``: tasks with verifiable rewards (``get_task``), shipped with the package.
+- ``objective``: ``RLObjective`` (PPO clip, k3 KL, per-loop credit, group normalisation) and
+  ``rl_forward_step``, the per-wave ``forward_step_func`` of the shared-prefix schedule.
 - ``advantages``: group advantages (GRPO, Dr. GRPO), the PPO clipped objective, k3 KL.
+- ``rollout``: batched sampling from the looped model with the depth-indexed KV cache.
+- ``tasks``: tasks with verifiable rewards (``get_task``), shipped with the package.
+- ``tokenizer``: ``CharTokenizer``, a character vocabulary for the built-in tasks.
 """
 
 from scalerlt_mcore.rl.advantages import group_advantages, kl_k3, ppo_clipped_objective
+from scalerlt_mcore.rl.objective import RLObjective, loop_weights, rl_forward_step
 from scalerlt_mcore.rl.tasks import TASKS, Problem, Task, get_task
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
@@ -13,9 +18,12 @@ __all__ = [
     "TASKS",
     "CharTokenizer",
     "Problem",
+    "RLObjective",
     "Task",
     "get_task",
     "group_advantages",
     "kl_k3",
+    "loop_weights",
     "ppo_clipped_objective",
+    "rl_forward_step",
 ]

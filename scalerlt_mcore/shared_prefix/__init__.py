@@ -1,17 +1,23 @@
-"""Shared-prefix training: prompt once, responses in waves, one joint replay backward."""
+"""Shared-prefix training: prompt once, responses in waves, one joint replay backward.
 
-from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup
-from .naive import naive_step
-from .objective import RLObjective, loop_weights
+The schedule takes the per-wave loss from the caller's ``forward_step_func`` (as MCore's
+schedules do); nothing here knows the RL objective.
+"""
+
+from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
+from .naive import FullSequenceModel, naive_microbatches, naive_step
 from .probe import SavedTensorProbe
 from .schedule import (
+    PHASES,
     SharedPrefixSchedule,
+    WaveModel,
     get_shared_prefix_forward_backward_func,
-    wave_logprobs,
 )
+from .scoring import logprobs_forward_step
 
 __all__ = [
-    "RLObjective", "ReplayGuard", "ReplayInputError", "SavedTensorProbe",
-    "SharedPrefixGroup", "SharedPrefixSchedule", "get_shared_prefix_forward_backward_func",
-    "loop_weights", "naive_step", "wave_logprobs",
+    "PHASES", "FullSequenceModel", "ReplayGuard", "ReplayInputError", "SavedTensorProbe",
+    "SharedPrefixGroup", "SharedPrefixSchedule", "WaveBatch", "WaveModel",
+    "get_shared_prefix_forward_backward_func", "logprobs_forward_step", "naive_microbatches",
+    "naive_step",
 ]

@@ -45,6 +45,11 @@ class SharedPrefixGroup:
     def response_length(self) -> int:
         return self.tokens.shape[1] - self.prompt_length
 
+    def waves(self, wave_size: int) -> list:
+        """The group's responses split into waves of ``wave_size``: ``WaveBatch`` objects."""
+        rows = torch.arange(self.group_size, device=self.tokens.device)
+        return [WaveBatch(self, idx) for idx in rows.split(wave_size)]
+
     def guarded(self) -> dict:
         return {n: getattr(self, n) for n in GUARDED if getattr(self, n) is not None}
 
@@ -91,9 +96,30 @@ class SharedPrefixGroup:
         if (per_response == 0).any():
             i = int((per_response == 0).nonzero()[0])
             raise ValueError(f"{tag}: response {i} is empty (no loss_mask token)")
+        if (self.loss_mask[:, -1] != 0).any():
+            raise ValueError(f"{tag}: loss_mask is non-zero on the last position (its label "
+                             f"lies past the sequence)")
         if max_response_length is not None and self.response_length > max_response_length:
             raise ValueError(f"{tag}: response length {self.response_length} exceeds the "
                              f"configured maximum {max_response_length}")
+
+
+@dataclass
+class WaveBatch:
+    """What a per-wave ``forward_step_func`` receives from the data iterator: a group and the
+    rows (responses) of one wave. Its loss is that wave's share of the *group's* loss, so
+    normalisations over the group are computed from ``group`` (all waves), not from the wave.
+
+    group: the SharedPrefixGroup.
+    index: [W] long, the group rows of this wave.
+    """
+
+    group: SharedPrefixGroup
+    index: Tensor
+
+    def rows(self, t: Optional[Tensor], dim: int = 0) -> Optional[Tensor]:
+        """``t`` restricted to this wave's rows along ``dim`` (None stays None)."""
+        return None if t is None else t.index_select(dim, self.index)
 
 
 def fingerprint(t: Tensor) -> tuple:

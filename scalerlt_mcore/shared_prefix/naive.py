@@ -1,55 +1,58 @@
 """Naive training for comparison: every response a full prompt+response sequence through
-stock MCore ``get_forward_backward_func()``, with the same group-normalised RL loss."""
+stock MCore ``get_forward_backward_func()``, with the same per-wave ``forward_step_func`` as
+joint replay (a microbatch of full sequences is a ``WaveBatch`` of the group)."""
 
 from functools import partial
 
+import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from .group import SharedPrefixGroup
-from .objective import RLObjective
+from .group import SharedPrefixGroup, WaveBatch
 
 
-def naive_microbatches(groups: list, objective: RLObjective, micro_batch_size: int) -> list:
-    """Split every group into microbatches of full sequences; token weights come from the
-    whole group, so the summed loss equals the joint replay's."""
-    out = []
-    for g in groups:
-        weights = objective.token_weights(g.loss_mask)  # [G, T]
-        for idx in torch_chunks(g.group_size, micro_batch_size):
-            ref = g.ref_logprobs[:, idx] if g.ref_logprobs is not None else None
-            out.append({"tokens": g.tokens[idx], "labels": g.labels[idx],
-                        "weights": weights[idx], "advantages": g.advantages[idx],
-                        "old_logprobs": g.old_logprobs[:, idx], "ref_logprobs": ref})
-    return out
+class FullSequenceModel:
+    """The ``model`` a per-wave ``forward_step_func`` receives in a naive step: ``model(wave)``
+    runs the wave's rows as full sequences and returns per-loop log-probs [R, W, T]."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config = getattr(model, "config", None)
+
+    def __call__(self, wave: WaveBatch) -> torch.Tensor:
+        g = wave.group
+        return self.model(wave.rows(g.tokens), labels=wave.rows(g.labels)).logprobs
 
 
-def torch_chunks(n: int, size: int) -> list:
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+def naive_microbatches(groups: list, micro_batch_size: int) -> list:
+    """Every group split into ``WaveBatch``es of ``micro_batch_size`` full sequences."""
+    return [wave for g in groups for wave in g.waves(micro_batch_size)]
 
 
-def _loss_func(objective, batch, scale, logprobs):
-    loss, stats = objective.loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                 batch["weights"], batch["ref_logprobs"])
-    return loss * scale, {"loss": loss.detach(), **stats}
+def _forward_step(forward_step_func, scale: float, data_iterator, model):
+    output, loss_func = forward_step_func(data_iterator, FullSequenceModel(model))
+
+    def scaled_loss(output_tensor, non_loss_data: bool = False):
+        if non_loss_data:
+            return loss_func(output_tensor, non_loss_data=True)
+        loss, stats = loss_func(output_tensor)
+        return loss * scale, stats
+
+    return output, scaled_loss
 
 
-def _forward_step(objective, scale, data_iterator, model):
-    batch = next(data_iterator)
-    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, b, T]
-    return logprobs, partial(_loss_func, objective, batch, scale)
-
-
-def naive_step(model, groups: list, objective: RLObjective, micro_batch_size: int,
-               forward_only: bool = False) -> list:
-    """One training step of the groups through the stock MCore schedule."""
+def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
+               forward_only: bool = False, collect_non_loss_data: bool = False) -> list:
+    """One step of the groups' full sequences through the stock MCore schedule; one result
+    per microbatch. ``forward_step_func`` is the per-wave one joint replay takes."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
-    batches = naive_microbatches(groups, objective, micro_batch_size)
-    # MCore divides every microbatch loss by their number; the objective is a mean over groups.
+    batches = naive_microbatches(groups, micro_batch_size)
+    # MCore divides every microbatch loss by their number; the step loss is the mean over
+    # groups, as in joint replay.
     scale = len(batches) / len(groups)
-    seq = groups[0].tokens.shape[1]
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, objective, scale),
+        forward_step_func=partial(_forward_step, forward_step_func, scale),
         data_iterator=iter(batches), model=model, num_microbatches=len(batches),
-        seq_length=seq, micro_batch_size=micro_batch_size, forward_only=forward_only,
+        seq_length=groups[0].tokens.shape[1], micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
     )

@@ -8,34 +8,78 @@ Per GRPO group (one prompt, G responses):
                          backpropagate loss_last + sum_k <state_k, adjoint_k> in ONE backward.
 Earlier groups of a step run entirely under ``config.no_sync_func`` (as MCore's schedule runs
 microbatches 1..n-1), so the sync-enabled part of every step is exactly one backward call.
+
+The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,
+model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
+iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose call returns the
+wave's per-loop log-probs. ``loss_func(output)`` returns ``(loss, stats)``: the wave's share of
+the group's loss (normalised over the whole group) and a dict of tensors.
 """
 
 import contextlib
 import itertools
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..model.kv import PrefixState
-from .group import ReplayGuard, SharedPrefixGroup
-from .objective import RLObjective
+from .group import ReplayGuard, SharedPrefixGroup, WaveBatch
+
+PHASES = ("prompt_producer", "wave", "joint_replay")
 
 
-def get_shared_prefix_forward_backward_func(objective: RLObjective, wave_size: int,
-                                            checkpoint_waves: bool = False,
+def get_shared_prefix_forward_backward_func(wave_size: int, checkpoint_waves: bool = False,
                                             max_response_length: Optional[int] = None,
                                             phase_callback: Optional[Callable] = None):
     """The shared-prefix schedule, called like the function ``get_forward_backward_func()``
     returns. Microbatches that are ``SharedPrefixGroup``s go through joint replay; any other
-    step goes to stock MCore. ``phase_callback(phase, group)`` runs after each phase."""
-    return SharedPrefixSchedule(objective, wave_size, checkpoint_waves, max_response_length,
+    step goes to stock MCore unchanged. ``phase_callback(phase, group)`` runs after each
+    phase (``PHASES``)."""
+    return SharedPrefixSchedule(wave_size, checkpoint_waves, max_response_length,
                                 phase_callback)
+
+
+class WaveModel:
+    """The ``model`` a group's ``forward_step_func`` receives: ``model(wave)`` returns the
+    per-loop log-probs [R, W, T] of ``wave.group.labels`` for the wave's rows, in the group's
+    layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
+    against the prompt's prefix state instead of re-running the prompt."""
+
+    def __init__(self, inner, state: PrefixState):
+        self.inner, self.state = inner, state
+        self.config = inner.config
+
+    def __call__(self, wave: WaveBatch) -> Tensor:
+        g, idx = wave.group, wave.index
+        P, T = g.prompt_length, g.tokens.shape[1]
+        tail = self.inner.suffix_logprobs(self.state, g.tokens[idx, P:],
+                                          labels=g.labels[idx, P - 1 : T - 1])  # [R, W, S]
+        R, W = tail.shape[:2]
+        head = tail.new_zeros(R, W, P - 1)
+        end = tail.new_zeros(R, W, 1)
+        return torch.cat([head, tail, end], dim=2)  # [R, W, T]
+
+
+@dataclass
+class _GroupRun:
+    """Everything the phases of one group share."""
+
+    inner: torch.nn.Module
+    group: SharedPrefixGroup
+    guard: ReplayGuard
+    config: object
+    forward_step_func: Callable
+    scale: float  # 1 / number of groups, as MCore divides every microbatch loss
+    first_microbatch: bool = False
+    collect_non_loss_data: bool = False
+    results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
 
 
 class SharedPrefixSchedule:
@@ -43,12 +87,12 @@ class SharedPrefixSchedule:
     ``config.finalize_model_grads_func``; grad reduction with ``overlap_grad_reduce`` is
     launched by DDP's hooks during the single sync-enabled backward."""
 
-    def __init__(self, objective: RLObjective, wave_size: int, checkpoint_waves: bool = False,
+    def __init__(self, wave_size: int, checkpoint_waves: bool = False,
                  max_response_length: Optional[int] = None,
                  phase_callback: Optional[Callable] = None):
         if wave_size < 1:
             raise ValueError(f"wave_size must be >= 1, got {wave_size}")
-        self.objective, self.wave_size = objective, wave_size
+        self.wave_size = wave_size
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)
@@ -58,28 +102,36 @@ class SharedPrefixSchedule:
                  forward_only: bool = False, collect_non_loss_data: bool = False,
                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
                  pg_collection=None, force_all_reduce: bool = False):
+        stock_kwargs = dict(
+            forward_step_func=forward_step_func, model=model, num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("shared-prefix joint replay needs pipeline parallel size 1")
-        model = _single(model, "model")
-        data_iterator = _single(data_iterator, "data_iterator")
-        first = next(data_iterator)
+        first = next(_single(data_iterator, "data_iterator"))
         if not isinstance(first, SharedPrefixGroup):
-            stock = get_forward_backward_func()
-            return stock(
-                forward_step_func=forward_step_func,
-                data_iterator=itertools.chain([first], data_iterator), model=model,
-                num_microbatches=num_microbatches, seq_length=seq_length,
-                micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-                forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-                first_val_step=first_val_step, pg_collection=pg_collection,
-                force_all_reduce=force_all_reduce,
-            )
-        groups = [first] + [next(data_iterator) for _ in range(num_microbatches - 1)]
+            rest = _single(data_iterator, "data_iterator")
+            return get_forward_backward_func()(
+                data_iterator=itertools.chain([first], rest), **stock_kwargs)
+        if forward_step_func is None:
+            raise ValueError("a shared-prefix step needs forward_step_func: it supplies each "
+                             "wave's loss (see scalerlt_mcore.shared_prefix.schedule)")
+        if adjust_tensor_shapes_fn is not None:
+            raise ValueError("adjust_tensor_shapes_fn is for pipeline parallelism; joint "
+                             "replay runs without it (as MCore's non-pipelined schedule)")
+        model = _single(model, "model")
+        it = _single(data_iterator, "data_iterator")
+        groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
         self._check_groups(groups, inner.config, forward_only, config)
+        runs = self._runs(inner, groups, config, forward_step_func, forward_only,
+                          collect_non_loss_data, first_val_step)
         if forward_only:
-            return [self.score_group(inner, g) for g in groups]
-        results = self._train_groups(inner, groups, config)
+            return [self.score_group(run) for run in runs]
+        results = self._train_groups(runs, config)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func([model], None, pg_collection=pg_collection,
                                              force_all_reduce=force_all_reduce)
@@ -98,123 +150,145 @@ class SharedPrefixSchedule:
             g.check(model_config.looped_num_loops, self.max_response_length,
                     training=not forward_only)
 
+    def _runs(self, inner, groups, config, forward_step_func, forward_only,
+              collect_non_loss_data, first_val_step) -> list:
+        """One ``_GroupRun`` per group. Every group is fingerprinted now, right after the
+        up-front checks: a later group changed while an earlier one trains is caught."""
+        first = first_val_step if forward_only and first_val_step is not None else True
+        return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
+                          1.0 / len(groups), first_microbatch=first and n == 0,
+                          collect_non_loss_data=collect_non_loss_data)
+                for n, g in enumerate(groups)]
+
     # ---- training --------------------------------------------------------------------------
 
-    def _train_groups(self, inner, groups, config) -> list:
+    def _train_groups(self, runs: list, config) -> list:
         no_sync = config.no_sync_func or contextlib.nullcontext
-        scale = 1.0 / len(groups)  # as MCore divides every microbatch loss by their number
-        # Fingerprint every group now, right after the up-front checks: a later group changed
-        # while an earlier one trains must not slip past those checks.
-        guards = [ReplayGuard(g) for g in groups]
         results = []
         with no_sync():
-            for g, guard in zip(groups[:-1], guards):
-                results.append(self.train_group(inner, g, config, scale, contextlib.nullcontext,
-                                                guard))
-        results.append(self.train_group(inner, groups[-1], config, scale, no_sync, guards[-1]))
+            for run in runs[:-1]:
+                results.append(self.train_group(run, contextlib.nullcontext))
+        results.append(self.train_group(runs[-1], no_sync))
         return results
 
-    def train_group(self, inner, group, config, scale, waves_context, guard=None) -> dict:
-        """All three phases for one group; phases 1-2 inside ``waves_context``. ``guard``:
-        the group's fingerprints if taken earlier (default: taken now)."""
-        guard = guard or ReplayGuard(group)
-        weights = self.objective.token_weights(group.loss_mask)  # [G, T]
-        waves = list(torch.arange(group.group_size).split(self.wave_size))
-        stats = {}
+    def train_group(self, run: _GroupRun, waves_context) -> dict:
+        """All three phases for one group; phases 1-2 inside ``waves_context``."""
+        waves = run.group.waves(self.wave_size)
         adjoints = None
         with waves_context():
             if len(waves) > 1:
-                leaves = self._produce_prompt(inner, group)
-                adjoints = self._run_waves(inner, group, leaves, waves[:-1], weights, guard,
-                                           config, scale, stats)
-        self._joint_replay(inner, group, waves[-1], adjoints, weights, guard, config, scale,
-                           stats)
-        return _summarise(stats, len(waves))
+                leaves = self._produce_prompt(run)
+                adjoints = self._run_waves(run, leaves, waves[:-1])
+        self._joint_replay(run, waves[-1], adjoints)
+        return _merge(run.results, num_waves=len(waves))
 
-    def _produce_prompt(self, inner, group) -> PrefixState:
+    def _produce_prompt(self, run: _GroupRun) -> PrefixState:
         """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves."""
         with torch.no_grad():
-            state = inner(group.tokens[:1, : group.prompt_length], return_prefix_state=True,
-                          readout=False).prefix_state
-        self.phase_callback("prompt_producer", group)
+            state = self._prompt_state(run)
+        self.phase_callback("prompt_producer", run.group)
         return state.detached_leaves()
 
-    def _run_waves(self, inner, group, leaves, waves, weights, guard, config, scale, stats):
+    def _prompt_state(self, run: _GroupRun) -> PrefixState:
+        g = run.group
+        return run.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
+                         readout=False).prefix_state
+
+    def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
         """Phase 2: every wave but the last; returns the summed prefix adjoints (>= fp32)."""
         adjoints = [torch.zeros_like(t, dtype=_acc(t)) for t in leaves.tensors()]
-        for n, idx in enumerate(waves):
-            loss = self._wave_loss(inner, group, leaves, idx, weights, guard, stats, n)
-            _backward(loss * scale, config)
+        for n, wave in enumerate(waves):
+            loss = self._wave_loss(run, leaves, wave, n)
+            _scaled(loss, run.config).backward()
             for adj, leaf in zip(adjoints, leaves.tensors()):
                 if leaf.grad is not None:
                     adj.add_(leaf.grad)
                     leaf.grad = None
-            self.phase_callback("wave", group)
+            self.phase_callback("wave", run.group)
         return adjoints
 
-    def _joint_replay(self, inner, group, idx, adjoints, weights, guard, config, scale, stats):
+    def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints) -> None:
         """Phase 3: recompute the prompt with grad, run the last wave, one backward."""
-        guard.verify("joint replay")
-        state = inner(group.tokens[:1, : group.prompt_length], return_prefix_state=True,
-                      readout=False).prefix_state
-        loss = self._wave_loss(inner, group, state, idx, weights, guard, stats, len(stats))
-        total = _scaled(loss * scale, config)
+        run.guard.verify("joint replay")
+        state = self._prompt_state(run)
+        loss = self._wave_loss(run, state, wave, len(run.results))
+        total = _scaled(loss, run.config)
         if adjoints is not None:
             total = total + sum((t.to(a.dtype) * a).sum()
                                 for t, a in zip(state.tensors(), adjoints))
         total.backward()
-        self.phase_callback("joint_replay", group)
+        self.phase_callback("joint_replay", run.group)
 
-    def _wave_loss(self, inner, group, state, idx, weights, guard, stats, wave_no):
-        fn = partial(self._wave_objective, inner, group, idx, weights, guard, stats, wave_no,
-                     state.signature)
+    def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
+        def fn(*state_tensors):
+            return self._wave_objective(run, wave, wave_no,
+                                        PrefixState.from_tensors(list(state_tensors),
+                                                                 state.signature))
+
         if self.checkpoint_waves:
             return checkpoint(fn, *state.tensors(), use_reentrant=False)
         return fn(*state.tensors())
 
-    def _wave_objective(self, inner, group, idx, weights, guard, stats, wave_no, signature,
-                        *state_tensors):
-        """One wave's share of the group loss (re-run on recompute, so it re-verifies)."""
-        guard.verify("wave recompute" if wave_no in stats else "wave")
-        state = PrefixState.from_tensors(list(state_tensors), signature)
-        logprobs = wave_logprobs(inner, group, state, idx)  # [R, W, S + 1]
-        tail = slice(group.prompt_length - 1, None)
-        ref = group.ref_logprobs[:, idx, tail] if group.ref_logprobs is not None else None
-        loss, wave_stats = self.objective.loss(
-            logprobs, group.old_logprobs[:, idx, tail], group.advantages[idx],
-            weights[idx, tail], ref,
-        )
-        stats[wave_no] = {**wave_stats, "loss": loss.detach()}
-        return loss
+    def _wave_objective(self, run: _GroupRun, wave: WaveBatch, wave_no: int,
+                        state: PrefixState) -> Tensor:
+        """One wave's share of the group loss, divided as MCore divides a microbatch's loss
+        (re-run on recompute, so it re-verifies the inputs)."""
+        run.guard.verify("wave recompute" if wave_no in run.results else "wave")
+        output, loss_func = self._forward_step(run, wave, state, wave_no)
+        outputs = loss_func(output)
+        if len(outputs) != 2:
+            raise ValueError("a shared-prefix loss_func returns (loss, stats): the wave's share "
+                             "of the group loss, normalised over the whole group (a per-wave "
+                             "token count cannot normalise a group split into waves)")
+        loss, stats = outputs
+        run.results[wave_no] = stats
+        return loss * run.scale
+
+    def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: PrefixState, wave_no: int):
+        if run.first_microbatch and wave_no == 0 and hasattr(run.inner, "set_is_first_microbatch"):
+            run.inner.set_is_first_microbatch()
+        return run.forward_step_func(iter([wave]), WaveModel(run.inner, state))
 
     # ---- scoring ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score_group(self, inner, group) -> dict:
-        """forward_only: per-loop log-probs [R, G, T] of the labels (0 on prompt positions
-        before P - 1), the prompt computed once; no graph is built."""
-        P = group.prompt_length
-        state = inner(group.tokens[:1, :P], return_prefix_state=True, readout=False).prefix_state
-        waves = torch.arange(group.group_size).split(self.wave_size)
-        tail = torch.cat([wave_logprobs(inner, group, state, idx) for idx in waves], dim=1)
-        out = tail.new_zeros(tail.shape[0], *group.tokens.shape)
-        out[:, :, P - 1 :] = tail
-        return {"logprobs": out}
+    def score_group(self, run: _GroupRun):
+        """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
+        calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built."""
+        state = self._prompt_state(run)
+        for n, wave in enumerate(run.group.waves(self.wave_size)):
+            output, loss_func = self._forward_step(run, wave, state, n)
+            if run.collect_non_loss_data:
+                run.results[n] = loss_func(output, non_loss_data=True)
+            else:
+                run.results[n] = loss_func(output)[1]
+        return _merge(run.results)
 
 
-def wave_logprobs(inner, group: SharedPrefixGroup, state: PrefixState, idx) -> torch.Tensor:
-    """Per-loop log-probs [R, W, S + 1] of labels[idx, P-1:] given the prompt's state."""
-    P = group.prompt_length
-    first = inner.boundary_logprobs(state, group.labels[idx, P - 1])  # [R, W, 1]
-    rest = inner(group.tokens[idx, P:], labels=group.labels[idx, P:], prefix_state=state)
-    return torch.cat([first, rest.logprobs], dim=2)
+def _merge(per_wave: dict, **extra) -> object:
+    """One microbatch result from the waves' results: 0-dim tensors are summed; tensors with
+    a response dimension ([R, W, ...] as the wave model's output, or [W]) are concatenated
+    over it; dicts merge key by key. ``extra`` adds 0-dim tensors (e.g. num_waves)."""
+    items = [per_wave[k] for k in sorted(per_wave)]
+    merged = _merge_values(items)
+    if extra and isinstance(merged, dict):
+        ref = next((v for v in merged.values() if isinstance(v, Tensor)), None)
+        device = ref.device if ref is not None else None
+        merged.update({k: torch.tensor(v, device=device) for k, v in extra.items()})
+    return merged
 
 
-def _summarise(stats: dict, num_waves: int) -> dict:
-    total = {k: sum(s[k] for s in stats.values()) for k in ("loss", "clipped", "kl", "tokens")}
-    return {"loss": total["loss"], "clip_fraction": total["clipped"] / total["tokens"],
-            "kl": total["kl"] / total["tokens"], "num_tokens": total["tokens"],
-            "num_waves": num_waves}
+def _merge_values(items: list):
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _merge_values([it[k] for it in items]) for k in first}
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            return torch.stack(items).sum()
+        return torch.cat(items, dim=0 if first.dim() == 1 else 1)
+    if isinstance(first, (int, float)):
+        return sum(items)
+    return items
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -223,10 +297,6 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 def _scaled(loss, config):
     return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss
-
-
-def _backward(loss, config) -> None:
-    _scaled(loss, config).backward()
 
 
 def _single(obj, name: str):

@@ -13,18 +13,18 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..rl.advantages import group_advantages
+from ..rl.objective import RLObjective, loop_weights, rl_forward_step
+from ..rl.rollout import generate
+from ..rl.tasks import get_task
+from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
-    RLObjective,
     SavedTensorProbe,
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
-    loop_weights,
+    logprobs_forward_step,
     naive_step,
 )
-from .advantages import group_advantages
-from .rollout import generate
-from .tasks import get_task
-from .tokenizer import CharTokenizer
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -51,17 +51,11 @@ def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> l
 
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
-    per-microbatch dicts (joint replay: one per group, normalised by its tokens; naive: one per
-    microbatch, token sums): the same numbers from both."""
+    per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
     loss = sum(float(o["loss"]) for o in out) / num_groups
-    if "clip_fraction" in out[0]:
-        tokens = sum(float(o["num_tokens"]) for o in out)
-        clip = sum(float(o["clip_fraction"] * o["num_tokens"]) for o in out) / tokens
-        kl = sum(float(o["kl"] * o["num_tokens"]) for o in out) / tokens
-    else:
-        tokens = sum(float(o["tokens"]) for o in out)
-        clip = sum(float(o["clipped"]) for o in out) / tokens
-        kl = sum(float(o["kl"]) for o in out) / tokens
+    tokens = sum(float(o["tokens"]) for o in out)
+    clip = sum(float(o["clipped"]) for o in out) / tokens
+    kl = sum(float(o["kl"]) for o in out) / tokens
     return {"loss": loss, "clip_fraction": clip, "kl": kl}
 
 
@@ -80,8 +74,9 @@ class RLTrainer:
             clip_low=rl.rl_clip_low, clip_high=rl.rl_clip_high, kl_coef=rl.rl_kl_coef,
             loop_weights=rl.rl_loop_weights,
         )
+        self.forward_step = rl_forward_step(self.objective)
         self.schedule = get_shared_prefix_forward_backward_func(
-            self.objective, cfg.shared_prefix.shared_prefix_wave_size,
+            cfg.shared_prefix.shared_prefix_wave_size,
             cfg.shared_prefix.shared_prefix_checkpoint_waves, rl.rl_max_response_length)
         self.ref = self._frozen_copy(model) if rl.rl_kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
@@ -126,15 +121,18 @@ class RLTrainer:
             for n, p in enumerate(problems)
         ], dtype=torch.float64)
 
-    def _run_schedule(self, model, groups: list, forward_only: bool = False) -> list:
+    def _run_schedule(self, model, groups: list, forward_step_func,
+                      forward_only: bool = False) -> list:
         """The shared-prefix schedule over ``groups``, one group per microbatch."""
-        return self.schedule(forward_step_func=None, data_iterator=iter(groups), model=model,
-                             num_microbatches=len(groups), seq_length=groups[0].tokens.shape[1],
-                             micro_batch_size=groups[0].group_size, forward_only=forward_only)
+        return self.schedule(forward_step_func=forward_step_func, data_iterator=iter(groups),
+                             model=model, num_microbatches=len(groups),
+                             seq_length=groups[0].tokens.shape[1],
+                             micro_batch_size=groups[0].group_size, forward_only=forward_only,
+                             collect_non_loss_data=forward_only)
 
     def score(self, model, groups: list) -> list:
         """forward_only through the shared-prefix schedule: per-loop log-probs [R, G, T]."""
-        return [o["logprobs"] for o in self._run_schedule(model, groups, forward_only=True)]
+        return self._run_schedule(model, groups, logprobs_forward_step, forward_only=True)
 
     # ---- one RL step -----------------------------------------------------------------------
 
@@ -194,8 +192,9 @@ class RLTrainer:
 
     def _forward_backward(self, groups: list) -> list:
         if self.cfg.shared_prefix.shared_prefix_schedule == "naive":
-            return naive_step(self.ddp, groups, self.objective, self.cfg.training.micro_batch_size)
-        return self._run_schedule(self.ddp, groups)
+            return naive_step(self.ddp, groups, self.forward_step,
+                              self.cfg.training.micro_batch_size)
+        return self._run_schedule(self.ddp, groups, self.forward_step)
 
     # ---- supervised warm-up and evaluation ------------------------------------------------
 

@@ -17,9 +17,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from .config import LoopedTransformerConfig
-from .cpu_backend import enable_cpu_backend
-from .model import LoopedGPTModel, get_looped_gpt_layer_local_spec, get_looped_gpt_layer_te_spec
+from ..cpu_backend import enable_cpu_backend
+from ..model import LoopedGPTModel, get_looped_gpt_layer_local_spec, get_looped_gpt_layer_te_spec
+from ..model.config import LoopedTransformerConfig
 
 
 def init_distributed(cfg) -> str:

@@ -8,7 +8,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from .model.kv import config_signature
+from ..model.kv import config_signature
 
 _SIGNATURE_FIELDS = ("prelude layers", "core layers", "coda layers", "loops", "kv groups",
                      "kv channels", "hidden size", "vocab size")

@@ -6,11 +6,12 @@ loss is the same number whatever the wave size.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from ..rl.advantages import kl_k3, ppo_clipped_objective
+from .advantages import kl_k3, ppo_clipped_objective
 
 NORMALIZATIONS = ("token_mean", "seq_mean", "constant")
 LOOP_WEIGHTS = ("final", "uniform", "progressive")
@@ -92,3 +93,26 @@ class RLObjective:
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach()}
         return (coef * per_token).sum(), stats
+
+    def wave_loss(self, wave, logprobs: Tensor, non_loss_data: bool = False):
+        """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
+        per-loop log-probs [R, W, T] -> (the wave's share of the group loss, stats). Token
+        weights come from the whole group's loss mask. ``non_loss_data``: the log-probs."""
+        if non_loss_data:
+            return logprobs.detach()
+        g = wave.group
+        weights = wave.rows(self.token_weights(g.loss_mask))  # [W, T]
+        loss, stats = self.loss(logprobs, wave.rows(g.old_logprobs, 1),
+                                wave.rows(g.advantages), weights, wave.rows(g.ref_logprobs, 1))
+        return loss, {"loss": loss.detach(), **stats}
+
+
+def rl_forward_step(objective: RLObjective):
+    """MCore-style ``forward_step_func`` of the RL loss for ``SharedPrefixSchedule`` and
+    ``naive_step``: the wave's log-probs from ``model(wave)``, ``objective.wave_loss``."""
+
+    def forward_step(data_iterator, model):
+        wave = next(data_iterator)
+        return model(wave), partial(objective.wave_loss, wave)
+
+    return forward_step
