@@ -76,8 +76,11 @@ def _build(wl, spec, backend, device):
     from .workloads import build_config
 
     config = build_config(wl, use_cpu_initialization=device.type == "cpu")
-    model = LoopedGPTModel(config, spec, wl.vocab, wl.prompt_length + wl.response_length,
-                           backend=backend)
+    from scalerlt_mcore.model import get_looped_gpt_block_spec
+
+    block = get_looped_gpt_block_spec(config, use_transformer_engine=backend == "te",
+                                      layer_spec=spec)
+    model = LoopedGPTModel(config, block, wl.vocab, wl.prompt_length + wl.response_length)
     return model.to(device).train()
 
 

@@ -20,10 +20,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from scalerlt_mcore.model import (
+    LoopedBlockSubmodules,
     LoopedCoreAttention,
     LoopedGPTModel,
     LoopedSelfAttention,
     RecurrentTransformerBlock,
+    get_looped_gpt_block_spec,
     get_looped_gpt_layer_local_spec,
     get_looped_gpt_layer_te_spec,
 )
@@ -34,12 +36,12 @@ from scalerlt_mcore.model.config import LoopedTransformerConfig
 H, HEADS, V, MAX_LEN = 32, 4, 64, 16
 
 
-def build(spec=None, pe="learned_absolute", tied=False, backend="local", **cfg_kw):
+def build(spec=None, pe="learned_absolute", tied=False, te=False, **cfg_kw):
     cfg_kw = {"num_layers": 2, "use_cpu_initialization": True, **cfg_kw}
     cfg = LoopedTransformerConfig(hidden_size=H, num_attention_heads=HEADS, **cfg_kw)
-    spec = spec or get_looped_gpt_layer_local_spec(normalization=cfg.normalization)
+    spec = spec or get_looped_gpt_block_spec(cfg, use_transformer_engine=te)
     return LoopedGPTModel(cfg, spec, V, MAX_LEN, position_embedding_type=pe,
-                          share_embeddings_and_output_weights=tied, backend=backend)
+                          share_embeddings_and_output_weights=tied)
 
 
 def all_layers(model) -> list:
@@ -113,6 +115,48 @@ def test_layer_numbers_are_distinct(mcore_single):
     numbers = [layer.layer_number for layer in all_layers(model)]
     assert numbers == [1, 2, 3, 4, 5]
     assert [la.self_attention.layer_number for la in all_layers(model)] == numbers
+
+
+def test_block_spec_names_every_part():
+    cfg = LoopedTransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS,
+                                  use_cpu_initialization=True, looped_injection="linear_concat")
+    spec = get_looped_gpt_block_spec(cfg)
+    assert spec.module is RecurrentTransformerBlock
+    sub = spec.submodules
+    assert isinstance(sub, LoopedBlockSubmodules)
+    for part in (sub.prelude, sub.core, sub.coda):
+        assert part.submodules.self_attention.module is LoopedSelfAttention
+    assert sub.injection is LinearConcatInjection
+    none = get_looped_gpt_block_spec(LoopedTransformerConfig(
+        num_layers=2, hidden_size=H, num_attention_heads=HEADS, use_cpu_initialization=True))
+    assert none.submodules.injection is None
+
+
+class _GatedInjection(torch.nn.Module):
+    """A user's own injection: x = s + g * e with a learned scalar gate."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, state, embed):
+        return state + self.gate * embed
+
+
+def test_parts_swap_by_spec(mcore_single):
+    """A user swaps the injection and the core layers' spec without touching the block."""
+    cfg = LoopedTransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS,
+                                  use_cpu_initialization=True, looped_num_prelude_layers=1,
+                                  looped_injection="linear_concat")
+    spec = get_looped_gpt_block_spec(cfg)
+    spec.submodules.injection = _GatedInjection
+    spec.submodules.core = get_looped_gpt_layer_local_spec(qk_layernorm=True)
+    model = LoopedGPTModel(cfg, spec, V, MAX_LEN)
+    assert isinstance(model.decoder.injection, _GatedInjection)
+    assert model.decoder.layers[0].self_attention.q_layernorm is not None
+    assert isinstance(model.decoder.prelude[0].self_attention.q_layernorm, IdentityOp)
+    model(torch.randint(0, V, (2, 5))).logits[-1].sum().backward()
+    assert model.decoder.injection.gate.grad is not None
 
 
 def test_no_injection_module_without_injection(mcore_single):
@@ -197,7 +241,7 @@ def test_te_spec_without_te_raises_clear_import_error(monkeypatch):
         get_looped_gpt_layer_te_spec()
     with pytest.raises(ImportError, match="Transformer Engine is not installed"):
         specs_module.get_looped_final_norm_spec(SimpleNamespace(normalization="LayerNorm"),
-                                              backend="te")
+                                              use_transformer_engine=True)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
@@ -220,7 +264,7 @@ def test_te_spec_types_and_count(mcore_single):
     kw = dict(num_layers=2, looped_num_loops=3, looped_num_prelude_layers=1,
               looped_num_coda_layers=1, looped_injection="linear_concat",
               use_cpu_initialization=False)
-    model = build(spec=get_looped_gpt_layer_te_spec(), backend="te", **kw)
+    model = build(te=True, **kw)
     for layer in all_layers(model):
         attn = layer.self_attention
         assert isinstance(attn, LoopedSelfAttention)

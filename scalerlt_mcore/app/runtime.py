@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from ..cpu_backend import enable_cpu_backend
-from ..model import LoopedGPTModel, get_looped_gpt_layer_local_spec, get_looped_gpt_layer_te_spec
+from ..model import LoopedGPTModel, get_looped_gpt_block_spec
 from ..model.config import LoopedTransformerConfig
 
 
@@ -68,14 +68,12 @@ def model_config(cfg, device: str) -> LoopedTransformerConfig:
 def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: str):
     """The bare looped GPT on ``device``."""
     te = cfg.model.transformer_impl == "transformer_engine"
-    spec = get_looped_gpt_layer_te_spec() if te else get_looped_gpt_layer_local_spec(
-        normalization=cfg.model.normalization)
+    spec = get_looped_gpt_block_spec(config, use_transformer_engine=te)
     model = LoopedGPTModel(
         config, spec, vocab_size=vocab_size,
         max_sequence_length=cfg.model.max_position_embeddings,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
-        backend="te" if te else "local",
     )
     # As MCore's Float16Module: every parameter (norms too) in the half dtype; the optimizer
     # keeps fp32 main params. Inputs are token ids and log-probs come out in fp32, so the

@@ -1,9 +1,36 @@
-"""The recurrent block: prelude (once) -> core (R loops, shared weights) -> coda (every loop)."""
+"""The recurrent block: prelude (once) -> core (R loops, shared weights) -> coda (every loop).
+
+Built from a block spec (``get_looped_gpt_block_spec``) whose ``LoopedBlockSubmodules`` name
+every part, as MCore's ``TransformerBlockSubmodules`` do for its block.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
+
+
+@dataclass
+class LoopedBlockSubmodules:
+    """The parts of a ``RecurrentTransformerBlock``; swap any of them by spec."""
+
+    prelude: Union[ModuleSpec, type, None] = None
+    """Layer spec of the prelude layers (run once before the first loop)."""
+
+    core: Union[ModuleSpec, type, None] = None
+    """Layer spec of the core layers (applied ``looped_num_loops`` times, shared weights)."""
+
+    coda: Union[ModuleSpec, type, None] = None
+    """Layer spec of the coda layers (run after every loop, before the readout)."""
+
+    injection: Union[ModuleSpec, type, None] = None
+    """How the embedded input re-enters each loop; None: no injection (s_r = core(s_{r-1}))."""
+
+    final_layernorm: Union[ModuleSpec, type, None] = None
+    """The shared readout's final norm."""
 
 
 class LinearConcatInjection(MegatronModule):
@@ -24,22 +51,23 @@ class RecurrentTransformerBlock(MegatronModule):
     ``looped_num_loops`` times; coda layers run after every loop. ``forward`` returns the
     readout input (pre-final-norm) of every loop."""
 
-    def __init__(self, config, layer_spec: ModuleSpec, final_norm_spec):
+    def __init__(self, config, submodules: LoopedBlockSubmodules):
         super().__init__(config=config)
         n_pre, n_core = config.looped_num_prelude_layers, config.num_layers
         n_coda = config.looped_num_coda_layers
-        self.prelude = self._layers(layer_spec, 1, n_pre)
-        self.layers = self._layers(layer_spec, n_pre + 1, n_core)
-        self.coda = self._layers(layer_spec, n_pre + n_core + 1, n_coda)
-        self.injection = (
-            LinearConcatInjection(config) if config.looped_injection == "linear_concat" else None
-        )
+        self.prelude = self._layers(submodules.prelude, 1, n_pre)
+        self.layers = self._layers(submodules.core, n_pre + 1, n_core)
+        self.coda = self._layers(submodules.coda, n_pre + n_core + 1, n_coda)
+        self.injection = _optional(submodules.injection, config)
         self.final_layernorm = build_module(
-            final_norm_spec, config=config, hidden_size=config.hidden_size,
+            submodules.final_layernorm, config=config, hidden_size=config.hidden_size,
             eps=config.layernorm_epsilon,
         )
 
     def _layers(self, spec, first_number: int, count: int) -> nn.ModuleList:
+        if count and spec is None:
+            raise ValueError(f"the block spec has no layer spec for {count} layers "
+                             f"(layer numbers from {first_number})")
         return nn.ModuleList(
             build_module(spec, config=self.config, layer_number=first_number + i)
             for i in range(count)
@@ -67,3 +95,7 @@ class RecurrentTransformerBlock(MegatronModule):
             state = run(self.layers, x)
             readouts.append(run(self.coda, state))
         return readouts
+
+
+def _optional(spec: Optional[Union[ModuleSpec, type]], config):
+    return None if spec is None else build_module(spec, config=config)

@@ -11,11 +11,11 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
-from .block import RecurrentTransformerBlock
 from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
-from .specs import get_looped_final_norm_spec
+from .specs import get_looped_gpt_block_spec, is_block_spec
 
 
 @dataclass
@@ -34,13 +34,16 @@ class LoopedOutput:
 
 class LoopedGPTModel(LanguageModule):
     """GPT with a looped core. With R=1, no prelude/coda and no injection it is the same
-    function as MCore's ``GPTModel`` with the same weights (same parameter names)."""
+    function as MCore's ``GPTModel`` with the same weights (same parameter names).
+
+    ``transformer_layer_spec``: a block spec (``get_looped_gpt_block_spec``), or, as MCore's
+    ``GPTModel`` accepts, one layer spec used for every layer (local final norm)."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, backend: str = "local", pg_collection=None):
+                 rotary_base: int = 10000, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
@@ -63,9 +66,9 @@ class LoopedGPTModel(LanguageModule):
                 rotary_interleaved=config.rotary_interleaved, rotary_base=rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
-        self.decoder = RecurrentTransformerBlock(
-            config, transformer_layer_spec, get_looped_final_norm_spec(config, backend)
-        )
+        block_spec = (transformer_layer_spec if is_block_spec(transformer_layer_spec)
+                      else get_looped_gpt_block_spec(config, layer_spec=transformer_layer_spec))
+        self.decoder = build_module(block_spec, config=config)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, skip_bias_add=False, gather_output=not parallel_output,

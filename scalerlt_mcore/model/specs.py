@@ -1,16 +1,20 @@
-"""Layer specs of the looped GPT, one function per backend (MCore style).
+"""Specs of the looped GPT, one function per backend (MCore style).
 
-Each is MCore's GPT layer spec for that backend with the self-attention swapped for
+Layer specs: MCore's GPT layer spec for that backend with the self-attention swapped for
 ``LoopedSelfAttention`` (same parameters) and the core attention for ``LoopedCoreAttention``.
+Block spec: ``get_looped_gpt_block_spec`` names every part of the recurrent block
+(``LoopedBlockSubmodules``: prelude / core / coda layer specs, injection, final norm).
 """
 
 import copy
+from typing import Optional
 
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import LoopedCoreAttention, LoopedSelfAttention
+from .block import LinearConcatInjection, LoopedBlockSubmodules, RecurrentTransformerBlock
 
 try:
     import transformer_engine  # noqa: F401
@@ -49,13 +53,37 @@ def get_looped_gpt_layer_te_spec(qk_layernorm: bool = False) -> ModuleSpec:
     return _looped(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm))
 
 
-def get_looped_final_norm_spec(config, backend: str = "local"):
+def get_looped_final_norm_spec(config, use_transformer_engine: bool = False):
     """The final norm of the shared readout, for the chosen backend."""
     rms = config.normalization == "RMSNorm"
-    if backend == "te":
+    if use_transformer_engine:
         if not HAVE_TE:
-            raise ImportError("Transformer Engine is not installed: use backend='local'")
+            raise ImportError("Transformer Engine is not installed: use the local spec")
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         return TESpecProvider().layer_norm(rms_norm=rms, for_qk=False)
     return LocalSpecProvider().layer_norm(rms_norm=rms, for_qk=False)
+
+
+INJECTIONS = {"none": None, "linear_concat": LinearConcatInjection}
+"""``looped_injection`` -> the injection module of the block spec."""
+
+
+def get_looped_gpt_block_spec(config, use_transformer_engine: bool = False,
+                              qk_layernorm: bool = False,
+                              layer_spec: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """The recurrent block's spec: every layer from ``layer_spec`` (default: the backend's
+    looped layer spec), the config's injection and the backend's final norm."""
+    if layer_spec is None:
+        layer_spec = (get_looped_gpt_layer_te_spec(qk_layernorm) if use_transformer_engine
+                      else get_looped_gpt_layer_local_spec(qk_layernorm, config.normalization))
+    return ModuleSpec(module=RecurrentTransformerBlock, submodules=LoopedBlockSubmodules(
+        prelude=layer_spec, core=layer_spec, coda=layer_spec,
+        injection=INJECTIONS[config.looped_injection],
+        final_layernorm=get_looped_final_norm_spec(config, use_transformer_engine),
+    ))
+
+
+def is_block_spec(spec) -> bool:
+    """True for a spec built like ``get_looped_gpt_block_spec``'s."""
+    return isinstance(spec, ModuleSpec) and isinstance(spec.submodules, LoopedBlockSubmodules)
