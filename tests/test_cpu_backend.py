@@ -1,7 +1,9 @@
-"""The opt-in CPU backend: explicit, idempotent, version-checked, and each patch works."""
+"""The opt-in CPU backend: explicit, idempotent, all or nothing, version-checked, and each
+patch works."""
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import torch
 
 from scalerlt_mcore import cpu_backend
 from scalerlt_mcore.cpu_backend import cpu_backend_enabled, enable_cpu_backend
+from scalerlt_mcore.mcore_compat import resolve
 
 LEDGER = Path(__file__).resolve().parents[1] / "patches" / "README.md"
 
@@ -62,12 +65,12 @@ def test_not_applied_at_import_and_every_target_patched_when_enabled():
 
 def test_enable_twice_is_a_noop():
     assert enable_cpu_backend() is True
-    patched = {t: getattr(*cpu_backend._resolve(t)) for t in _targets()}
+    patched = {t: getattr(*resolve(t)) for t in _targets()}
     applied = list(cpu_backend.APPLIED)
     assert enable_cpu_backend() is True
     assert cpu_backend_enabled()
     assert cpu_backend.APPLIED == applied
-    assert all(getattr(*cpu_backend._resolve(t)) is obj for t, obj in patched.items())
+    assert all(getattr(*resolve(t)) is obj for t, obj in patched.items())
 
 
 def test_wrong_mcore_version_is_refused(monkeypatch):
@@ -86,6 +89,74 @@ def test_ledger_lists_every_patch():
     enable_cpu_backend()
     rows = re.findall(r"^\| \d+ \| `([^`]+)` \|", LEDGER.read_text(), flags=re.M)
     assert sorted(rows) == sorted(cpu_backend.APPLIED)
+
+
+# Runs in a fresh interpreter (the tests' own process has the backend enabled): a patch table
+# with a bad target in the middle, then the real table; each builder records what it wrapped.
+_ROLLBACK_PROBE = """
+import json, logging
+from scalerlt_mcore import cpu_backend
+from scalerlt_mcore.mcore_compat import resolve
+BAD = "megatron.core.optimizer.optimizer:NoSuchOptimizer.__init__"
+table = cpu_backend._patch_table
+targets = [t for t, _ in table()]
+logger = logging.getLogger("megatron.core.tensor_parallel.random")
+built = {}  # target -> [(original, replacement)] per build
+def current():
+    return [getattr(*resolve(t)) for t in targets]
+def owned():
+    return [name in vars(owner) for owner, name in map(resolve, targets)]
+def filters():
+    return sum(isinstance(f, cpu_backend._DropRngForkWarning) for f in logger.filters)
+def recording(target, build):
+    def record(original):
+        built.setdefault(target, []).append((original, build(original)))
+        return built[target][-1][1]
+    return record
+def table_with(bad_at=None):
+    rows = [(t, recording(t, b)) for t, b in table()]
+    if bad_at is not None:
+        rows.insert(bad_at, (BAD, lambda original: original))
+    return rows
+def state():
+    return {"marker": cpu_backend.cpu_backend_enabled(), "applied": list(cpu_backend.APPLIED),
+            "filters": filters(), "built": {t: len(b) for t, b in built.items()}}
+stock, stock_owned = current(), owned()
+cpu_backend._patch_table = lambda: table_with(len(targets) // 2)
+try:
+    cpu_backend.enable_cpu_backend()
+    error = None
+except AttributeError as err:
+    error = str(err)
+failed = {**state(), "error": error, "owned": owned() == stock_owned,
+          "stock": [a is b for a, b in zip(current(), stock)]}
+built.clear()
+cpu_backend._patch_table = table_with
+enabled = cpu_backend.enable_cpu_backend()
+retry = {**state(), "enabled": enabled,
+         "from_stock": [built[t][0][0] is s for t, s in zip(targets, stock)],
+         "installed": [built[t][0][1] is c for t, c in zip(targets, current())]}
+print(json.dumps({"targets": targets, "failed": failed, "retry": retry}))
+"""
+
+
+def test_failed_patch_restores_everything_and_retry_applies_once():
+    """A patch failing halfway restores every patch applied before it (marker unset, APPLIED
+    empty, no logging filter); the retry then wraps each stock target exactly once."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _ROLLBACK_PROBE], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    targets, failed, retry = probe["targets"], probe["failed"], probe["retry"]
+    assert "NoSuchOptimizer" in failed["error"]
+    assert failed["built"] == {t: 1 for t in targets[: len(targets) // 2]}  # failed mid-table
+    assert all(failed["stock"]) and failed["owned"]
+    assert (failed["marker"], failed["applied"], failed["filters"]) == (False, [], 0)
+    assert retry["enabled"] and retry["marker"] and retry["filters"] == 1
+    assert retry["built"] == {t: 1 for t in targets}
+    assert all(retry["from_stock"]) and all(retry["installed"])
+    assert retry["applied"] == [*targets, "megatron.core.tensor_parallel.random:logger (filter)"]
 
 
 def test_rng_tracker_uses_cpu_generator(mcore_single, caplog):
