@@ -1,19 +1,25 @@
 """The opt-in CPU backend: explicit, idempotent, all or nothing, version-checked, and each
-patch works."""
+patch works. The MCore workarounds outside it: ledgered, registered and version-guarded."""
 
+import ast
+import importlib
+import inspect
 import json
 import logging
 import os
+import pkgutil
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import megatron.core
 import pytest
 import torch
 
-from scalerlt_mcore import cpu_backend
+import scalerlt_mcore
+from scalerlt_mcore import cpu_backend, mcore_compat
 from scalerlt_mcore.cpu_backend import cpu_backend_enabled, enable_cpu_backend
 from scalerlt_mcore.mcore_compat import resolve
 
@@ -91,6 +97,36 @@ def test_ledger_lists_every_patch():
     assert sorted(rows) == sorted(cpu_backend.APPLIED)
 
 
+def _import_all() -> list[str]:
+    """Import every scalerlt_mcore module (registering every workaround); the registry."""
+    for info in pkgutil.walk_packages(scalerlt_mcore.__path__, "scalerlt_mcore."):
+        importlib.import_module(info.name)
+    return list(mcore_compat.WORKAROUNDS)
+
+
+def test_ledger_lists_every_workaround():
+    """patches/README.md has one W row per registered workaround, numbered W1.., every cell
+    (behaviour, what it does, tests, when it can go) filled."""
+    rows = re.findall(r"^\| (W\d+) \| `([^`]+)` \|(.*)\|$", LEDGER.read_text(), flags=re.M)
+    assert [row[0] for row in rows] == [f"W{i + 1}" for i in range(len(rows))]
+    assert sorted(row[1] for row in rows) == sorted(_import_all())
+    for number, target, rest in rows:
+        cells = [cell.strip() for cell in rest.split(" | ")]
+        assert len(cells) == 4 and all(cells), (number, target, cells)
+
+
+def test_every_workaround_refuses_another_mcore_version(monkeypatch):
+    """Each registered workaround raises naming itself and the found version; the guard runs
+    before the arguments are looked at."""
+    targets = _import_all()
+    assert len(targets) == 4, targets
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    for target in targets:
+        with pytest.raises(RuntimeError, match=re.escape(target) + r".*0\.16\.1.*found "
+                           r"megatron-core 0\.17\.0"):
+            getattr(*resolve(target))()
+
+
 # Runs in a fresh interpreter (the tests' own process has the backend enabled): a patch table
 # with a bad target in the middle, then the real table; each builder records what it wrapped.
 _ROLLBACK_PROBE = """
@@ -157,6 +193,51 @@ def test_failed_patch_restores_everything_and_retry_applies_once():
     assert retry["built"] == {t: 1 for t in targets}
     assert all(retry["from_stock"]) and all(retry["installed"])
     assert retry["applied"] == [*targets, "megatron.core.tensor_parallel.random:logger (filter)"]
+
+
+def _is_context(node) -> bool:
+    """`inference_context`, `kwargs['inference_context']` or `kwargs.get('inference_context')`."""
+    if isinstance(node, ast.Name):
+        return node.id == "inference_context"
+    key = node.slice if isinstance(node, ast.Subscript) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        key = node.args[0] if node.func.attr == "get" and node.args else None
+    return isinstance(key, ast.Constant) and key.value == "inference_context"
+
+
+def _context_reads(cls) -> set:
+    """Attributes read of an inference context in the source of `cls`'s MCore classes."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("megatron."):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+            names |= {node.attr for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and _is_context(node.value)}
+    return names
+
+
+def test_loopkv_answers_what_mcore_asks():
+    """LoopKV (ledger W1) answers exactly what MCore's TransformerLayer reads of an inference
+    context, and MCore's Attention never sees it: LoopedSelfAttention overrides forward and
+    calls no MCore method that takes an inference context."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from scalerlt_mcore.model.attention import LoopedSelfAttention
+    from scalerlt_mcore.model.kv import LoopKV
+
+    assert _context_reads(TransformerLayer) == set(LoopKV.MCORE_METHODS)
+    ctx = LoopKV()
+    assert [getattr(ctx, m)() for m in LoopKV.MCORE_METHODS] == [False, True, False]
+    takes_context = {name for base in LoopedSelfAttention.__mro__[1:]
+                     if base.__module__.startswith("megatron.")
+                     for name, fn in vars(base).items() if inspect.isfunction(fn)
+                     and "inference_context" in inspect.signature(fn).parameters}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(LoopedSelfAttention)))
+    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == "self"}
+    assert "forward" in takes_context and "forward" in vars(LoopedSelfAttention)
+    assert called and not called & takes_context, called & takes_context
 
 
 def test_rng_tracker_uses_cpu_generator(mcore_single, caplog):
