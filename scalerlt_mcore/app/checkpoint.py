@@ -8,6 +8,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from ..mcore_compat import mcore_workaround
 from ..model.kv import config_signature
 
 _SIGNATURE_FIELDS = ("prelude layers", "core layers", "coda layers", "loops", "kv groups",
@@ -48,10 +49,12 @@ def _torch_adams(optimizer) -> list:
     return [opt for opt in inner if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
 
 
+@mcore_workaround
 def _restore_adam_step(optimizer) -> None:
     """Set Adam's step count from the loaded param groups. MCore 0.16's dp_reshardable load
     sets it from them, then copies the loading template's step (0) over it (torch Adam keeps
-    a per-parameter step; Apex/TE Adam does not), which restarts Adam's bias correction."""
+    a per-parameter step; Apex/TE Adam does not), which restarts Adam's bias correction.
+    Ledger row W3."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             for p in group["params"]:
@@ -59,10 +62,12 @@ def _restore_adam_step(optimizer) -> None:
                     adam.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
+@mcore_workaround
 def _init_adam_state(optimizer) -> None:
     """Give a never-stepped torch Adam its state: step 0 and zero moments (the same next update
     as no state). MCore 0.16's DistributedOptimizer.state_dict(), which building the loading
-    state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers)."""
+    state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers).
+    Ledger row W2."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             for p in group["params"]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..mcore_compat import mcore_workaround
 from ..rl.advantages import group_advantages
 from ..rl.objective import RLObjective, loop_weights, rl_forward_step
 from ..rl.rollout import generate
@@ -82,9 +83,10 @@ class RLTrainer:
         self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
 
     @staticmethod
+    @mcore_workaround
     def _frozen_copy(model):
         """A frozen copy of the weights. MCore modules hold process groups (which cannot be
-        copied) and the config holds the DDP hooks: the copy shares both."""
+        copied) and the config holds the DDP hooks: the copy shares both (ledger row W4)."""
         memo = {id(model.config): model.config}
         for module in model.modules():
             for value in vars(module).values():  # e.g. tp_group, pg_collection.dp

@@ -8,10 +8,12 @@ MCore keys inference caches by ``layer_number``; a core layer reused across loop
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
+
+from ..mcore_compat import mcore_workaround
 
 
 def config_signature(config) -> tuple:
@@ -122,12 +124,17 @@ class DepthKVCache:
         return self.lengths[:, None] + offsets[None, :]
 
 
+@mcore_workaround
 @dataclass
 class LoopKV:
     """Per-forward routing of K/V by virtual depth, passed to layers as ``inference_context``.
 
     The block sets ``depth`` before running each layer application. Attention then either
     records its new K/V (``record``), attends to a prefix state, or reads and writes a cache.
+
+    MCore's TransformerLayer passes ``inference_context`` on to self-attention and asks it the
+    ``MCORE_METHODS`` below; MCore's own contexts key K/V by ``layer_number``, which a layer
+    reused across loops shares, so LoopKV stands in for one (ledger row W1).
     """
 
     prefix: Optional[PrefixState] = None
@@ -138,12 +145,20 @@ class LoopKV:
     depth: int = 0
     recorded: dict = field(default_factory=dict)
 
-    # MCore's TransformerLayer asks these of an inference context.
+    # Exactly what MCore 0.16.1's TransformerLayer asks of an inference context.
+    MCORE_METHODS: ClassVar[tuple] = (
+        "is_decode_only", "is_static_batching", "using_cuda_graph_this_step",
+    )
+
     def is_decode_only(self) -> bool:
+        """No: a forward may carry many tokens per sequence (MCore's prefill case), so MCore
+        picks no decode CUDA graph for it."""
         return False
 
     def is_static_batching(self) -> bool:
+        """Yes: one fixed batch per forward (MCore then asks no dynamic-batching question)."""
         return True
 
-    def is_dynamic_batching(self) -> bool:
+    def using_cuda_graph_this_step(self) -> bool:
+        """No: looped forwards are not CUDA-graph captured (asked of dynamic contexts only)."""
         return False
