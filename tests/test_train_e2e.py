@@ -447,15 +447,38 @@ def test_cli_unknown_flag_exits_with_message(tmp_path):
     (["--config", "missing.yaml"], r"config file not found: missing.yaml"),
     (["--config", "bad_key.yaml"], r"unknown key 'lr_decay' in bad_key.yaml"),
     (["--config", "bad_type.yaml"], r"key 'num_layers' expects int, got 2.5"),
+    (["--tensor-model-parallel-size", "3"],  # the project's message, not MCore's assertion
+     r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
+    (["--pipeline-model-parallel-size", "2"], r"pipeline_model_parallel_size must be 1"),
 ])
 def test_main_rejects_bad_config(tmp_path, monkeypatch, argv, message):
     from scalerlt_mcore.app.train import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "bad_key.yaml").write_text("num_layers: 2\nlr_decay: cosine\n")
     (tmp_path / "bad_type.yaml").write_text("num_layers: 2.5\n")
     with pytest.raises(ConfigError, match=message):  # a run that starts anyway is short
         main(["--train-iters", "1"] + argv)
+
+
+def test_bad_config_rejected_before_any_process_group(monkeypatch):
+    from megatron.core import parallel_state
+
+    from scalerlt_mcore.app import train
+
+    seen = []
+
+    def spy(cfg, world_size):
+        seen.append((world_size, torch.distributed.is_initialized(),
+                     parallel_state.model_parallel_is_initialized()))
+        raise ConfigError("rejected")
+
+    monkeypatch.setattr(train, "validate", spy)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it
+    with pytest.raises(ConfigError, match="rejected"):
+        train.main(["--train-iters", "1"])
+    assert seen == [(4, False, False)]
 
 
 def test_global_batch_not_divisible_by_dp_times_group(tmp_path):

@@ -4,6 +4,7 @@ One process, or ``torchrun --nproc-per-node N`` for N data-parallel ranks (MCore
 distributed optimizer). Without ``--config`` the packaged tiny CPU demo config is used.
 """
 
+import os
 import signal
 import sys
 import time
@@ -61,8 +62,9 @@ def _line(step: int, m: dict) -> str:
 
 
 def run(cfg) -> dict:
-    """Train; returns the final evaluation. The process group and MCore's parallel state are
-    destroyed on return and on error."""
+    """Validate, then train; returns the final evaluation. The process group and MCore's
+    parallel state are destroyed on return and on error."""
+    validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
     try:
         return _run(cfg, device)
@@ -70,8 +72,12 @@ def run(cfg) -> dict:
         shutdown_distributed()
 
 
+def _world_size() -> int:
+    """The job's process count: torchrun's WORLD_SIZE, 1 for a plain process."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _run(cfg, device: str) -> dict:
-    validate(cfg, dist.get_world_size())
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
     if rank0:

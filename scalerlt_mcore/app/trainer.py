@@ -15,17 +15,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
 from ..rl.advantages import group_advantages
-from ..rl.objective import RLObjective, loop_weights, rl_forward_step
+from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
-from ..rl.tasks import get_task
 from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
     SavedTensorProbe,
     SharedPrefixGroup,
-    get_shared_prefix_forward_backward_func,
     logprobs_forward_step,
     naive_step,
 )
+from .arguments import objective_from, schedule_from, task_from
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -68,19 +67,12 @@ class RLTrainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tok = CharTokenizer()
-        self.task = get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
-        rl = cfg.rl
-        self.objective = RLObjective(
-            normalization=rl.rl_loss_normalization, constant_length=rl.rl_max_response_length,
-            clip_low=rl.rl_clip_low, clip_high=rl.rl_clip_high, kl_coef=rl.rl_kl_coef,
-            loop_weights=rl.rl_loop_weights,
-        )
+        self.task = task_from(cfg)
+        self.objective = objective_from(cfg)
         self.forward_step = rl_forward_step(self.objective)
-        self.schedule = get_shared_prefix_forward_backward_func(
-            cfg.shared_prefix.shared_prefix_wave_size,
-            cfg.shared_prefix.shared_prefix_checkpoint_waves, rl.rl_max_response_length)
-        self.ref = self._frozen_copy(model) if rl.rl_kl_coef > 0 else None
-        self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
+        self.schedule = schedule_from(cfg)
+        self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
+        self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
 
     @staticmethod
     @mcore_workaround

@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
+from .config import POSITION_EMBEDDING_TYPES
 from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
 
@@ -47,9 +48,9 @@ class LoopedGPTModel(LanguageModule):
         super().__init__(config=config, pg_collection=pg_collection)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
-        if position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"position_embedding_type must be learned_absolute or rope, "
-                             f"got {position_embedding_type!r}")
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type must be one of "
+                             f"{POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}")
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output

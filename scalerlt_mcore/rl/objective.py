@@ -7,14 +7,17 @@ loss is the same number whatever the wave size.
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from .advantages import kl_k3, ppo_clipped_objective
 
-NORMALIZATIONS = ("token_mean", "seq_mean", "constant")
-LOOP_WEIGHTS = ("final", "uniform", "progressive")
+Normalization = Literal["token_mean", "seq_mean", "constant"]
+LoopWeights = Literal["final", "uniform", "progressive"]
+NORMALIZATIONS = get_args(Normalization)
+LOOP_WEIGHTS = get_args(LoopWeights)
 
 
 def loop_weights(scheme: str, num_loops: int) -> Tensor:
@@ -35,7 +38,7 @@ def loop_weights(scheme: str, num_loops: int) -> Tensor:
 class RLObjective:
     """PPO-clipped policy loss with optional k3 KL, per-loop credit and group normalisation."""
 
-    normalization: str = "token_mean"
+    normalization: Normalization = "token_mean"
     """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
     token means; constant: / (G * constant_length) (Dr. GRPO)."""
 
@@ -51,7 +54,7 @@ class RLObjective:
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0)."""
 
-    loop_weights: str = "final"
+    loop_weights: LoopWeights = "final"
     """Per-loop credit over all-loop readouts: final | uniform | progressive."""
 
     def __post_init__(self):
