@@ -14,6 +14,21 @@ model)`` returns ``(output, loss_func)``; for a group it is called once per wave
 iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose call returns the
 wave's per-loop log-probs. ``loss_func(output)`` returns ``(loss, stats)``: the wave's share of
 the group's loss (normalised over the whole group) and a dict of tensors.
+
+Up-front checks, before any compute (no phase runs, no grad changes when one fails): every
+group's ``SharedPrefixGroup.check`` (shapes, shared prompt, token ids and labels in the model's
+vocabulary, labels the tokens shifted by one, lengths within the position table); stochastic
+layers (dropout) are rejected, since the replay would draw other masks than the prompt producer;
+and, if ``forward_step_func`` has a ``check_group`` attribute, ``forward_step_func.check_group(
+group)`` is called for every group, so a loss can reject what it cannot use (e.g. the RL
+objective: KL without reference log-probs) before any compute.
+
+A refused step: every replay input is fingerprinted after the up-front checks and verified
+before the joint replay and every wave (re)compute. A ``ReplayInputError`` raised once compute
+has begun leaves the gradients of the waves and groups that already ran in the parameters'
+grad buffers (parameters and optimizer are untouched: the schedule never steps). The caller
+must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
+step the optimizer; the error message says so.
 """
 
 import contextlib
@@ -30,9 +45,16 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..model.kv import PrefixState
-from .group import ReplayGuard, SharedPrefixGroup, WaveBatch
+from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 
 PHASES = ("prompt_producer", "wave", "joint_replay")
+
+DROPOUT_FIELDS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
+"""Config dropout fields joint replay rejects when > 0, with their Megatron flags."""
+
+PARTIAL_GRADS = ("the step was refused after compute began: gradients of the waves that already "
+                 "ran remain in the grad buffers; discard them (DDP zero_grad_buffer() and "
+                 "optimizer.zero_grad()) and do not step the optimizer")
 
 
 def get_shared_prefix_forward_backward_func(wave_size: int, checkpoint_waves: bool = False,
@@ -126,12 +148,15 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
-        self._check_groups(groups, inner.config, forward_only, config)
+        self._check_groups(groups, inner, forward_only, config, forward_step_func)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
                           collect_non_loss_data, first_val_step)
         if forward_only:
             return [self.score_group(run) for run in runs]
-        results = self._train_groups(runs, config)
+        try:
+            results = self._train_groups(runs, config)
+        except ReplayInputError as e:
+            raise ReplayInputError(f"{e}. {PARTIAL_GRADS}") from e
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func([model], None, pg_collection=pg_collection,
                                              force_all_reduce=force_all_reduce)
@@ -139,16 +164,24 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, model_config, forward_only, config) -> None:
+    def _check_groups(self, groups, inner, forward_only, config, forward_step_func) -> None:
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
+        if not forward_only or inner.training:
+            _check_deterministic(inner)
+        learned = getattr(inner, "position_embedding_type", None) == "learned_absolute"
+        limits = dict(vocab_size=getattr(inner, "vocab_size", None),
+                      max_positions=inner.max_sequence_length if learned else None)
+        check_group = getattr(forward_step_func, "check_group", None)
         for g in groups:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
-            g.check(model_config.looped_num_loops, self.max_response_length,
-                    training=not forward_only)
+            g.check(inner.config.looped_num_loops, self.max_response_length,
+                    training=not forward_only, **limits)
+            if check_group is not None:
+                check_group(g)
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
               collect_non_loss_data, first_val_step) -> list:
@@ -184,6 +217,7 @@ class SharedPrefixSchedule:
 
     def _produce_prompt(self, run: _GroupRun) -> PrefixState:
         """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves."""
+        run.guard.verify("prompt producer")
         with torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
@@ -289,6 +323,27 @@ def _merge_values(items: list):
     if isinstance(first, (int, float)):
         return sum(items)
     return items
+
+
+def _check_deterministic(inner) -> None:
+    """Reject dropout: the replay recomputes the prompt and the waves, and the prefix adjoints
+    of one dropout mask would meet a recompute drawn with another (masks are not replayed).
+    Checks the config (also a config changed after the model was built) and every module: an
+    ``nn.Dropout`` with p > 0 or a layer built with ``hidden_dropout`` > 0, in training mode."""
+    for name, flag in DROPOUT_FIELDS.items():
+        p = getattr(inner.config, name, 0.0) or 0.0
+        if p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: config."
+                             f"{name} = {p} (flag {flag}); set it to 0")
+    for mname, m in inner.named_modules():
+        if not m.training:
+            continue
+        p = m.p if isinstance(m, torch.nn.modules.dropout._DropoutNd) else getattr(
+            m, "hidden_dropout", None)
+        if isinstance(p, (int, float)) and p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: module "
+                             f"'{mname}' ({type(m).__name__}) drops with p = {p} in training "
+                             f"mode (built with hidden_dropout > 0, flag --hidden-dropout)")
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
