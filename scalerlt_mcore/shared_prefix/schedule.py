@@ -102,6 +102,7 @@ class _GroupRun:
     first_microbatch: bool = False
     collect_non_loss_data: bool = False
     results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
+    state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
 
 
 class SharedPrefixSchedule:
@@ -216,12 +217,14 @@ class SharedPrefixSchedule:
         return _merge(run.results, num_waves=len(waves))
 
     def _produce_prompt(self, run: _GroupRun) -> PrefixState:
-        """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves."""
+        """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves of
+        at least fp32 (the same numbers), so the waves' prefix adjoints accumulate in fp32."""
         run.guard.verify("prompt producer")
         with torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
-        return state.detached_leaves()
+        run.state_dtype = state.boundary.dtype
+        return state.detached_leaves(torch.float32)
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
@@ -229,17 +232,13 @@ class SharedPrefixSchedule:
                          readout=False).prefix_state
 
     def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
-        """Phase 2: every wave but the last; returns the summed prefix adjoints (>= fp32)."""
-        adjoints = [torch.zeros_like(t, dtype=_acc(t)) for t in leaves.tensors()]
+        """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves'
+        grads (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
         for n, wave in enumerate(waves):
             loss = self._wave_loss(run, leaves, wave, n)
             _scaled(loss, run.config).backward()
-            for adj, leaf in zip(adjoints, leaves.tensors()):
-                if leaf.grad is not None:
-                    adj.add_(leaf.grad)
-                    leaf.grad = None
             self.phase_callback("wave", run.group)
-        return adjoints
+        return [leaf.grad for leaf in leaves.tensors()]
 
     def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints) -> None:
         """Phase 3: recompute the prompt with grad, run the last wave, one backward."""
@@ -249,15 +248,14 @@ class SharedPrefixSchedule:
         total = _scaled(loss, run.config)
         if adjoints is not None:
             total = total + sum((t.to(a.dtype) * a).sum()
-                                for t, a in zip(state.tensors(), adjoints))
+                                for t, a in zip(state.tensors(), adjoints) if a is not None)
         total.backward()
         self.phase_callback("joint_replay", run.group)
 
     def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
         def fn(*state_tensors):
-            return self._wave_objective(run, wave, wave_no,
-                                        PrefixState.from_tensors(list(state_tensors),
-                                                                 state.signature))
+            return self._wave_objective(run, wave, wave_no, _wave_state(
+                list(state_tensors), state.signature, run.state_dtype))
 
         if self.checkpoint_waves:
             return checkpoint(fn, *state.tensors(), use_reentrant=False)
@@ -346,8 +344,13 @@ def _check_deterministic(inner) -> None:
                              f"mode (built with hidden_dropout > 0, flag --hidden-dropout)")
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
+    """The prefix state a wave attends to. K/V go to the attention as they are: wider adjoint
+    leaves (fp32 in a bf16 model) let its prefix backward return wide gradients. The boundary
+    is cast to the state's own ``dtype``, as the readout's norm runs in the model's dtype."""
+    if dtype is not None:
+        tensors = [*tensors[:-1], tensors[-1].to(dtype)]
+    return PrefixState.from_tensors(tensors, signature)
 
 
 def _scaled(loss, config):
