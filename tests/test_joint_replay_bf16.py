@@ -182,6 +182,11 @@ def test_cascade_prefix_grads_with_fp32_prefix(mcore_single):
     (dk16, dv16), (dk32, dv32) = errors[torch.bfloat16], errors[torch.float32]
     assert dv32 <= 2e-4 < dv16, errors
     assert dk32 < dk16, errors
+    # The matmul path (used off CPU) takes the wider prefix too; it computes in bf16.
+    wide = [t.detach().float().requires_grad_() for t in (pk, pv)]
+    out = cascade_prefix_attention(q, k, v, *wide, scale, flash=False)
+    (out.float() * dout.float()).sum().backward()
+    assert all(t.grad.dtype == torch.float32 and t.grad.any() for t in wide)
 
 
 def _exact_prefix_grads(q, k, v, pk, pv, dout, scale) -> list:

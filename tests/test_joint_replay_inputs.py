@@ -397,7 +397,8 @@ DROPOUT = {
         _config_dropout("attention_dropout"),
         r"config.attention_dropout = 0.1 \(flag --attention-dropout\)"),
     "dropout_module": (_extra_dropout,
-                       r"module 'decoder.layers.0.mlp.noise' \(Dropout\) drops with p = 0.2"),
+                       r"module 'decoder.layers.0.mlp.noise' \(Dropout\) drops with p = 0.2 "
+                       r"in training mode"),
 }
 
 
@@ -413,7 +414,8 @@ def test_model_built_with_hidden_dropout_rejected_before_compute(mcore_single):
     model = build_model(R=R, arch=True, hidden_dropout=0.1).double()
     model.config.hidden_dropout = 0.0
     _reject(model, _group(), ValueError,
-            r"does not support dropout: module '\S+' \(\w+\) drops with p = 0.1 in training")
+            r"does not support dropout: module '\S+' \(\w+\) (drops with p|applies "
+            r"hidden_dropout) = 0.1 in training mode")
 
 
 def test_dropout_scoring_in_eval_mode_accepted(model):

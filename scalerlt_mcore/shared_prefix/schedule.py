@@ -23,8 +23,9 @@ and, if ``forward_step_func`` has a ``check_group`` attribute, ``forward_step_fu
 group)`` is called for every group, so a loss can reject what it cannot use (e.g. the RL
 objective: KL without reference log-probs) before any compute.
 
-A refused step: every replay input is fingerprinted after the up-front checks and verified
-before the joint replay and every wave (re)compute. A ``ReplayInputError`` raised once compute
+A refused step: every field the replay reads is fingerprinted after the up-front checks and
+verified before each group's prompt producer, every wave (re)compute and the joint replay
+(``ReplayGuard``). A ``ReplayInputError`` raised once compute
 has begun leaves the gradients of the waves and groups that already ran in the parameters'
 grad buffers (parameters and optimizer are untouched: the schedule never steps). The caller
 must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
@@ -326,22 +327,23 @@ def _merge_values(items: list):
 def _check_deterministic(inner) -> None:
     """Reject dropout: the replay recomputes the prompt and the waves, and the prefix adjoints
     of one dropout mask would meet a recompute drawn with another (masks are not replayed).
-    Checks the config (also a config changed after the model was built) and every module: an
-    ``nn.Dropout`` with p > 0 or a layer built with ``hidden_dropout`` > 0, in training mode."""
+    Checks the config (also a config changed after the model was built) and every module in
+    training mode: an ``nn.Dropout`` with p > 0, or an MCore layer that keeps its own
+    ``hidden_dropout`` > 0 (its bias-dropout-add reads that copy, not the config)."""
     for name, flag in DROPOUT_FIELDS.items():
         p = getattr(inner.config, name, 0.0) or 0.0
         if p > 0:
             raise ValueError(f"shared-prefix joint replay does not support dropout: config."
                              f"{name} = {p} (flag {flag}); set it to 0")
     for mname, m in inner.named_modules():
-        if not m.training:
-            continue
-        p = m.p if isinstance(m, torch.nn.modules.dropout._DropoutNd) else getattr(
-            m, "hidden_dropout", None)
-        if isinstance(p, (int, float)) and p > 0:
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            what, p = "drops with p", m.p
+        else:
+            what, p = "applies hidden_dropout", getattr(m, "hidden_dropout", None)
+        if m.training and isinstance(p, (int, float)) and p > 0:
             raise ValueError(f"shared-prefix joint replay does not support dropout: module "
-                             f"'{mname}' ({type(m).__name__}) drops with p = {p} in training "
-                             f"mode (built with hidden_dropout > 0, flag --hidden-dropout)")
+                             f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
+                             f"(MCore builds its dropouts from --hidden-dropout)")
 
 
 def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
