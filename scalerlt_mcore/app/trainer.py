@@ -173,16 +173,25 @@ class RLTrainer:
 
     def _optimizer_step(self, forward_backward, context=None) -> tuple:
         """Zero the grads, run ``forward_backward()`` (inside ``context``), step the optimizer
-        and the LR schedule. -> (its output, grad norm)."""
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        with context or contextlib.nullcontext():
-            out = forward_backward()
+        and the LR schedule. -> (its output, grad norm). A step refused inside
+        ``forward_backward()`` (e.g. a ``ReplayInputError`` after some waves ran) discards the
+        partial gradients and re-raises: parameters and optimizer stay as they were."""
+        self._discard_grads()
+        try:
+            with context or contextlib.nullcontext():
+                out = forward_backward()
+        except Exception:
+            self._discard_grads()
+            raise
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         self.scheduler.step(increment=1)
         return out, float(grad_norm or 0.0)
+
+    def _discard_grads(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     def _forward_backward(self, groups: list) -> list:
         if self.cfg.shared_prefix.shared_prefix_schedule == "naive":

@@ -55,6 +55,9 @@ def cascade_prefix_attention(q, k, v, pk, pv, scale: float, flash: Optional[bool
     is one product per query group of all rep * B * S queries against the P prefix keys.
     ``flash`` (default: on CPU): both parts on PyTorch's CPU flash kernel (no score matrix is
     materialised or saved); otherwise on matmuls that return the log-sum-exp.
+    ``pk``/``pv`` may be wider than ``q`` (the fp32 adjoint leaves of a bf16 model): the CPU
+    flash path runs the prefix part's backward in their dtype, so their grads arrive unrounded;
+    the matmul path computes in ``q``'s dtype (their grads are rounded to it).
     """
     S, B, heads, hn = q.shape
     groups, bp = k.shape[2], pk.shape[1]
@@ -64,7 +67,7 @@ def cascade_prefix_attention(q, k, v, pk, pv, scale: float, flash: Optional[bool
     qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [Bp, ng, M, hn], [Bp, ng, P, hn]
     if flash if flash is not None else q.device.type == "cpu":
         return _CpuCascade.apply(qp, pk, pv, qs, ks, vs, scale, layout)
-    out_p, lse_p = attend_with_lse(qp, pk, pv, None, scale)
+    out_p, lse_p = attend_with_lse(qp, pk.to(q.dtype), pv.to(q.dtype), None, scale)
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     out_s, lse_s = attend_with_lse(qs, ks, vs, causal, scale)
     return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)
@@ -99,7 +102,8 @@ class _CpuCascade(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qp, pk, pv, qs, ks, vs, scale, layout):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out_p, lse_p = flash(qp, pk, pv, 0.0, False, scale=scale)  # [Bp, ng, M(, hn)]
+        out_p, lse_p = flash(qp, pk.to(qp.dtype), pv.to(qp.dtype), 0.0, False,
+                             scale=scale)  # [Bp, ng, M(, hn)]
         out_s, lse_s = flash(qs, ks, vs, 0.0, True, scale=scale)  # [B, np, S(, hn)]
         lse_p = layout.from_prefix(lse_p)
         lse = torch.logaddexp(lse_p, lse_s)  # fp32 for half inputs
@@ -114,17 +118,19 @@ class _CpuCascade(torch.autograd.Function):
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         to_p, dout = ctx.layout.to_prefix, dout.contiguous()
         dqs, dks, dvs = flash_bwd(dout, qs, ks, vs, out, lse, 0.0, True, scale=ctx.scale)
-        dqp, dpk, dpv = flash_bwd(to_p(dout), qp, pk, pv, to_p(out), to_p(lse), 0.0, False,
-                                  scale=ctx.scale)
-        return dqp, dpk, dpv, dqs, dks, dvs, None, None
+        wide = pk.dtype  # the prefix part's backward in the prefix K/V's dtype (fp32 leaves)
+        dqp, dpk, dpv = flash_bwd(to_p(dout).to(wide), qp.to(wide), pk, pv, to_p(out).to(wide),
+                                  to_p(lse), 0.0, False, scale=ctx.scale)
+        return dqp.to(qp.dtype), dpk, dpv, dqs, dks, dvs, None, None
 
 
 def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
-    """Same result as ``cascade_prefix_attention`` by expanding the prefix per sequence."""
+    """Same result as ``cascade_prefix_attention`` by expanding the prefix per sequence. A
+    prefix wider than ``k`` is cast after the expand: the per-sequence grads sum in its dtype."""
     S, B = q.shape[:2]
     P = pk.shape[0]
-    keys = torch.cat([pk.expand(P, B, *pk.shape[2:]), k], dim=0)  # [P+S, B, ng, hn]
-    vals = torch.cat([pv.expand(P, B, *pv.shape[2:]), v], dim=0)
+    keys = torch.cat([pk.expand(P, B, *pk.shape[2:]).to(k.dtype), k], dim=0)  # [P+S, B, ng, hn]
+    vals = torch.cat([pv.expand(P, B, *pv.shape[2:]).to(v.dtype), v], dim=0)
     allowed = torch.ones(S, P + S, dtype=torch.bool, device=q.device).tril(diagonal=P)
     return sdpa(q, keys, vals, allowed, scale)
 

@@ -60,9 +60,11 @@ class PrefixState:
         depth = (len(tensors) - 1) // 2
         return cls(tensors[:depth], tensors[depth : 2 * depth], tensors[-1], signature)
 
-    def detached_leaves(self) -> "PrefixState":
-        """A copy whose tensors are detached leaves that require grad (they collect adjoints)."""
-        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
+    def detached_leaves(self, dtype: Optional[torch.dtype] = None) -> "PrefixState":
+        """A copy whose tensors are detached leaves that require grad (they collect adjoints).
+        ``dtype``: each leaf is promoted to at least it (the same numbers, e.g. fp32 leaves of a
+        bf16 state, so that the adjoints they collect are accumulated in fp32)."""
+        leaves = [_promoted(t.detach(), dtype).requires_grad_(True) for t in self.tensors()]
         return PrefixState.from_tensors(leaves, self.signature)
 
     def check_compatible(self, config) -> None:
@@ -95,6 +97,10 @@ class PrefixState:
                 f"prefix state boundary has shape {tuple(self.boundary.shape)}, "
                 f"expected {b_shape} [loops, batch, hidden]"
             )
+
+
+def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+    return t if dtype is None else t.to(torch.promote_types(t.dtype, dtype))
 
 
 class DepthKVCache:

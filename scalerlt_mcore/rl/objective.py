@@ -97,6 +97,12 @@ class RLObjective:
                  "tokens": mask[-1].sum().to(acc).detach()}
         return (coef * per_token).sum(), stats
 
+    def check_group(self, group) -> None:
+        """Up-front check of what the loss needs from a group (before any compute)."""
+        if self.kl_coef > 0 and group.ref_logprobs is None:
+            raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
+                             f"ref_logprobs (reference log-probs), got None")
+
     def wave_loss(self, wave, logprobs: Tensor, non_loss_data: bool = False):
         """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
         per-loop log-probs [R, W, T] -> (the wave's share of the group loss, stats). Token
@@ -112,10 +118,13 @@ class RLObjective:
 
 def rl_forward_step(objective: RLObjective):
     """MCore-style ``forward_step_func`` of the RL loss for ``SharedPrefixSchedule`` and
-    ``naive_step``: the wave's log-probs from ``model(wave)``, ``objective.wave_loss``."""
+    ``naive_step``: the wave's log-probs from ``model(wave)``, ``objective.wave_loss``. Its
+    ``check_group`` attribute (``objective.check_group``) lets the shared-prefix schedule reject
+    a group the loss cannot use before any compute."""
 
     def forward_step(data_iterator, model):
         wave = next(data_iterator)
         return model(wave), partial(objective.wave_loss, wave)
 
+    forward_step.check_group = objective.check_group
     return forward_step
