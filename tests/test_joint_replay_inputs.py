@@ -454,3 +454,18 @@ def test_refused_step_says_its_partial_grads_must_be_discarded(model):
     assert "refused after compute began" in msg and "discard them" in msg, msg
     assert "do not step the optimizer" in msg, msg
     assert any(p.grad is not None and p.grad.any() for p in model.parameters())
+
+
+def test_naive_step_checks_the_loss_needs_up_front(model):
+    """The naive schedule asks the loss's check_group too: KL without reference log-probs is
+    refused before any compute, not in the middle of the step."""
+    group = _group()
+    group.ref_logprobs = None
+    for p in model.parameters():
+        p.grad = None
+    from scalerlt_mcore.rl.objective import rl_forward_step
+    from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
+
+    with pytest.raises(ValueError, match=rf"group {GID}: kl_coef = 0.1 > 0 needs ref_logprobs"):
+        library_naive_step(model, [group], rl_forward_step(LossSpec(kl_coef=0.1).objective()), 2)
+    assert all(p.grad is None for p in model.parameters())
