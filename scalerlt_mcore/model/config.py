@@ -7,6 +7,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 INJECTIONS = ("none", "linear_concat")
 INITIAL_STATES = ("embed", "zeros")
 PREFIX_ATTENTIONS = ("concat", "cascade")
+CASCADE_KERNELS = ("auto", "flash", "efficient", "cpu_flash", "matmul")
 
 
 @dataclass
@@ -38,6 +39,13 @@ class LoopedTransformerConfig(TransformerConfig):
     sequence and attend once) or ``cascade`` (one batched product against the single prefix,
     merged with each sequence's causal part through the log-sum-exp; reads the prefix once)."""
 
+    looped_cascade_kernel: str = "auto"
+    """Kernel of the ``cascade`` prefix attention: ``auto`` (the fused log-sum-exp kernel of the
+    tensors' device: ``cpu_flash`` on CPU; on CUDA ``flash`` where it supports the dtype and
+    head dim (fp16/bf16), else ``efficient``, else ``matmul``, e.g. for fp64), ``flash`` /
+    ``efficient`` (PyTorch's CUDA flash / memory-efficient SDPA ops), ``cpu_flash`` (PyTorch's
+    CPU flash op), or ``matmul`` (materialises the [*, W*S, P] scores: the reference path)."""
+
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
 
@@ -67,6 +75,7 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         "looped_injection": INJECTIONS,
         "looped_initial_state": INITIAL_STATES,
         "looped_prefix_attention": PREFIX_ATTENTIONS,
+        "looped_cascade_kernel": CASCADE_KERNELS,
     }
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
