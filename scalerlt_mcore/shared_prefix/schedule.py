@@ -126,7 +126,7 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
-        self._check_groups(groups, inner.config, forward_only, config)
+        self._check_groups(groups, inner, forward_only, config)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
                           collect_non_loss_data, first_val_step)
         if forward_only:
@@ -139,7 +139,8 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, model_config, forward_only, config) -> None:
+    def _check_groups(self, groups, inner, forward_only, config) -> None:
+        device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
@@ -147,7 +148,8 @@ class SharedPrefixSchedule:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
-            g.check(model_config.looped_num_loops, self.max_response_length,
+            g.check_device(device)
+            g.check(inner.config.looped_num_loops, self.max_response_length,
                     training=not forward_only)
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
