@@ -53,7 +53,7 @@ class SharedPrefixGroup:
         tensors are moved to ``device`` as given.
         """
         prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)  # [P]
-        lens = _host_lengths(lengths, responses)  # [G] on the host
+        lens = _host_lengths(lengths, responses, f"group {group_id}")  # [G] on the host
         P, S, G = prompt.shape[0], int(lens.max()), responses.shape[0]
         if P < 1:
             raise ValueError(f"group {group_id}: the prompt is empty")
@@ -149,17 +149,17 @@ class SharedPrefixGroup:
                              f"configured maximum {max_response_length}")
 
 
-def _host_lengths(lengths, responses: Tensor) -> Tensor:
+def _host_lengths(lengths, responses: Tensor, tag: str) -> Tensor:
     """Response lengths [G] as a host tensor, checked against ``responses`` [G, S']."""
     lens = torch.as_tensor(lengths, dtype=torch.long, device="cpu")
     if responses.dim() != 2:
-        raise ValueError(f"responses must be [G, S'], got shape {tuple(responses.shape)}")
+        raise ValueError(f"{tag}: responses must be [G, S'], got {tuple(responses.shape)}")
     G, width = responses.shape
     if tuple(lens.shape) != (G,):
-        raise ValueError(f"lengths must be [G] = [{G}], got shape {tuple(lens.shape)}")
+        raise ValueError(f"{tag}: lengths must be [G] = [{G}], got shape {tuple(lens.shape)}")
     if G == 0 or int(lens.min()) < 1 or int(lens.max()) > width:
-        raise ValueError(f"response lengths must lie in [1, {width}] (the responses' width), "
-                         f"got {lens.tolist()}")
+        raise ValueError(f"{tag}: response lengths must lie in [1, {width}] (the responses' "
+                         f"width), got {lens.tolist()}")
     return lens
 
 
