@@ -335,7 +335,8 @@ def test_help_lists_every_flag(capsys):
 FROZEN_CLI_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
     "--ddp-bucket-size", "--ffn-hidden-size", "--fp16", "--global-batch-size", "--help",
-    "--hidden-size", "--load", "--log-interval", "--looped-initial-state", "--looped-injection",
+    "--hidden-size", "--load", "--log-interval", "--looped-cascade-kernel",
+    "--looped-initial-state", "--looped-injection",
     "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
     "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--max-position-embeddings",
     "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",

@@ -174,7 +174,7 @@ def test_cascade_prefix_grads_with_fp32_prefix(mcore_single):
     errors = {}
     for dtype in (torch.bfloat16, torch.float32):
         wide = [t.detach().to(dtype).requires_grad_() for t in (pk, pv)]
-        out = cascade_prefix_attention(q, k, v, *wide, scale, flash=True)
+        out = cascade_prefix_attention(q, k, v, *wide, scale, kernel="cpu_flash")
         (out.float() * dout.float()).sum().backward()
         assert all(t.grad.dtype == dtype for t in wide)
         errors[dtype] = [float((t.grad.double() - e).abs().max() / e.abs().max())
@@ -182,9 +182,9 @@ def test_cascade_prefix_grads_with_fp32_prefix(mcore_single):
     (dk16, dv16), (dk32, dv32) = errors[torch.bfloat16], errors[torch.float32]
     assert dv32 <= 2e-4 < dv16, errors
     assert dk32 < dk16, errors
-    # The matmul path (used off CPU) takes the wider prefix too; it computes in bf16.
+    # The matmul path (the reference) takes the wider prefix too; it computes in bf16.
     wide = [t.detach().float().requires_grad_() for t in (pk, pv)]
-    out = cascade_prefix_attention(q, k, v, *wide, scale, flash=False)
+    out = cascade_prefix_attention(q, k, v, *wide, scale, kernel="matmul")
     (out.float() * dout.float()).sum().backward()
     assert all(t.grad.dtype == torch.float32 and t.grad.any() for t in wide)
 

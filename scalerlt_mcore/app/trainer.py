@@ -1,7 +1,8 @@
 """The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
 
 Every step's prompts derive from (seed, step, rank) alone, so a resumed run draws the same data
-as an uninterrupted one.
+as an uninterrupted one. Rollout outputs, rewards and metrics live on the host; groups,
+advantages, log-probs, loop weights and warm-up batches on the model's device.
 """
 
 import contextlib
@@ -31,22 +32,38 @@ def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
 
 
-def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> list:
-    """SharedPrefixGroups (tokens, labels, loss mask) from rollout tensors [N, G, S]."""
-    groups = []
-    for n, prompt in enumerate(prompts):
-        P, S = len(prompt), int(lengths[n].max())
-        G = responses.shape[1]
-        tokens = torch.full((G, P + S), pad_id, dtype=torch.long)
-        tokens[:, :P] = torch.tensor(prompt)
-        tokens[:, P:] = responses[n, :, :S]
-        labels = torch.full_like(tokens, pad_id)
-        labels[:, :-1] = tokens[:, 1:]
-        span = torch.arange(P + S)[None, :]
-        mask = ((span >= P - 1) & (span < P - 1 + lengths[n][:, None])).float()  # [G, T]
-        groups.append(SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask,
-                                        prompt_length=P, group_id=step * 100_000 + n))
-    return groups
+def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
+                 advantages=None) -> list:
+    """SharedPrefixGroups on ``device`` from host rollout tensors [N, G, S] and, when given,
+    their advantages [N, G]."""
+    return [SharedPrefixGroup.from_rollout(
+        prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
+        advantages=None if advantages is None else advantages[n])
+        for n, prompt in enumerate(prompts)]
+
+
+def rollout_drift(group: SharedPrefixGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
+    the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
+    P, S = group.prompt_length, group.response_length
+    train = group.old_logprobs[-1, :, P - 1 : P - 1 + S].float()  # [G, S]
+    rollout = rollout_logprobs[:, :S].to(train.device)  # [G, S]
+    sampled = group.loss_mask[:, P - 1 : P - 1 + S] != 0  # [G, S]
+    return torch.where(sampled, (train - rollout).abs(), 0.0).max()
+
+
+def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
+    """Warm-up batch on ``device``: tokens/labels [N, T] right-padded with ``pad_id``; mask
+    [N, T] on the positions that predict the answer. Built on the host, moved once."""
+    T = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    tokens = torch.full((len(prompts), T), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(prompts), T, device="cpu")
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[i, : len(p) + len(a)] = torch.tensor(p + a, device="cpu")
+        mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
+    labels = torch.full_like(tokens, pad_id)
+    labels[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
 
 
 def summarise(out: list, num_groups: int) -> dict:
@@ -64,6 +81,7 @@ class RLTrainer:
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler):
         self.cfg, self.model, self.ddp = cfg, model, ddp
+        self.device = next(model.parameters()).device
         self.optimizer, self.scheduler = optimizer, scheduler
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tok = CharTokenizer()
@@ -97,7 +115,8 @@ class RLTrainer:
         return [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
-        gen = torch.Generator().manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
         self.model.eval()
         out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
@@ -113,7 +132,7 @@ class RLTrainer:
             [self.task.reward(p, self.tok.decode(r.tolist()), partial_credit=partial)
              for r in rollout.responses[n]]
             for n, p in enumerate(problems)
-        ], dtype=torch.float64)
+        ], dtype=torch.float64, device="cpu")
 
     def _run_schedule(self, model, groups: list, forward_step_func,
                       forward_only: bool = False) -> list:
@@ -137,8 +156,9 @@ class RLTrainer:
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
-        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step)
-        drift = self._attach_logprobs(groups, advantages, ro)
+        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
+                              self.device, advantages)
+        drift = self._attach_logprobs(groups, ro)
         train = self.optimize(groups)
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         return self._reduce({
@@ -147,20 +167,14 @@ class RLTrainer:
             "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
         })
 
-    def _attach_logprobs(self, groups, advantages, ro) -> float:
+    def _attach_logprobs(self, groups, ro) -> float:
         """old (and ref) log-probs; returns max |rollout - training forward| log-prob."""
         old = self.score(self.ddp, groups)
         ref = self.score(self.ref, groups) if self.ref is not None else [None] * len(groups)
-        drift = 0.0
         for n, g in enumerate(groups):
             g.old_logprobs, g.ref_logprobs = old[n].detach(), ref[n]
-            g.advantages = advantages[n]
-            P, lens = g.prompt_length, ro.lengths[n]
-            for i in range(g.group_size):
-                train_lp = g.old_logprobs[-1, i, P - 1 : P - 1 + lens[i]]
-                diff = (train_lp.float() - ro.logprobs[n, i, : lens[i]]).abs().max().item()
-                drift = max(drift, diff)
-        return drift
+        return float(torch.stack([rollout_drift(g, ro.logprobs[n])
+                                  for n, g in enumerate(groups)]).max())
 
     def optimize(self, groups: list) -> dict:
         """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
@@ -215,19 +229,9 @@ class RLTrainer:
                              "lr": self.optimizer.param_groups[0]["lr"]})
 
     def _sft_batch(self, pairs: list) -> dict:
-        """tokens/labels [N, T] right-padded; mask on the positions that predict the answer."""
         prompts = self._prompts([p for p, _ in pairs])
         answers = [self.tok.encode(a) + [self.tok.eos_id] for _, a in pairs]
-        T = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        tokens = torch.full((len(pairs), T), self.tok.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(pairs), T)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
-            mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
-        labels = torch.full_like(tokens, self.tok.pad_id)
-        labels[:, :-1] = tokens[:, 1:]
-        device = next(self.model.parameters()).device
-        return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
+        return sft_batch(prompts, answers, self.tok.pad_id, self.device)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -243,7 +247,8 @@ class RLTrainer:
     def _reduce(self, metrics: dict) -> dict:
         """Mean of scalar metrics over data-parallel ranks."""
         keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
+                            device=self.device)  # NCCL reduces device tensors only
         if self.world > 1:
             dist.all_reduce(vals)
             vals /= self.world
@@ -252,7 +257,8 @@ class RLTrainer:
 
 def _sft_loss(scheme: str, mask, logprobs):
     """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]."""
-    w = loop_weights(scheme, logprobs.shape[0]).to(logprobs.dtype)[:, None, None]
+    w = loop_weights(scheme, logprobs.shape[0], logprobs.device).to(logprobs.dtype)
+    w = w[:, None, None]  # [R, 1, 1]
     nll = -(w * logprobs * mask.to(logprobs.dtype)).sum() / mask.sum()
     return nll, {"nll": nll.detach()}
 

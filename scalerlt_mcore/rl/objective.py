@@ -20,16 +20,17 @@ NORMALIZATIONS = get_args(Normalization)
 LOOP_WEIGHTS = get_args(LoopWeights)
 
 
-def loop_weights(scheme: str, num_loops: int) -> Tensor:
-    """Per-loop credit w_r (sums to 1): final readout only, uniform, or growing with r (RLTT)."""
+def loop_weights(scheme: str, num_loops: int, device=None) -> Tensor:
+    """Per-loop credit w_r [R] in fp64 on ``device`` (sums to 1): final readout only, uniform,
+    or growing with r (RLTT)."""
     if scheme == "final":
-        w = torch.zeros(num_loops, dtype=torch.float64)
+        w = torch.zeros(num_loops, dtype=torch.float64, device=device)
         w[-1] = 1.0
         return w
     if scheme == "uniform":
-        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64)
+        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64, device=device)
     if scheme == "progressive":
-        r = torch.arange(1, num_loops + 1, dtype=torch.float64)
+        r = torch.arange(1, num_loops + 1, dtype=torch.float64, device=device)
         return r / r.sum()
     raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, got {scheme!r}")
 
@@ -91,7 +92,7 @@ class RLObjective:
                 raise ValueError("kl_coef > 0 needs ref_logprobs")
             kl = kl_k3(logprobs, ref.to(acc)) * mask
             per_token = per_token + self.kl_coef * kl
-        w_loop = loop_weights(self.loop_weights, R).to(acc)[:, None, None]
+        w_loop = loop_weights(self.loop_weights, R, logprobs.device).to(acc)[:, None, None]
         coef = w_loop * weights.to(acc)[None]  # [R, B, T']
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach()}

@@ -40,7 +40,9 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
 
 def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
                 banned=()) -> Tensor:
-    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids never drawn."""
+    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids never drawn.
+    ``generator`` (or None: the default one) must be on the logits' device."""
+    check_generator(generator, logits.device)
     if banned:
         logits = logits.clone()
         logits[:, list(banned)] = float("-inf")
@@ -50,11 +52,21 @@ def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_generator(generator, device: torch.device) -> None:
+    """Sampling on ``device`` needs a generator of that device type (or None)."""
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the sampling generator is on {generator.device}, the logits on "
+                         f"{device}: create it with torch.Generator(device=...) on the "
+                         f"model's device")
+
+
 def _right_pad(rows: list, pad_id: int) -> tuple:
-    lengths = torch.tensor([len(r) for r in rows])
-    out = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long)
+    """Host tensors: rows right-padded [B, Tp] and their lengths [B] (moved once by the
+    caller)."""
+    lengths = torch.tensor([len(r) for r in rows], device="cpu")
+    out = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r)
+        out[i, : len(r)] = torch.tensor(r, device="cpu")
     return out, lengths
 
 
@@ -63,10 +75,13 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
              generator=None, banned=(), loop: int = -1) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
-    ``loop`` (default the last). Log-probs are the policy's own (temperature 1, no ban)."""
+    ``loop`` (default the last), with ``generator`` on the model's device. Log-probs are the
+    policy's own (temperature 1, no ban). The returned tensors are on the host (rewards and
+    decoding read them there)."""
+    device = next(model.parameters()).device
+    check_generator(generator, device)
     rows = [p for p in prompts for _ in range(group_size)]
     tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp]
-    device = next(model.parameters()).device
     tokens, lengths = tokens.to(device), lengths.to(device)
     B = tokens.shape[0]
     cache = model.new_kv_cache(B, tokens.shape[1] + max_new_tokens)

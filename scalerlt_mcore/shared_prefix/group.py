@@ -46,6 +46,51 @@ class SharedPrefixGroup:
     ref_logprobs: Optional[Tensor] = None
     group_id: int = 0
 
+    @classmethod
+    def from_rollout(cls, prompt, responses: Tensor, lengths, pad_id: int, *, device=None,
+                     mask_dtype: torch.dtype = torch.float32, group_id: int = 0,
+                     advantages: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
+                     ref_logprobs: Optional[Tensor] = None) -> "SharedPrefixGroup":
+        """The group of one prompt's sampled responses, every tensor on ``device``.
+
+        prompt:    the P prompt token ids (a list or a [P] tensor).
+        responses: [G, S'] right-padded response ids (any device); S = max(lengths) <= S'.
+        lengths:   [G] response lengths >= 1 (host values: a list or a CPU tensor).
+        Builds tokens [G, P + S] (prompt, response, ``pad_id`` padding), labels (tokens
+        shifted by one, ``pad_id`` last) and the loss mask (``mask_dtype``, 1 on the positions
+        P - 1 .. P - 2 + length that predict a response token); the optional per-response
+        tensors are moved to ``device`` as given.
+        """
+        prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)  # [P]
+        lens = _host_lengths(lengths, responses, f"group {group_id}")  # [G] on the host
+        P, S, G = prompt.shape[0], int(lens.max()), responses.shape[0]
+        if P < 1:
+            raise ValueError(f"group {group_id}: the prompt is empty")
+        tokens = torch.full((G, P + S), pad_id, dtype=torch.long, device=device)  # [G, T]
+        tokens[:, :P] = prompt
+        tokens[:, P:] = responses[:, :S].to(device)
+        labels = torch.full_like(tokens, pad_id)
+        labels[:, :-1] = tokens[:, 1:]
+        span = torch.arange(P + S, device=device)[None, :]  # [1, T]
+        ends = (P - 1 + lens).to(device)[:, None]  # [G, 1]
+        mask = ((span >= P - 1) & (span < ends)).to(mask_dtype)  # [G, T]
+        extra = {n: None if t is None else t.to(device) for n, t in (
+            ("advantages", advantages), ("old_logprobs", old_logprobs),
+            ("ref_logprobs", ref_logprobs))}
+        return cls(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
+                   group_id=group_id, **extra)
+
+    def check_device(self, device) -> None:
+        """Raise if a tensor of the group is not on ``device`` (the model's), naming the field
+        and both devices."""
+        device = torch.device(device)
+        for name in GUARDED:
+            t = getattr(self, name)
+            if t is not None and not _same_device(t.device, device):
+                raise ValueError(f"group {self.group_id}: {name} is on {t.device}, the model on "
+                                 f"{device}; build the group on the model's device "
+                                 f"(SharedPrefixGroup.from_rollout(..., device=...))")
+
     @property
     def group_size(self) -> int:
         return self.tokens.shape[0]
@@ -155,6 +200,25 @@ class SharedPrefixGroup:
         if max_response_length is not None and self.response_length > max_response_length:
             raise ValueError(f"{tag}: response length {self.response_length} exceeds the "
                              f"configured maximum {max_response_length}")
+
+
+def _host_lengths(lengths, responses: Tensor, tag: str) -> Tensor:
+    """Response lengths [G] as a host tensor, checked against ``responses`` [G, S']."""
+    lens = torch.as_tensor(lengths, dtype=torch.long, device="cpu")
+    if responses.dim() != 2:
+        raise ValueError(f"{tag}: responses must be [G, S'], got {tuple(responses.shape)}")
+    G, width = responses.shape
+    if tuple(lens.shape) != (G,):
+        raise ValueError(f"{tag}: lengths must be [G] = [{G}], got shape {tuple(lens.shape)}")
+    if G == 0 or int(lens.min()) < 1 or int(lens.max()) > width:
+        raise ValueError(f"{tag}: response lengths must lie in [1, {width}] (the responses' "
+                         f"width), got {lens.tolist()}")
+    return lens
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one ('cuda' matches 'cuda:0')."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 @dataclass

@@ -167,6 +167,7 @@ class SharedPrefixSchedule:
     # ---- checks ----------------------------------------------------------------------------
 
     def _check_groups(self, groups, inner, forward_only, config, forward_step_func) -> None:
+        device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
@@ -180,6 +181,7 @@ class SharedPrefixSchedule:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
+            g.check_device(device)
             g.check(inner.config.looped_num_loops, self.max_response_length,
                     training=not forward_only, **limits)
             if check_group is not None:
