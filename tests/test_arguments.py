@@ -173,22 +173,25 @@ def test_help_lists_every_flag(capsys):
 
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
-    "--ddp-bucket-size", "--ffn-hidden-size", "--fp16", "--global-batch-size", "--help",
-    "--hidden-size", "--load", "--log-interval", "--looped-injection",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
+    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--ffn-hidden-size", "--finetune",
+    "--fp16", "--global-batch-size", "--help", "--hidden-size", "--kv-channels", "--load",
+    "--log-interval", "--looped-injection", "--looped-loops-warmup-iters",
     "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
-    "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--max-position-embeddings",
-    "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",
-    "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
-    "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",
-    "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
+    "--looped-prefix-attention", "--looped-retrofit", "--lr", "--lr-warmup-iters",
+    "--max-position-embeddings", "--micro-batch-size", "--min-lr", "--no-load-optim",
+    "--no-load-rng", "--no-plot", "--norm-epsilon", "--normalization", "--num-attention-heads",
+    "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
+    "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
+    "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
     "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
-    "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
-    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--weight-decay",
+    "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
+    "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",
+    "--swiglu", "--tensor-model-parallel-size", "--train-iters", "--transformer-impl",
+    "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
+    "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size", "--weight-decay",
 ]
 
 

@@ -8,9 +8,9 @@ no download), and stock MCore ``GPTModel``'s forward. Logits are compared in fp6
 non-padding positions of a right-padded batch run through HF with its ``attention_mask``.
 
 HF's ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` compute in fp32 whatever the input dtype (a
-mixed-precision guard for half inputs), which rounds an fp64 reference to fp32; the fixture
-below runs the same formula in the input's dtype so that the reference is a true fp64
-function. HF's RoPE tables are fp32 in both implementations (same arithmetic).
+mixed-precision guard for half inputs), which rounds an fp64 reference to fp32; the tests run
+the same formula in the input's dtype (tests/hf_helpers.py) so that the reference is a true
+fp64 function. HF's RoPE tables are fp32 in both implementations (same arithmetic).
 """
 
 import json
@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_helpers import patch_hf_rms_norm, randomize
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -25,8 +26,6 @@ from megatron.core.transformer import TransformerConfig
 from safetensors.torch import load_file, save_file
 from sp_helpers import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from transformers.models.llama import modeling_llama
-from transformers.models.qwen2 import modeling_qwen2
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_block_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
@@ -68,15 +67,6 @@ def _qwen2():
 BUILDERS = {"llama": _llama, "qwen2": _qwen2}
 
 
-def _randomize(model, seed: int) -> None:
-    """Every parameter random (norms around 1, biases non-zero) so no term is trivially equal."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """name -> directory of a saved tiny random HF model."""
@@ -84,22 +74,16 @@ def hf_dirs(tmp_path_factory):
     for k, (name, build) in enumerate(BUILDERS.items()):
         torch.manual_seed(k)
         model = build()
-        _randomize(model, seed=10 + k)
+        randomize(model, seed=10 + k)
         out[name] = tmp_path_factory.mktemp(name)
         model.save_pretrained(out[name])
     return out
 
 
-def _rms_norm_in_input_dtype(self, x):
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-
 @pytest.fixture
 def fp64_hf(monkeypatch):
     """Load a saved HF model in fp64 with its RMSNorm in the input dtype (module docstring)."""
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
-    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
+    patch_hf_rms_norm(monkeypatch)
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
     return lambda name, path: classes[name].from_pretrained(path).double().eval()
 
@@ -183,7 +167,7 @@ def saved_gpt_model(path, **shapes) -> GPTModel:
     """A stock GPTModel (random weights, norms and biases included), saved to ``path``."""
     gpt = GPTModel(TransformerConfig(num_layers=LAYERS, **{**GPT_SHAPES, **shapes}),
                    get_gpt_layer_local_spec(normalization="RMSNorm"), **GPT_ARGS)
-    _randomize(gpt, seed=5)
+    randomize(gpt, seed=5)
     dist_checkpointing.save(gpt.sharded_state_dict(), str(path))
     return gpt.eval()
 

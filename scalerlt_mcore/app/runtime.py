@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -55,6 +56,9 @@ def model_config(cfg, device: str) -> LoopedTransformerConfig:
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
+        kv_channels=m.kv_channels, layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=not m.disable_bias_linear, add_qkv_bias=m.add_qkv_bias,
         bf16=m.bf16, fp16=m.fp16, params_dtype=dtype, pipeline_dtype=dtype,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         use_cpu_initialization=device == "cpu", perform_initialization=True,
@@ -74,6 +78,8 @@ def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: s
         max_sequence_length=cfg.model.max_position_embeddings,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base, rope_scaling=cfg.model.use_rope_scaling,
+        rope_scaling_factor=cfg.model.rope_scaling_factor,
     )
     # As MCore's Float16Module: every parameter (norms too) in the half dtype; the optimizer
     # keeps fp32 main params. Inputs are token ids and log-probs come out in fp32, so the

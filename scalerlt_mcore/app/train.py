@@ -12,10 +12,10 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..rl.tokenizer import CharTokenizer
 from .arguments import default_run_dir, parse_args, save_resolved, validate
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .metrics import MetricsLog, plot_rewards
+from .pretrained import load_before_wrap, resolve_pretrained, resume_after_wrap, run_vocab_size
 from .runtime import (
     build_model,
     init_distributed,
@@ -71,6 +71,7 @@ def run(cfg) -> dict:
 
 
 def _run(cfg, device: str) -> dict:
+    notes = resolve_pretrained(cfg)
     validate(cfg, dist.get_world_size())
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
@@ -80,11 +81,13 @@ def _run(cfg, device: str) -> dict:
         print(f"device: {device} ({dist.get_backend()}), data-parallel ranks: "
               f"{dist.get_world_size()}, run dir: {run_dir}", flush=True)
     config = model_config(cfg, device)
-    model = build_model(cfg, config, CharTokenizer().vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
+    for line in notes if rank0 else []:
+        print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = load_checkpoint(cfg.logging.load, model, optimizer, scheduler) if cfg.logging.load \
-        else 0
+    start = resume_after_wrap(cfg, model, optimizer, scheduler)
     with _Interrupt() as stop:
         return _loop(cfg, trainer, start, run_dir, rank0, stop)
 
@@ -126,6 +129,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
+    trainer.use_loops_of(step)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
@@ -138,6 +142,7 @@ def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
     """Save after ``step`` when forced or at the interval; True when it saved."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
+        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler)
         return True
