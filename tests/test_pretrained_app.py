@@ -240,6 +240,13 @@ def test_finetune_and_no_load_optim(tmp_path, tiny_llama):
         assert tr.model.config.looped_num_loops == 5
 
 
+@pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
+def test_load_flags_without_a_checkpoint_are_an_error(tmp_path, flag):
+    """Without --pretrained-checkpoint, --load must hold a checkpoint (no silent fresh start)."""
+    with model_parallel_context(3), pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        build(_argv(None, load=str(tmp_path), looped_retrofit="null", **{flag: True}))
+
+
 def test_own_checkpoint_of_another_model_names_the_tensors(tmp_path, tiny_llama):
     ckpt = tmp_path / "ckpt"
     with model_parallel_context(3):

@@ -168,9 +168,9 @@ def resume_after_wrap(cfg, model, optimizer, scheduler) -> int:
     unless ``--no-load-optim``; ``--finetune`` starts at 0)."""
     lg = cfg.logging
     if not lg.load or (lg.pretrained_checkpoint and not has_checkpoint(lg.load)):
+        return 0  # Megatron: a --load without a checkpoint starts from the pretrained weights
+    if lg.finetune and has_checkpoint(lg.load):
         return 0
-    if lg.finetune:
-        return 0
-    if lg.no_load_optim:
+    if lg.no_load_optim and has_checkpoint(lg.load):
         return load_step_and_schedule(lg.load, scheduler)
-    return load_checkpoint(lg.load, model, optimizer, scheduler)
+    return load_checkpoint(lg.load, model, optimizer, scheduler)  # names a missing checkpoint
