@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin
 
 import torch
+import torch.nn.functional as F
 import yaml
 
 from ..model.config import LoopedTransformerConfig, Normalization, PositionEmbeddingType
@@ -182,6 +183,35 @@ class ModelArgs:
     """Tensor-parallel size."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (the looped GPT rejects any other than 1)."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table; None: the tokenizer's. A pretrained model's may be larger:
+    ids past the tokenizer's are never sampled."""
+    kv_channels: Optional[int] = None
+    """Attention head dimension; None: hidden_size / num_attention_heads."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated linear unit, silu), as in Llama / Qwen2."""
+    disable_bias_linear: bool = False
+    """No biases on the linear layers (Llama / Qwen2)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even with ``disable_bias_linear`` (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    rotary_base: float = 10000.0
+    """RoPE base (Hugging Face ``rope_theta``)."""
+    use_rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (MCore's: frequency factors 1 and 4, context 8192)."""
+    rope_scaling_factor: float = 8.0
+    """Factor of ``use_rope_scaling``."""
+    looped_retrofit: Optional[str] = None
+    """Retrofitted recurrence from a pretrained plain stack of N layers: ``prelude,core,coda``
+    (e.g. ``2,4,2``): the first ``prelude`` layers run once, the next ``core`` layers are
+    looped, the last ``coda`` layers run after every loop; the layers between core and coda
+    are dropped (logged). Sets looped_num_prelude_layers, num_layers and
+    looped_num_coda_layers, and looped_injection ``linear_concat`` (initialised to [I | 0]).
+    Needs ``pretrained_checkpoint``."""
+    looped_loops_warmup_iters: int = 0
+    """Loop-count curriculum: over this many steps the loop count rises linearly from 1 to
+    looped_num_loops (step t: 1 + floor((looped_num_loops - 1) * t / this)); 0: off."""
 
 
 @dataclass
@@ -282,6 +312,24 @@ class LoggingArgs:
     """Log every this many steps."""
     no_plot: bool = False
     """Do not write the training-curve plot."""
+    pretrained_checkpoint: Optional[str] = None
+    """Start from these weights (weights only: optimizer, LR schedule and step start fresh):
+    a Hugging Face Llama / Qwen2 directory (config.json + *.safetensors), a stock MCore
+    GPTModel distributed checkpoint, or a ``save`` directory of this trainer. When ``load``
+    holds a checkpoint, training resumes from it instead."""
+    use_checkpoint_args: bool = False
+    """Take the architecture (layer shapes, norms, RoPE, vocabulary size) from the pretrained
+    Hugging Face config.json instead of the model flags."""
+    finetune: bool = False
+    """With ``load``: load the model weights only and start at step 0 (fresh optimizer, LR
+    schedule and step)."""
+    no_load_optim: bool = False
+    """With ``load``: do not load the optimizer state (Adam moments start at zero); weights,
+    step and LR schedule are loaded."""
+    no_load_rng: bool = False
+    """With ``load``: do not load RNG state. Checkpoints hold none (each step's data and
+    sampling derive from seed and step), so this is accepted as in Megatron and changes
+    nothing."""
 
 
 @dataclass
@@ -531,9 +579,17 @@ def model_config(cfg: RunConfig, device: str) -> LoopedTransformerConfig:
     group, so ``validate`` builds it too."""
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    return LoopedTransformerConfig(**looped_kwargs(cfg), params_dtype=dtype, pipeline_dtype=dtype,
+    return LoopedTransformerConfig(**looped_kwargs(cfg), **_megatron_model_kwargs(m),
+                                   params_dtype=dtype, pipeline_dtype=dtype,
                                    use_cpu_initialization=device == "cpu",
                                    perform_initialization=True)
+
+
+def _megatron_model_kwargs(m: "ModelArgs") -> dict:
+    """Megatron-LM flags whose TransformerConfig field has another name or form."""
+    return dict(layernorm_epsilon=m.norm_epsilon, gated_linear_unit=m.swiglu,
+                activation_func=F.silu if m.swiglu else F.gelu,
+                add_bias_linear=not m.disable_bias_linear)
 
 
 def library_kwargs(cfg: RunConfig, flags: dict[str, str]) -> dict:
@@ -567,7 +623,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         errors = (_check_model(cfg, world_size) + _check_batches(cfg, world_size)
                   + _check_training(cfg.training) + _check_rl(cfg)
                   + _library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
-                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS))
+                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
+                  + _check_pretrained(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
@@ -686,4 +743,30 @@ def _check_task(cfg: RunConfig) -> list[str]:
     if cfg.model.max_position_embeddings < needed:
         errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
                       f">= bos + longest prompt + rl_max_response_length ({needed})")
+    return errors
+
+
+def _check_pretrained(cfg: RunConfig) -> list[str]:
+    """Architecture extras, loading flags and retrofitted recurrence."""
+    from scalerlt_mcore.rl.tokenizer import CharTokenizer
+
+    m, lg = cfg.model, cfg.logging
+    errors = _positive(m, "looped_loops_warmup_iters", minimum=0)
+    errors += [f"{k} must be > 0, got {getattr(m, k)}"
+               for k in ("norm_epsilon", "rotary_base", "rope_scaling_factor")
+               if getattr(m, k) <= 0]
+    if m.kv_channels is not None and m.kv_channels < 1:
+        errors.append(f"kv_channels must be >= 1 or null, got {m.kv_channels}")
+    tokens = CharTokenizer().vocab_size
+    if m.vocab_size is not None and m.vocab_size < tokens:
+        errors.append(f"vocab_size ({m.vocab_size}) must be >= the tokenizer's ({tokens})")
+    if m.looped_retrofit is not None and not re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):
+        errors.append(f"looped_retrofit must be 'prelude,core,coda' (e.g. '2,4,2'), got "
+                      f"{m.looped_retrofit!r}")
+    needs = {"looped_retrofit": m.looped_retrofit, "use_checkpoint_args": lg.use_checkpoint_args}
+    errors += [f"{k} needs pretrained_checkpoint" for k, v in needs.items()
+               if v and not lg.pretrained_checkpoint]
+    errors += [f"{k} needs load (the checkpoint it applies to)"
+               for k in ("finetune", "no_load_optim", "no_load_rng")
+               if getattr(lg, k) and not lg.load]
     return errors

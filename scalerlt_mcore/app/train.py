@@ -13,10 +13,10 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..rl.tokenizer import CharTokenizer
 from .arguments import default_run_dir, parse_args, save_resolved, validate
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .metrics import MetricsLog, plot_rewards
+from .pretrained import load_before_wrap, resolve_pretrained, resume_after_wrap, run_vocab_size
 from .runtime import (
     build_model,
     init_distributed,
@@ -64,10 +64,11 @@ def _line(step: int, m: dict) -> str:
 def run(cfg) -> dict:
     """Validate, then train; returns the final evaluation. The process group and MCore's
     parallel state are destroyed on return and on error."""
+    notes = resolve_pretrained(cfg)  # --use-checkpoint-args, --looped-retrofit
     validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
     try:
-        return _run(cfg, device)
+        return _run(cfg, device, notes)
     finally:
         shutdown_distributed()
 
@@ -77,7 +78,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _run(cfg, device: str) -> dict:
+def _run(cfg, device: str, notes: list) -> dict:
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
     if rank0:
@@ -86,11 +87,13 @@ def _run(cfg, device: str) -> dict:
         print(f"device: {device} ({dist.get_backend()}), data-parallel ranks: "
               f"{dist.get_world_size()}, run dir: {run_dir}", flush=True)
     config = model_config(cfg, device)
-    model = build_model(cfg, config, CharTokenizer().vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
+    for line in notes if rank0 else []:
+        print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = load_checkpoint(cfg.logging.load, model, optimizer, scheduler) if cfg.logging.load \
-        else 0
+    start = resume_after_wrap(cfg, model, optimizer, scheduler)
     with _Interrupt() as stop:
         return _loop(cfg, trainer, start, run_dir, rank0, stop)
 
@@ -132,6 +135,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
+    trainer.use_loops_of(step)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
@@ -144,6 +148,7 @@ def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
     """Save after ``step`` when forced or at the interval; True when it saved."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
+        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler)
         return True

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
+from ..model.config import set_num_loops
 from ..rl.advantages import group_advantages
 from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
@@ -30,6 +31,13 @@ from .arguments import objective_from, schedule_from, task_from
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
+
+
+def curriculum_loops(step: int, loops: int, warmup_iters: int) -> int:
+    """Loop count of ``step``: rises linearly from 1 to ``loops`` over ``warmup_iters`` steps."""
+    if warmup_iters <= 0 or step >= warmup_iters:
+        return loops
+    return 1 + (loops - 1) * step // warmup_iters
 
 
 def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
@@ -91,6 +99,20 @@ class RLTrainer:
         self.schedule = schedule_from(cfg)
         self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
+        # a pretrained vocabulary may extend past the tokenizer's: never sample those ids
+        self.banned = (self.tok.pad_id, self.tok.bos_id,
+                       *range(self.tok.vocab_size, model.vocab_size))
+
+    def use_loops_of(self, step: int) -> int:
+        """Set the loop count of ``step`` (``looped_loops_warmup_iters`` curriculum)."""
+        m = self.cfg.model
+        loops = curriculum_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters)
+        set_num_loops(self.model.config, loops)
+        return loops
+
+    def use_configured_loops(self) -> None:
+        """Back to ``looped_num_loops`` (what a checkpoint records and a resumed run builds)."""
+        set_num_loops(self.model.config, self.cfg.model.looped_num_loops)
 
     @staticmethod
     @mcore_workaround
@@ -122,7 +144,7 @@ class RLTrainer:
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=(self.tok.pad_id, self.tok.bos_id), loop=loop)
+                       banned=self.banned, loop=loop)
         self.model.train()
         return out
 
@@ -151,6 +173,7 @@ class RLTrainer:
 
     def rl_step(self, step: int) -> dict:
         t0 = time.perf_counter()
+        loops = self.use_loops_of(step)
         problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
                                     self.groups_per_rank)
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
@@ -165,6 +188,7 @@ class RLTrainer:
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
             "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
+            "loops": loops,
         })
 
     def _attach_logprobs(self, groups, ro) -> float:
@@ -218,6 +242,7 @@ class RLTrainer:
     def sft_step(self, step: int) -> dict:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
+        loops = self.use_loops_of(step)
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
                                            self.groups_per_rank * self.cfg.rl.rl_group_size)
         batch = self._sft_batch(pairs)
@@ -226,7 +251,7 @@ class RLTrainer:
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
             seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
         return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
-                             "lr": self.optimizer.param_groups[0]["lr"]})
+                             "lr": self.optimizer.param_groups[0]["lr"], "loops": loops})
 
     def _sft_batch(self, pairs: list) -> dict:
         prompts = self._prompts([p for p, _ in pairs])

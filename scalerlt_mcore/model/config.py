@@ -95,3 +95,11 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             f"parallelism), got {cfg.pipeline_model_parallel_size}")
     if cfg.sequence_parallel or cfg.context_parallel_size > 1:
         raise NotImplementedError("looped GPT does not support sequence or context parallelism")
+
+
+def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:
+    """Change R of built models sharing ``config`` (e.g. a loop-count curriculum): every
+    forward, cache and prefix state reads it from the config; no parameter depends on it."""
+    if not isinstance(loops, int) or loops < 1:
+        raise ValueError(f"looped_num_loops must be an integer >= 1, got {loops!r}")
+    config.looped_num_loops = loops
