@@ -139,11 +139,14 @@ def test_batch_divisibility_names_both_numbers():
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
-    (["--rl-task", "revers"], "known tasks: modular_arithmetic, reverse, sort"),
+    (["--rl-task", "revers"], "known tasks: kv_retrieval, modular_arithmetic, reverse, sort"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
+    (["--rl-old-logprobs", "rollout", "--rl-ppo-epochs", "2"],
+     "rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got 2"),
+    (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -343,7 +346,8 @@ FROZEN_CLI_FLAGS = [
     "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",
     "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
+    "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
+    "--rl-rollout", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
     "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
