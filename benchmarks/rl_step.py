@@ -13,8 +13,9 @@ the phase times are the trainer's own metrics (``time_{rollout,score,train,step}
 rollouts alone, per row vs prompt once, on one batch of prompts: response tokens/s, peak
 tensor memory, and KV cache bytes.
 
-``python -m benchmarks.rl_step [--steps 2] [--out DIR]`` writes DIR/rl_step.json; ``python -m
-benchmarks.run`` runs it too and stores the result under ``rl_step`` in cpu.json.
+``python -m benchmarks.run`` (``make bench``) runs it and stores the result under ``rl_step`` in
+cpu.json, its table in cpu.md. ``python -m benchmarks.rl_step [--steps 2] [--out DIR]`` runs it
+alone and puts it into DIR/cpu.json and DIR/cpu.md beside the results already there.
 """
 
 import argparse
@@ -26,17 +27,12 @@ import time
 
 import torch
 
-CONFIG = {
-    # model: 2 core layers x 4 loops, hidden 256 (the headline workloads' model)
-    "num_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "looped_num_loops": 4,
-    "max_position_embeddings": 528,
-    # RL: 2 prompts x G 16 per step; prompts of 512 tokens (kv_retrieval's default), responses
-    # of up to 16 tokens; one update per rollout batch, no KL, no warm-up or evaluation
-    "rl_task": "kv_retrieval", "rl_task_options": "{}", "rl_group_size": 16,
-    "global_batch_size": 32, "micro_batch_size": 16, "rl_max_response_length": 16,
-    "shared_prefix_wave_size": 4, "rl_ppo_epochs": 1, "rl_kl_coef": 0.0,
-    "rl_warmup_sft_steps": 0, "rl_eval_every": 0, "lr_warmup_iters": 0, "train_iters": 100,
-}
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "long_prompt_cpu.yaml")
+"""The main job's config of the long-prompt task (kv_retrieval, prompt 512, response 16, G 16,
+2 prompts per step; hidden 256, 2 core layers x 4 loops)."""
+OVERRIDES = {"rl_eval_every": 0, "train_iters": 100}
+"""Changes to the config for timing: no evaluation; the LR schedule of a longer run."""
 VARIANTS = {
     "naive": {"rl_rollout": "per_row", "shared_prefix_schedule": "naive"},
     "joint": {"rl_rollout": "prompt_once", "shared_prefix_schedule": "joint_replay"},
@@ -64,14 +60,15 @@ def _flags(values: dict) -> list:
     return out
 
 
-def build_trainer(values: dict):
-    """An ``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
+def build_trainer(config: str, values: dict):
+    """An ``RLTrainer`` on the current MCore state, built as ``train.run`` builds it from the
+    YAML file ``config`` and the flags ``values``."""
     from scalerlt_mcore.app import runtime
     from scalerlt_mcore.app.arguments import parse_args, validate
     from scalerlt_mcore.app.trainer import RLTrainer
     from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
-    cfg = parse_args(_flags(values))
+    cfg = parse_args(["--config", config] + _flags(values))
     validate(cfg, torch.distributed.get_world_size())
     config = runtime.model_config(cfg, "cpu")
     model = runtime.build_model(cfg, config, CharTokenizer().vocab_size, "cpu")
@@ -82,12 +79,12 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def build_variants(config: dict, variants: dict, seed: int) -> dict:
+def build_variants(config: str, overrides: dict, variants: dict, seed: int) -> dict:
     """name -> trainer; every variant starts from the same weights (checked)."""
     trainers = {}
     for name, extra in variants.items():
         torch.manual_seed(seed)
-        trainers[name] = build_trainer({**config, **extra})
+        trainers[name] = build_trainer(config, {**overrides, **extra})
     first = _flat(next(iter(trainers.values())).model)
     for name, tr in trainers.items():
         if not torch.equal(_flat(tr.model), first):
@@ -214,15 +211,20 @@ def measure_rollouts(trainer, step: int = 0, repetitions: int = 2) -> dict:
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def run_rl_step(steps: int = 2, warmup: int = 1, config: dict = None, variants: dict = None,
-                seed: int = 0, log=print) -> dict:
-    """The whole benchmark on the current MCore state (``model_parallel_context``)."""
+def run_rl_step(steps: int = 2, warmup: int = 1, config: str = CONFIG, overrides: dict = None,
+                variants: dict = None, seed: int = 0, log=print) -> dict:
+    """The whole benchmark on the current MCore state (``model_parallel_context``): the main
+    job's ``config`` file with ``overrides`` (default ``OVERRIDES``) and each variant's flags."""
     t0 = time.perf_counter()
-    config = CONFIG if config is None else config
-    trainers = build_variants(config, variants or VARIANTS, seed)
+    overrides = OVERRIDES if overrides is None else overrides
+    trainers = build_variants(config, overrides, variants or VARIANTS, seed)
     result = summarise_steps(time_steps(trainers, steps, warmup))
     result["rollouts"] = measure_rollouts(trainers["joint"])
-    result["config"] = {**config, "steps": steps, "warmup": warmup}
+    from scalerlt_mcore.app.arguments import to_dict
+
+    result["config"] = {"file": os.path.relpath(config), "overrides": overrides,
+                        "variants": variants or VARIANTS, "steps": steps, "warmup": warmup,
+                        "resolved": to_dict(trainers["joint"].cfg)}
     result["notes"] = NOTES
     result["bench_seconds"] = time.perf_counter() - t0
     nj, ro = result["naive_over_joint"], result["rollouts"]
@@ -274,11 +276,37 @@ def main(argv=None) -> int:
 
     with model_parallel_context(seed=args.seed):
         result = run_rl_step(steps=args.steps, seed=args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rl_step.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    merge_into(args.out, result)
     print(markdown(result))
     return 0
+
+
+MD_HEADING = "## Whole RL step (rl_step)"
+
+
+def merge_into(out: str, result: dict) -> None:
+    """Put ``result`` under ``rl_step`` in ``out``/cpu.json (its target row and notes in the
+    meta) and its section into ``out``/cpu.md, keeping the other results there."""
+    from .report import check_targets
+
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "cpu.json")
+    doc = {"meta": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    meta = doc["meta"]
+    meta["targets"] = [t for t in meta.get("targets", []) if t["workload"] != "rl_step"]
+    meta["targets"] += check_targets({"rl_step": result})
+    meta["notes"] = [n for n in meta.get("notes", []) if n not in NOTES] + NOTES
+    doc["rl_step"] = result
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    md = os.path.join(out, "cpu.md")
+    text = open(md).read() if os.path.exists(md) else ""
+    text = text.split("\n" + MD_HEADING)[0].rstrip("\n")
+    with open(md, "w") as f:
+        f.write(f"{text}\n\n{MD_HEADING}\n\n{markdown(result)}\n".lstrip("\n"))
 
 
 if __name__ == "__main__":

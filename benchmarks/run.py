@@ -142,11 +142,11 @@ def _write(out: str, results: dict, total: float, extra: dict = None) -> int:
                 f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in notes))
     write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble)
     if "rl_step" in extra:
+        from .rl_step import MD_HEADING
         from .rl_step import markdown as rl_step_markdown
 
         with open(os.path.join(out, "cpu.md"), "a") as f:
-            f.write("\n## Whole RL step (rl_step)\n\n" + rl_step_markdown(extra["rl_step"])
-                    + "\n")
+            f.write(f"\n{MD_HEADING}\n\n{rl_step_markdown(extra['rl_step'])}\n")
     plot(os.path.join(out, "cpu.png"), results, "CPU: naive / joint replay")
     print(markdown_table(results))
     print()

@@ -28,6 +28,7 @@ from scalerlt_mcore.app.arguments import (
     parse_args,
     save_resolved,
     schedule_from,
+    task_from,
     to_dict,
     validate,
     with_library_fields,
@@ -151,6 +152,15 @@ def test_batch_divisibility_names_both_numbers():
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(argv), world_size=1)
+
+
+def test_long_prompt_config_is_valid_and_long():
+    cfg = parse_args(["--config", str(REPO / "configs/long_prompt_cpu.yaml")])
+    validate(cfg, world_size=1)
+    task = task_from(cfg)
+    assert task.name == "kv_retrieval" and 1 + task.max_prompt_chars == 512  # bos + prompt
+    assert (cfg.rl.rl_group_size, cfg.rl.rl_max_response_length) == (16, 16)
+    assert cfg.model.max_position_embeddings == 512 + 16
 
 
 def test_validate_reports_all_problems_at_once():

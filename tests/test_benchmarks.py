@@ -128,21 +128,20 @@ def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
 
 # ---- the whole RL step (benchmarks/rl_step.py) ---------------------------------------------
 
-TINY_RL = {
+TINY_RL = {  # the long-prompt config made tiny
     "num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "looped_num_loops": 2,
-    "max_position_embeddings": 32, "rl_task": "kv_retrieval",
+    "max_position_embeddings": 32,
     "rl_task_options": "{num_pairs: 4, key_len: 2, value_len: 1}", "rl_group_size": 4,
     "global_batch_size": 8, "micro_batch_size": 4, "rl_max_response_length": 4,
-    "shared_prefix_wave_size": 2, "rl_ppo_epochs": 1, "rl_kl_coef": 0.0,
-    "rl_warmup_sft_steps": 0, "rl_eval_every": 0, "train_iters": 10,
+    "shared_prefix_wave_size": 2, "rl_eval_every": 0,
 }
 
 
 def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
-    from benchmarks.rl_step import kv_cache_bytes, run_rl_step
+    from benchmarks.rl_step import kv_cache_bytes, merge_into, run_rl_step
     from benchmarks.run import _write
 
-    result = run_rl_step(steps=1, warmup=0, config=TINY_RL, log=lambda *a, **k: None)
+    result = run_rl_step(steps=1, warmup=0, overrides=TINY_RL, log=lambda *a, **k: None)
     for key in ("naive_over_joint", "naive_over_joint_rollout_logprobs"):
         assert set(result[key]) == {"wall", "rollout", "score", "train"}
         assert all(isinstance(result[key][p], float) and result[key][p] > 0
@@ -168,3 +167,14 @@ def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
     assert doc["rl_step"]["naive_over_joint"] == result["naive_over_joint"]
     assert [t["workload"] for t in doc["meta"]["targets"]] == ["rl_step"]
     assert "## Whole RL step (rl_step)" in (tmp_path / "cpu.md").read_text()
+    # run alone, it joins the results already there (twice: its section is replaced)
+    (tmp_path / "cpu.json").write_text(json.dumps({"meta": {"targets": [{"workload": "A"}]},
+                                                   "A": {"x": 1}}))
+    (tmp_path / "cpu.md").write_text("# bench\n\nA table\n")
+    merge_into(str(tmp_path), result)
+    merge_into(str(tmp_path), result)
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    assert doc["A"] == {"x": 1} and doc["rl_step"]["rollouts"] == result["rollouts"]
+    assert [t["workload"] for t in doc["meta"]["targets"]] == ["A", "rl_step"]
+    md = (tmp_path / "cpu.md").read_text()
+    assert md.startswith("# bench\n\nA table\n") and md.count("## Whole RL step") == 1
