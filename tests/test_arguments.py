@@ -28,6 +28,7 @@ from scalerlt_mcore.app.arguments import (
     parse_args,
     save_resolved,
     schedule_from,
+    task_from,
     to_dict,
     validate,
     with_library_fields,
@@ -139,15 +140,27 @@ def test_batch_divisibility_names_both_numbers():
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
-    (["--rl-task", "revers"], "known tasks: modular_arithmetic, reverse, sort"),
+    (["--rl-task", "revers"], "known tasks: kv_retrieval, modular_arithmetic, reverse, sort"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
+    (["--rl-old-logprobs", "rollout", "--rl-ppo-epochs", "2"],
+     "rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got 2"),
+    (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(argv), world_size=1)
+
+
+def test_long_prompt_config_is_valid_and_long():
+    cfg = parse_args(["--config", str(REPO / "configs/long_prompt_cpu.yaml")])
+    validate(cfg, world_size=1)
+    task = task_from(cfg)
+    assert task.name == "kv_retrieval" and 1 + task.max_prompt_chars == 512  # bos + prompt
+    assert (cfg.rl.rl_group_size, cfg.rl.rl_max_response_length) == (16, 16)
+    assert cfg.model.max_position_embeddings == 512 + 16
 
 
 def test_validate_reports_all_problems_at_once():
@@ -348,7 +361,8 @@ FROZEN_CLI_FLAGS = [
     "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
     "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
+    "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
+    "--rl-rollout", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
     "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",

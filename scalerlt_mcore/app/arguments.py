@@ -286,6 +286,16 @@ class RLArgs:
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
     rl_ppo_epochs: int = 1
     """Optimizer steps per rollout batch."""
+    rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
+    """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
+    samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
+    own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    rl_old_logprobs: Literal["score", "rollout"] = "score"
+    """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
+    through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
+    per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
+    forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
+    ``rl_ppo_epochs`` 1."""
     rl_partial_credit: bool = False
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
@@ -724,6 +734,10 @@ def _check_rl(cfg: RunConfig) -> list[str]:
         errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
     if not 0 < rl.rl_top_p <= 1:
         errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
+    if rl.rl_old_logprobs == "rollout" and rl.rl_ppo_epochs != 1:
+        errors.append(f"rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got "
+                      f"{rl.rl_ppo_epochs} (the rollout's log-probs replace the scoring pass "
+                      f"of a single update)")
     if rl.rl_advantage != "none" and rl.rl_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs rl_group_size >= 2 "
                       "(a group of one has zero advantage)")

@@ -57,6 +57,8 @@ def _line(step: int, m: dict) -> str:
     return (f"step {step:4d} | reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
             f"len {m['response_length']:.2f} | loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"rollout/score/train {m['time_rollout_s']:.2f}/{m['time_score_s']:.2f}/"
+            f"{m['time_train_s']:.2f} s | "
             f"saved {m['peak_saved_bytes'] / 2**20:.2f} MiB | "
             f"rollout-vs-train logp {m['rollout_logprob_max_diff']:.1e}")
 

@@ -74,6 +74,44 @@ def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
     return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
 
 
+TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
+                 "time_step_s")
+"""Metrics of an RL step that are wall-clock measurements (they differ between identical
+runs): throughput and the time of each phase, rollout / score / train, and of the whole step."""
+
+
+def rollout_old_logprobs(group: SharedPrefixGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
+    """Old log-probs [R, G, T] in the group's layout (position t holds the log-prob of label t)
+    from the rollout's per-loop log-probs [R, G, S'] of the sampled tokens (0 on padding)."""
+    P, S = group.prompt_length, group.response_length
+    old = torch.zeros((loop_logprobs.shape[0], *group.tokens.shape), dtype=loop_logprobs.dtype,
+                      device=group.tokens.device)
+    old[:, :, P - 1 : P - 1 + S] = loop_logprobs[:, :, :S].to(old.device)  # [R, G, S]
+    return old
+
+
+def recording_drift(forward_step, drift: list):
+    """``forward_step`` whose loss_func also appends max |training - old| final-loop log-prob
+    of the wave's trained tokens to ``drift``: with old log-probs from the rollout and the
+    update's first forward (the rollout's weights), the rollout-vs-training difference."""
+
+    def step(data_iterator, model):
+        wave = next(data_iterator)
+        output, loss_func = forward_step(iter([wave]), model)
+
+        def recorded(logprobs, non_loss_data: bool = False):
+            if not non_loss_data:
+                g = wave.group
+                diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
+                trained = wave.rows(g.loss_mask) != 0  # [W, T]
+                drift.append(torch.where(trained, diff.abs(), 0.0).max())
+            return loss_func(logprobs, non_loss_data=non_loss_data)
+
+        return output, recorded
+
+    return step
+
+
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
@@ -96,6 +134,9 @@ class RLTrainer:
         self.task = task_from(cfg)
         self.objective = objective_from(cfg)
         self.forward_step = rl_forward_step(self.objective)
+        self.train_drift = []  # rollout-vs-training log-prob differences of the current step
+        if cfg.rl.rl_old_logprobs == "rollout":
+            self.forward_step = recording_drift(self.forward_step, self.train_drift)
         self.schedule = schedule_from(cfg)
         self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
@@ -144,7 +185,8 @@ class RLTrainer:
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=self.banned, loop=loop)
+                       banned=self.banned, loop=loop,
+                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once")
         self.model.train()
         return out
 
@@ -172,31 +214,46 @@ class RLTrainer:
     # ---- one RL step -----------------------------------------------------------------------
 
     def rl_step(self, step: int) -> dict:
+        """Rollout -> rewards -> scoring (old/ref log-probs) -> ``rl_ppo_epochs`` updates; the
+        wall time of each phase is in the metrics (``TIMED_METRICS``)."""
         t0 = time.perf_counter()
         loops = self.use_loops_of(step)
         problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
                                     self.groups_per_rank)
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
+        t_rollout = time.perf_counter()
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
         groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
                               self.device, advantages)
+        t_score = time.perf_counter()
         drift = self._attach_logprobs(groups, ro)
+        t_train = time.perf_counter()
+        self.train_drift.clear()
         train = self.optimize(groups)
+        if self.cfg.rl.rl_old_logprobs == "rollout":
+            drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
+        t_end = time.perf_counter()
         return self._reduce({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
-            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
-            "loops": loops,
+            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (t_end - t0),
+            "time_rollout_s": t_rollout - t0, "time_score_s": t_train - t_score,
+            "time_train_s": t_end - t_train, "time_step_s": t_end - t0, "loops": loops,
         })
 
     def _attach_logprobs(self, groups, ro) -> float:
-        """old (and ref) log-probs; returns max |rollout - training forward| log-prob."""
-        old = self.score(self.ddp, groups)
+        """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
+        ``rl_old_logprobs: rollout`` the old log-probs are the rollout's and the difference is
+        measured in the update instead: 0 here)."""
+        from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
+        old = None if from_rollout else self.score(self.ddp, groups)
         ref = self.score(self.ref, groups) if self.ref is not None else [None] * len(groups)
         for n, g in enumerate(groups):
-            g.old_logprobs, g.ref_logprobs = old[n].detach(), ref[n]
+            g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
+                              else old[n].detach())
+            g.ref_logprobs = ref[n]
         return float(torch.stack([rollout_drift(g, ro.logprobs[n])
                                   for n, g in enumerate(groups)]).max())
 

@@ -391,6 +391,8 @@ class LoopedSelfAttention(SelfAttention):
         return self.core_attention(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):
+        if ctx.cache.prefix is not None:
+            return self._attend_prompt_once(ctx, query, key, value)
         cache, pos = ctx.cache, ctx.positions  # pos [B, s]
         batch = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
         cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
@@ -401,3 +403,45 @@ class LoopedSelfAttention(SelfAttention):
         key_pos = torch.arange(span, device=pos.device)
         masked = key_pos[None, None, :] > pos[:, :, None]  # [B, s, T]
         return self.core_attention(query, keys, vals, masked[:, None])
+
+    def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
+        """Prompt-once decoding: write the new K/V into the continuation cache, attend to it
+        and, read once per prompt, to the prompt's K/V in ``cache.prefix``."""
+        cache, d = ctx.cache, ctx.depth
+        slots = ctx.positions - cache.offsets()[:, None]  # [B, s] positions after the prompt
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        cache.keys[d][slots, rows] = key.transpose(0, 1).to(cache.keys.dtype)
+        cache.values[d][slots, rows] = value.transpose(0, 1).to(cache.values.dtype)
+        span = int(slots.max()) + 1
+        own = torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
+        prefix = cache.prefix
+        P = int(prefix.lengths.max())
+        prompt = torch.arange(P, device=slots.device)[None, :] < prefix.lengths[:, None]  # [N, P]
+        out = prompt_once_attention(
+            query, cache.keys[d][:span].to(query.dtype), cache.values[d][:span].to(query.dtype),
+            own, prefix.keys[d][:P].to(query.dtype), prefix.values[d][:P].to(query.dtype),
+            prompt, self.core_attention.scale)  # [B, np, s, hn]
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
+
+
+def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float) -> Tensor:
+    """Decoding G samples per prompt (Hydragen): each query attends to its own cached keys and
+    to its prompt's keys, stored once per prompt; the two softmax parts are merged through
+    their log-sum-exps. The prompt part is one product per (prompt, query group) of all
+    G * rep * s queries against the prompt's P keys.
+
+    q [s, B, np, hn]; k, v [T, B, ng, hn] the rows' own K/V, ``allowed`` [B, s, T] (True =
+    attend); pk, pv [P, N, ng, hn] the prompts' K/V with B = N * G (rows n*G ... n*G+G-1
+    continue prompt n), ``prompt_allowed`` [N, P] (False on prompt padding). Every query must
+    see at least one key of each part. Returns [B, np, s, hn].
+    """
+    s, B, heads, hn = q.shape
+    prompts, groups = pk.shape[1], pk.shape[2]
+    layout = _PrefixLayout(prompts, B // prompts, groups, heads // groups, s)
+    qs = _bhsd(q)  # [B, np, s, hn]
+    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, T, hn]
+    out_s, lse_s = attend_with_lse(qs, ks, vs, allowed[:, None], scale)
+    seen = prompt_allowed[:, None, None, :]  # [N, 1, 1, P]
+    out_p, lse_p = attend_with_lse(layout.to_prefix(qs), _bhsd(pk), _bhsd(pv), seen, scale)
+    return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)

@@ -150,10 +150,14 @@ class LoopedGPTModel(LanguageModule):
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def new_kv_cache(self, batch: int, max_length: int) -> DepthKVCache:
-        """An empty depth-indexed cache in the model's dtype and device."""
+    def new_kv_cache(self, batch: int, max_length: int,
+                     prefix: Optional[DepthKVCache] = None) -> DepthKVCache:
+        """An empty depth-indexed cache in the model's dtype and device. ``prefix``: a cache
+        of N prefilled prompts that this cache's ``batch`` = N * G rows continue (prompt-once
+        decoding: ``max_length`` then counts only the tokens after the prompt)."""
         p = next(self.parameters())
-        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device)
+        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device,
+                            prefix=prefix)
 
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:
