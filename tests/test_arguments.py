@@ -138,6 +138,8 @@ def test_batch_divisibility_names_both_numbers():
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
     (["--tensor-model-parallel-size", "3"],
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
+    (["--tensor-model-parallel-size", "2"],
+     r"tensor_model_parallel_size 2: tensor parallelism is not supported yet"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
     (["--rl-task", "revers"], "known tasks: kv_retrieval, modular_arithmetic, reverse, sort"),

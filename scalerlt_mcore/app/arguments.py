@@ -688,6 +688,10 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
     if world_size % m.tensor_model_parallel_size:
         errors.append(f"world size ({world_size}) must be divisible by "
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size})")
+    if m.tensor_model_parallel_size > 1:
+        errors.append(f"tensor_model_parallel_size {m.tensor_model_parallel_size}: tensor "
+                      f"parallelism is not supported yet (the prefix state, decoding cache and "
+                      f"data draw are not per tensor-parallel rank); use 1")
     return errors + _library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
 
 
