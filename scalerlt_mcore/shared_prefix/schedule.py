@@ -309,7 +309,7 @@ def _merge(per_wave: dict, **extra) -> object:
     if extra and isinstance(merged, dict):
         ref = next((v for v in merged.values() if isinstance(v, Tensor)), None)
         device = ref.device if ref is not None else None
-        merged.update({k: torch.tensor(v, device=device) for k, v in extra.items()})
+        merged.update({k: torch.tensor(float(v), device=device) for k, v in extra.items()})
     return merged
 
 
