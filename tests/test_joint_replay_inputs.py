@@ -217,12 +217,17 @@ BAD = {
 }
 
 
+def _reject_corrupted(model, corruption, message: str) -> None:
+    """A group corrupted by ``corruption`` is refused before compute with ``message``."""
+    group = _group()
+    corruption(group)
+    _reject(model, group, ValueError, message)
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_rejected_with_clear_error(model, case):
-    group = _group()
     corrupt, pattern = BAD[case]
-    corrupt(group)
-    _reject(model, group, ValueError, rf"group {GID}: .*{pattern}")
+    _reject_corrupted(model, corrupt, rf"group {GID}: .*{pattern}")
 
 
 def test_response_longer_than_max_rejected(model):
@@ -357,10 +362,8 @@ BAD_FOR_MODEL = {
 
 @pytest.mark.parametrize("case", list(BAD_FOR_MODEL))
 def test_input_the_model_or_loss_cannot_use_rejected_before_compute(model, case):
-    group = _group()
     corrupt, pattern = BAD_FOR_MODEL[case]
-    corrupt(group)
-    _reject(model, group, ValueError, rf"group {GID}: {pattern}")
+    _reject_corrupted(model, corrupt, rf"group {GID}: {pattern}")
 
 
 def test_sequence_longer_than_position_table_rejected_before_compute(model):
