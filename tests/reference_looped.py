@@ -15,6 +15,7 @@ Megatron convention it encodes is the parameter layout:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class RefConfig:
     position: str = "learned_absolute"  # learned_absolute | rope
     rotary_base: float = 10000.0
     eps: float = 1e-5
+    backprop_loops: int = 0  # k > 0: loops 1..R-k (and their readouts) build no graph
 
     @property
     def head_dim(self) -> int:
@@ -156,13 +158,15 @@ def reference_forward(weights: dict, cfg: RefConfig, tokens: Tensor,
     embed = run(weights["prelude"], x)
     state = embed if cfg.initial_state == "embed" else torch.zeros_like(embed)
     logits = []
-    for _ in range(cfg.loops):
-        if cfg.injection == "linear_concat":
-            x = torch.cat([state, embed], dim=-1) @ weights["inject"].T  # W [s; e]
-        else:
-            x = state
-        state = run(weights["core"], x)
-        y = run(weights["coda"], state)
-        y = F.layer_norm(y, y.shape[-1:], weights["norm_w"], weights["norm_b"], cfg.eps)
-        logits.append(y @ weights["out"].T)  # [B, S, V]
+    frozen = cfg.loops - cfg.backprop_loops if 0 < cfg.backprop_loops < cfg.loops else 0
+    for r in range(cfg.loops):
+        with torch.no_grad() if r < frozen else contextlib.nullcontext():
+            if cfg.injection == "linear_concat":
+                x = torch.cat([state, embed], dim=-1) @ weights["inject"].T  # W [s; e]
+            else:
+                x = state
+            state = run(weights["core"], x)
+            y = run(weights["coda"], state)
+            y = F.layer_norm(y, y.shape[-1:], weights["norm_w"], weights["norm_b"], cfg.eps)
+            logits.append(y @ weights["out"].T)  # [B, S, V]
     return logits, kv

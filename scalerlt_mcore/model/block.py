@@ -4,6 +4,7 @@ Built from a block spec (``get_looped_gpt_block_spec``) whose ``LoopedBlockSubmo
 every part, as MCore's ``TransformerBlockSubmodules`` do for its block.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -84,17 +85,30 @@ class RecurrentTransformerBlock(MegatronModule):
                     ctx.depth = depth
                 x, _ = layer(x, attention_mask=attention_mask, inference_context=ctx,
                              rotary_pos_emb=rotary_pos_emb)
+                if not torch.is_grad_enabled():
+                    # MCore's TransformerLayer adds its biases under torch.enable_grad() (its
+                    # bias_dropout_add_exec_handler): drop that graph in a no_grad region
+                    x = x.detach()
                 depth += 1
             return x
 
         embed = run(self.prelude, hidden)
         state = embed if self.config.looped_initial_state == "embed" else torch.zeros_like(embed)
         readouts = []
-        for _ in range(self.config.looped_num_loops):
-            x = state if self.injection is None else self.injection(state, embed)
-            state = run(self.layers, x)
-            readouts.append(run(self.coda, state))
+        for r in range(self.config.looped_num_loops):
+            with loop_grad_context(self.config, r):
+                x = state if self.injection is None else self.injection(state, embed)
+                state = run(self.layers, x)
+                readouts.append(run(self.coda, state))
         return readouts
+
+
+def loop_grad_context(config, loop: int):
+    """``no_grad`` for a loop that truncated backprop leaves graph-free
+    (``looped_backprop_loops``), else a null context."""
+    if loop < config.looped_num_graph_free_loops:
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 def _optional(spec: Optional[Union[ModuleSpec, type]], config):

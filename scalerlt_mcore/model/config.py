@@ -59,6 +59,12 @@ class LoopedTransformerConfig(TransformerConfig):
     ``efficient`` (PyTorch's CUDA flash / memory-efficient SDPA ops), ``cpu_flash`` (PyTorch's
     CPU flash op), or ``matmul`` (materialises the [*, W*S, P] scores: the reference path)."""
 
+    looped_backprop_loops: int = 0
+    """Truncated backprop through loops (Huginn): k > 0 trains only the last k loops. The first
+    R - k loops (their core and coda layers and their readouts) run under ``no_grad``: they
+    build no graph, their readouts enter the loss value but no gradient, and under joint replay
+    the prefix K/V of their depths needs no adjoint. 0 (or k >= R): every loop trains."""
+
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
 
@@ -75,12 +81,18 @@ class LoopedTransformerConfig(TransformerConfig):
         per_loop = self.num_layers + self.looped_num_coda_layers
         return self.looped_num_prelude_layers + self.looped_num_loops * per_loop
 
+    @property
+    def looped_num_graph_free_loops(self) -> int:
+        """Loops run under ``no_grad`` by truncated backprop: R - k when 0 < k < R, else 0."""
+        k, loops = self.looped_backprop_loops, self.looped_num_loops
+        return loops - k if 0 < k < loops else 0
+
 
 def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
     """All cross-field checks of the ``looped_*`` fields, with errors that name the field."""
     if not isinstance(cfg.looped_num_loops, int) or cfg.looped_num_loops < 1:
         raise ValueError(f"looped_num_loops must be an integer >= 1, got {cfg.looped_num_loops!r}")
-    for name in ("looped_num_prelude_layers", "looped_num_coda_layers"):
+    for name in ("looped_num_prelude_layers", "looped_num_coda_layers", "looped_backprop_loops"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -60,11 +60,16 @@ class PrefixState:
         depth = (len(tensors) - 1) // 2
         return cls(tensors[:depth], tensors[depth : 2 * depth], tensors[-1], signature)
 
-    def detached_leaves(self, dtype: Optional[torch.dtype] = None) -> "PrefixState":
+    def detached_leaves(self, dtype: Optional[torch.dtype] = None,
+                        trained: Optional[list] = None) -> "PrefixState":
         """A copy whose tensors are detached leaves that require grad (they collect adjoints).
         ``dtype``: each leaf is promoted to at least it (the same numbers, e.g. fp32 leaves of a
-        bf16 state, so that the adjoints they collect are accumulated in fp32)."""
-        leaves = [_promoted(t.detach(), dtype).requires_grad_(True) for t in self.tensors()]
+        bf16 state, so that the adjoints they collect are accumulated in fp32). ``trained``
+        (one bool per depth, ``trained_depths``): a depth marked False is detached as it is,
+        not a leaf and not promoted: nothing backpropagates into it, so it has no adjoint."""
+        flags = [*trained, *trained] if trained is not None else [True] * 2 * len(self.keys)
+        leaves = [_promoted(t.detach(), dtype).requires_grad_(True) if grad else t.detach()
+                  for t, grad in zip(self.tensors(), [*flags, True])]
         return PrefixState.from_tensors(leaves, self.signature)
 
     def check_compatible(self, config) -> None:
@@ -97,6 +102,16 @@ class PrefixState:
                 f"prefix state boundary has shape {tuple(self.boundary.shape)}, "
                 f"expected {b_shape} [loops, batch, hidden]"
             )
+
+
+def trained_depths(config) -> list:
+    """Per virtual depth: whether a suffix's gradient reaches the prefix K/V there. False for
+    the core and coda depths of loops that truncated backprop runs graph-free
+    (``looped_backprop_loops``); prelude depths always train."""
+    per_loop = config.num_layers + config.looped_num_coda_layers
+    frozen = config.looped_num_graph_free_loops
+    loops = [r >= frozen for r in range(config.looped_num_loops) for _ in range(per_loop)]
+    return [True] * config.looped_num_prelude_layers + loops
 
 
 def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:

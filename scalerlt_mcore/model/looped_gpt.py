@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
+from .block import loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES
 from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
@@ -112,10 +113,18 @@ class LoopedGPTModel(LanguageModule):
         return out
 
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
+        """Every loop's readout; a loop left graph-free by truncated backprop reads out under
+        ``no_grad`` too (it adds to the loss value, not to any gradient)."""
         if labels is None:
-            out.logits = [self.readout(h) for h in states]
+            out.logits = [self._loop_readout(r, h) for r, h in enumerate(states)]
         else:
-            out.logprobs = torch.stack([token_logprobs(self.readout(h), labels) for h in states])
+            out.logprobs = torch.stack([self._loop_readout(r, h, labels)
+                                        for r, h in enumerate(states)])
+
+    def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None):
+        with loop_grad_context(self.config, loop):
+            logits = self.readout(hidden)
+            return logits if labels is None else token_logprobs(logits, labels)
 
     def readout(self, hidden: Tensor) -> Tensor:
         """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V]."""
@@ -129,10 +138,19 @@ class LoopedGPTModel(LanguageModule):
         readout of the prompt's last position (``prefix_state.boundary``)."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
-        logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
-        logits = logits.expand(batch, -1, -1)  # [B, R, V]
+        logits = self._boundary_logits(prefix_state.boundary).expand(batch, -1, -1)  # [B, R, V]
         first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
         return first.t().unsqueeze(-1)  # [R, B, 1]
+
+    def _boundary_logits(self, boundary: Tensor) -> Tensor:
+        """Readout of the per-loop boundary [R, Bp, H] -> [Bp, R, V] (loops play the sequence
+        role); the rows of graph-free loops (truncated backprop) under ``no_grad``."""
+        frozen = self.config.looped_num_graph_free_loops
+        if frozen == 0:
+            return self.readout(boundary)
+        with torch.no_grad():
+            head = self.readout(boundary[:frozen])  # [Bp, R - k, V]
+        return torch.cat([head, self.readout(boundary[frozen:])], dim=1)  # [Bp, R, V]
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
                         labels: Optional[Tensor] = None) -> Tensor:

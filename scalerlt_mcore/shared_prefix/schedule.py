@@ -45,7 +45,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ..model.kv import PrefixState
+from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 
 PHASES = ("prompt_producer", "wave", "joint_replay")
@@ -221,13 +221,15 @@ class SharedPrefixSchedule:
 
     def _produce_prompt(self, run: _GroupRun) -> PrefixState:
         """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves of
-        at least fp32 (the same numbers), so the waves' prefix adjoints accumulate in fp32."""
+        at least fp32 (the same numbers), so the waves' prefix adjoints accumulate in fp32.
+        Depths of loops that truncated backprop leaves graph-free stay plain tensors: no
+        adjoint is allocated for them."""
         run.guard.verify("prompt producer")
         with torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
         run.state_dtype = state.boundary.dtype
-        return state.detached_leaves(torch.float32)
+        return state.detached_leaves(torch.float32, trained_depths(run.inner.config))
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
@@ -241,7 +243,7 @@ class SharedPrefixSchedule:
             loss = self._wave_loss(run, leaves, wave, n)
             _scaled(loss, run.config).backward()
             self.phase_callback("wave", run.group)
-        return [leaf.grad for leaf in leaves.tensors()]
+        return [leaf.grad if leaf.requires_grad else None for leaf in leaves.tensors()]
 
     def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints) -> None:
         """Phase 3: recompute the prompt with grad, run the last wave, one backward."""
