@@ -150,6 +150,10 @@ def test_batch_divisibility_names_both_numbers():
     (["--rl-old-logprobs", "rollout", "--rl-ppo-epochs", "2"],
      "rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got 2"),
     (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
+    (["--looped-num-loops-sampling", "uniform:3,2"],
+     r"looped_num_loops_sampling must be one of .* got 'uniform:3,2'"),
+    (["--looped-num-loops-sampling", "poisson"], "looped_num_loops_sampling must be one of"),
+    (["--looped-backprop-loops", "-2"], "looped_backprop_loops must be an integer >= 0"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -218,7 +222,7 @@ def test_every_looped_field_and_objective_field_is_a_key():
     looped = {f.name for f in dataclasses.fields(LoopedTransformerConfig)
               if f.name.startswith("looped_")}
     # the app's own loop options (pretrained retrofit, loop curriculum) are not model fields
-    app_only = {"looped_retrofit", "looped_loops_warmup_iters"}
+    app_only = {"looped_retrofit", "looped_loops_warmup_iters", "looped_num_loops_sampling"}
     assert looped == {k for k in KEYS if k.startswith("looped_")} - app_only == set(LOOPED_FLAGS)
     assert "looped_initial_state" in looped  # the field the app had left out
     # every RLObjective field has a key: a new field without one fails here
@@ -357,6 +361,7 @@ FROZEN_CLI_FLAGS = [
     "--log-interval", "--looped-backprop-loops", "--looped-cascade-kernel",
     "--looped-initial-state", "--looped-injection",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
+    "--looped-num-loops-sampling",
     "--looped-num-prelude-layers", "--looped-prefix-attention", "--looped-retrofit", "--lr",
     "--lr-warmup-iters", "--max-position-embeddings", "--micro-batch-size", "--min-lr",
     "--no-load-optim", "--no-load-rng", "--no-plot", "--norm-epsilon", "--normalization",

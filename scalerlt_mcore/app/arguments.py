@@ -40,7 +40,12 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from ..model.config import LoopedTransformerConfig, Normalization, PositionEmbeddingType
+from ..model.config import (
+    LoopedTransformerConfig,
+    Normalization,
+    PositionEmbeddingType,
+    parse_loop_sampling,
+)
 from ..rl.advantages import AdvantageMode
 from ..rl.objective import RLObjective
 from ..rl.tasks import get_task
@@ -212,6 +217,12 @@ class ModelArgs:
     looped_loops_warmup_iters: int = 0
     """Loop-count curriculum: over this many steps the loop count rises linearly from 1 to
     looped_num_loops (step t: 1 + floor((looped_num_loops - 1) * t / this)); 0: off."""
+    looped_num_loops_sampling: str = "fixed"
+    """Loop count per training step (Huginn): ``fixed`` (looped_num_loops), ``uniform:a,b``
+    (uniform in [a, b]) or ``poisson_lognormal[:max]`` (1 + Poisson(e^tau), tau lognormal,
+    mean looped_num_loops, clamped to max, default 2x). One draw per step from (seed, step):
+    the same on every rank and again on resume; rollouts, scoring and training of the step use
+    it. Evaluation runs the largest count it can draw and reports every loop's accuracy."""
 
 
 @dataclass
@@ -778,6 +789,10 @@ def _check_pretrained(cfg: RunConfig) -> list[str]:
     tokens = CharTokenizer().vocab_size
     if m.vocab_size is not None and m.vocab_size < tokens:
         errors.append(f"vocab_size ({m.vocab_size}) must be >= the tokenizer's ({tokens})")
+    try:
+        parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)
+    except ValueError as e:
+        errors.append(str(e))
     if m.looped_retrofit is not None and not re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):
         errors.append(f"looped_retrofit must be 'prelude,core,coda' (e.g. '2,4,2'), got "
                       f"{m.looped_retrofit!r}")

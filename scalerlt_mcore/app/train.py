@@ -137,7 +137,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
-    trainer.use_loops_of(step)
+    trainer.use_loops_of(step, evaluation=True)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
-from ..model.config import set_num_loops
+from ..model.config import parse_loop_sampling, sample_num_loops, set_num_loops
 from ..rl.advantages import group_advantages
 from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
@@ -144,10 +144,17 @@ class RLTrainer:
         self.banned = (self.tok.pad_id, self.tok.bos_id,
                        *range(self.tok.vocab_size, model.vocab_size))
 
-    def use_loops_of(self, step: int) -> int:
-        """Set the loop count of ``step`` (``looped_loops_warmup_iters`` curriculum)."""
+    def use_loops_of(self, step: int, evaluation: bool = False) -> int:
+        """Set the loop count of ``step``: the ``looped_loops_warmup_iters`` curriculum, then
+        ``looped_num_loops_sampling``'s draw for the step (``evaluation``: the largest count it
+        can draw, so that every loop count's accuracy is measured)."""
         m = self.cfg.model
         loops = curriculum_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters)
+        if evaluation:
+            loops = parse_loop_sampling(m.looped_num_loops_sampling, loops)[2]
+        else:
+            loops = sample_num_loops(m.looped_num_loops_sampling, loops,
+                                     self.cfg.training.seed, step)
         set_num_loops(self.model.config, loops)
         return loops
 

@@ -1,9 +1,11 @@
 """Configuration of the looped GPT: an MCore ``TransformerConfig`` with ``looped_*`` fields."""
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args, get_origin
 
+import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # The choices of the model's string options, listed once; the tuples are derived from them.
@@ -115,3 +117,52 @@ def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:
     if not isinstance(loops, int) or loops < 1:
         raise ValueError(f"looped_num_loops must be an integer >= 1, got {loops!r}")
     config.looped_num_loops = loops
+
+
+LOOP_SAMPLINGS = ("fixed", "uniform:a,b", "poisson_lognormal[:max]")
+"""Forms of a loop-count sampling spec (``sample_num_loops``)."""
+
+POISSON_LOGNORMAL_SIGMA = 0.5
+"""sigma of the Poisson-lognormal loop count (Huginn's value)."""
+
+
+def parse_loop_sampling(spec: str, mean: int) -> tuple:
+    """A loop-count sampling spec -> (kind, low, high): ``fixed`` (always ``mean``),
+    ``uniform:a,b`` (uniform in [a, b]) or ``poisson_lognormal[:max]`` (1 + Poisson(e^tau),
+    tau ~ N(log(mean - 1) - sigma^2 / 2, sigma): mean ``mean`` before clamping to ``max``,
+    default 2 * mean). ``high`` is the largest loop count the spec can draw."""
+    kind, _, args = str(spec).partition(":")
+    try:
+        if kind == "fixed" and not args:
+            return kind, mean, mean
+        if kind == "uniform":
+            low, high = (int(a) for a in args.split(","))
+            if 1 <= low <= high:
+                return kind, low, high
+        if kind == "poisson_lognormal":
+            high = int(args) if args else 2 * mean
+            if high >= 1:
+                return kind, 1, high
+    except ValueError:
+        pass
+    raise ValueError(f"looped_num_loops_sampling must be one of {LOOP_SAMPLINGS} with "
+                     f"1 <= a <= b and max >= 1, got {spec!r}")
+
+
+def sample_num_loops(spec: str, mean: int, seed: int, step: int) -> int:
+    """The loop count R of training step ``step``, drawn by ``spec`` (``parse_loop_sampling``)
+    from (seed, step) alone: the same on every rank, and a resumed run draws it again."""
+    kind, low, high = parse_loop_sampling(spec, mean)
+    if kind == "fixed":
+        return mean
+    gen = torch.Generator(device="cpu")  # host-side: one integer per step
+    gen.manual_seed((seed * 1_000_003 + step * 10_007 + 424_242) % (2**31 - 1))
+    if kind == "uniform":
+        return int(torch.randint(low, high + 1, (1,), generator=gen, device="cpu"))
+    if mean <= 1:
+        return 1
+    sigma = POISSON_LOGNORMAL_SIGMA
+    tau = torch.normal(math.log(mean - 1) - sigma**2 / 2, sigma, (1,), generator=gen,
+                       dtype=torch.float64, device="cpu")
+    count = 1 + int(torch.poisson(tau.exp(), generator=gen))
+    return min(count, high)

@@ -1,0 +1,93 @@
+"""Sampled loop counts (``looped_num_loops_sampling``, Huginn): one R per training step, drawn
+from (seed, step) alone, so every rank and a resumed run draw the same; the step's rollouts,
+scoring and training all run with it."""
+
+import pytest
+import torch
+
+from scalerlt_mcore.app.arguments import parse_args
+from scalerlt_mcore.app.trainer import RLTrainer
+from scalerlt_mcore.model.config import parse_loop_sampling, sample_num_loops
+
+
+def test_fixed_is_the_configured_count():
+    assert [sample_num_loops("fixed", 3, seed=1, step=s) for s in range(5)] == [3] * 5
+
+
+def test_draws_repeat_for_the_same_seed_and_step():
+    for spec in ("uniform:2,6", "poisson_lognormal"):
+        first = [sample_num_loops(spec, 4, seed=7, step=s) for s in range(50)]
+        again = [sample_num_loops(spec, 4, seed=7, step=s) for s in range(50)]
+        other = [sample_num_loops(spec, 4, seed=8, step=s) for s in range(50)]
+        assert first == again and first != other
+        assert len(set(first)) > 2
+
+
+def test_uniform_covers_its_range_only():
+    draws = [sample_num_loops("uniform:2,5", 9, seed=3, step=s) for s in range(400)]
+    assert set(draws) == {2, 3, 4, 5}
+
+
+def test_poisson_lognormal_mean_and_clamp():
+    """Mean about R (R - 1 for the Poisson part, plus one) before clamping; never above max."""
+    draws = torch.tensor([sample_num_loops("poisson_lognormal:1000", 6, seed=0, step=s)
+                          for s in range(4000)], dtype=torch.float64)
+    assert abs(float(draws.mean()) - 6.0) < 0.25
+    assert int(draws.min()) >= 1
+    clamped = [sample_num_loops("poisson_lognormal", 6, seed=0, step=s) for s in range(2000)]
+    assert max(clamped) == 12  # default max 2R, reached by the tail
+    assert parse_loop_sampling("poisson_lognormal", 6) == ("poisson_lognormal", 1, 12)
+
+
+@pytest.mark.parametrize("spec", ["uniform:0,3", "uniform:4,2", "uniform:2", "fixed:3",
+                                  "poisson_lognormal:0", "gauss"])
+def test_bad_specs_are_refused(spec):
+    with pytest.raises(ValueError, match=f"looped_num_loops_sampling must be one of .* got "
+                                         f"'{spec}'"):
+        parse_loop_sampling(spec, 4)
+
+
+class _Trainer(RLTrainer):
+    """Only what ``use_loops_of`` reads: the run config and the model's config."""
+
+    def __init__(self, cfg, model_config):
+        self.cfg = cfg
+        self.model = type("M", (), {"config": model_config})()
+
+
+def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_single):
+    from sp_helpers import build_model
+
+    cfg = parse_args(["--looped-num-loops", "3", "--looped-num-loops-sampling", "uniform:1,4",
+                      "--seed", "5"])
+    model = build_model(R=3)
+    trainer = _Trainer(cfg, model.config)
+    for step in range(6):
+        loops = trainer.use_loops_of(step)
+        assert loops == model.config.looped_num_loops == sample_num_loops("uniform:1,4", 3, 5,
+                                                                          step)
+    assert trainer.use_loops_of(6, evaluation=True) == model.config.looped_num_loops == 4
+
+
+def test_rl_steps_run_at_each_steps_draw(mcore_single):
+    """The main job's RL steps with ``uniform:1,3``: every step's rollouts, old log-probs
+    (scoring) and training groups carry that step's R, and the metrics log it."""
+    from test_train_e2e import SFT, _flags, _trainer
+
+    torch.manual_seed(7)
+    tr = _trainer(_flags(looped_num_loops_sampling="uniform:1,3", rl_ppo_epochs=1,
+                         rl_kl_coef=0.0))
+    seen = []
+    optimize = tr.optimize
+
+    def recording(groups):
+        seen.append({g.old_logprobs.shape[0] for g in groups})
+        return optimize(groups)
+
+    tr.optimize = recording
+    steps = range(SFT + 5, SFT + 9)  # draws 1, 2, 3, 1 at seed 1234
+    metrics = [tr.rl_step(step) for step in steps]
+    draws = [sample_num_loops("uniform:1,3", 2, tr.cfg.training.seed, step) for step in steps]
+    assert len(set(draws)) > 1  # the steps really differ
+    assert [m["loops"] for m in metrics] == draws
+    assert seen == [{r} for r in draws]
