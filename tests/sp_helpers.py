@@ -210,3 +210,13 @@ def rel_errors(got: dict, ref: dict) -> dict:
         assert scale > 0, f"reference grad of {n} is identically zero: test is not probing it"
         out[n] = float((g64 - r64).abs().max() / scale)
     return out
+
+
+def rel_errors_with_zeros(got: dict, ref: dict, expected_zero: set) -> dict:
+    """``rel_errors`` where the parameters named in ``expected_zero`` (ones the feature under
+    test cuts off from the loss) must have exactly zero grads on both sides."""
+    for n in expected_zero:
+        assert not ref[n].any(), f"{n}: the reference gives it a gradient"
+        assert not got[n].any(), f"{n}: the reference gives no gradient, the schedule does"
+    return rel_errors({n: g for n, g in got.items() if n not in expected_zero},
+                      {n: r for n, r in ref.items() if n not in expected_zero})

@@ -154,6 +154,13 @@ def test_batch_divisibility_names_both_numbers():
      r"looped_num_loops_sampling must be one of .* got 'uniform:3,2'"),
     (["--looped-num-loops-sampling", "poisson"], "looped_num_loops_sampling must be one of"),
     (["--looped-backprop-loops", "-2"], "looped_backprop_loops must be an integer >= 0"),
+    (["--rl-loop-weights", "exit_pdf"], "rl_loop_weights exit_pdf needs looped_exit_gate true"),
+    (["--rl-exit-gate-coef", "0.1"], r"rl_exit_gate_coef > 0 needs looped_exit_gate true"),
+    (["--rl-loop-weights", "learned"],
+     "rl_loop_weights learned needs looped_learned_loop_weights true"),
+    (["--looped-learned-loop-weights", "true", "--looped-num-loops", "2",
+      "--looped-num-loops-sampling", "uniform:1,3"], "draws up to 3 loops"),
+    (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -359,7 +366,8 @@ FROZEN_CLI_FLAGS = [
     "--config", "--ddp-bucket-size", "--disable-bias-linear", "--ffn-hidden-size", "--finetune",
     "--fp16", "--global-batch-size", "--help", "--hidden-size", "--kv-channels", "--load",
     "--log-interval", "--looped-backprop-loops", "--looped-cascade-kernel",
-    "--looped-initial-state", "--looped-injection",
+    "--looped-exit-gate", "--looped-initial-state", "--looped-injection",
+    "--looped-learned-loop-weights",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
     "--looped-num-loops-sampling",
     "--looped-num-prelude-layers", "--looped-prefix-attention", "--looped-retrofit", "--lr",
@@ -368,6 +376,7 @@ FROZEN_CLI_FLAGS = [
     "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
     "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
+    "--rl-exit-entropy-coef", "--rl-exit-gate-coef",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
     "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
     "--rl-rollout", "--rl-task",

@@ -12,7 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference_looped import RefConfig, reference_forward, weights_from_state_dict
-from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
+from sp_helpers import (
+    LossSpec,
+    build_model,
+    grads,
+    joint_step,
+    make_group,
+    naive_step,
+    rel_errors,
+    rel_errors_with_zeros,
+)
 
 from scalerlt_mcore.model.kv import trained_depths
 from scalerlt_mcore.rl.objective import rl_forward_step
@@ -109,16 +118,12 @@ def test_truncation_changes_the_gradient(mcore_single):
 # ---- joint replay against naive stock MCore ----------------------------------------------
 
 
-def _rel_errors(got: dict, ref: dict) -> dict:
-    """``rel_errors``, where a parameter that no trained loop reaches (the embedding of a
-    model without injection when k < R: the detached state cuts it off) must be exactly zero
-    on both sides."""
-    cut = {n for n, r in ref.items() if not r.any()}
-    for n in cut:
-        assert not got[n].any(), f"{n}: naive gives no gradient, joint replay does"
-    assert len(cut) < len(ref) // 2
-    return rel_errors({n: g for n, g in got.items() if n not in cut},
-                      {n: r for n, r in ref.items() if n not in cut})
+def _rel_errors(got: dict, ref: dict, arch: bool) -> dict:
+    """``rel_errors``; without injection the embeddings reach no trained loop when k < R
+    (the detached state cuts them off): their grads must be exactly zero on both sides."""
+    cut = set() if arch else {"embedding.word_embeddings.weight",
+                              "embedding.position_embeddings.weight"}
+    return rel_errors_with_zeros(got, ref, cut)
 
 
 # dtype, G, W, R, k, arch (prelude + coda + injection), checkpoint waves, loop weights, attn
@@ -144,7 +149,7 @@ def test_joint_replay_matches_naive(mcore_single, row):
     ref = grads(model)
     model.zero_grad(set_to_none=True)
     out = joint_step(model, [group], spec, W, checkpoint_waves=ck)
-    errs = _rel_errors(grads(model), ref)
+    errs = _rel_errors(grads(model), ref, arch or k >= R)
     tol = TOL[dtype]
     loss_err = abs(float(out[0]["loss"]) - float(naive_losses[0])) / abs(float(naive_losses[0]))
     assert loss_err <= tol
@@ -160,7 +165,7 @@ def test_two_groups_in_one_step(mcore_single):
     ref = grads(model)
     model.zero_grad(set_to_none=True)
     joint_step(model, groups, spec, 2, checkpoint_waves=True)
-    assert max(_rel_errors(grads(model), ref).values()) <= 1e-12
+    assert max(_rel_errors(grads(model), ref, True).values()) <= 1e-12
 
 
 # ---- no adjoints for graph-free depths; bytes against full backprop ----------------------

@@ -138,6 +138,8 @@ OBJECTIVE_FLAGS = {
     "rl_clip_high": "clip_high",
     "rl_kl_coef": "kl_coef",
     "rl_loop_weights": "loop_weights",
+    "rl_exit_gate_coef": "exit_gate_coef",
+    "rl_exit_entropy_coef": "exit_entropy_coef",
     "rl_max_response_length": "constant_length",
 }
 """Key -> ``RLObjective`` field, one entry per field. Each key is that field, except
@@ -753,10 +755,31 @@ def _check_rl(cfg: RunConfig) -> list[str]:
         errors.append(f"rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got "
                       f"{rl.rl_ppo_epochs} (the rollout's log-probs replace the scoring pass "
                       f"of a single update)")
+    errors += _check_loop_credit(cfg)
     if rl.rl_advantage != "none" and rl.rl_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs rl_group_size >= 2 "
                       "(a group of one has zero advantage)")
     return errors + _check_task(cfg)
+
+
+def _check_loop_credit(cfg: RunConfig) -> list[str]:
+    """Loop credit that needs a model part: the exit gate or the learned loop weights."""
+    m, rl, errors = cfg.model, cfg.rl, []
+    gate_users = {"rl_loop_weights exit_pdf": rl.rl_loop_weights == "exit_pdf",
+                  "rl_exit_gate_coef > 0": rl.rl_exit_gate_coef > 0}
+    errors += [f"{k} needs looped_exit_gate true" for k, v in gate_users.items()
+               if v and not m.looped_exit_gate]
+    if rl.rl_loop_weights == "learned" and not m.looped_learned_loop_weights:
+        errors.append("rl_loop_weights learned needs looped_learned_loop_weights true")
+    try:
+        high = parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)[2]
+    except ValueError:
+        return errors  # reported by _check_pretrained
+    if m.looped_learned_loop_weights and high > m.looped_num_loops:
+        errors.append(f"looped_learned_loop_weights holds looped_num_loops = "
+                      f"{m.looped_num_loops} logits, but looped_num_loops_sampling "
+                      f"{m.looped_num_loops_sampling!r} draws up to {high} loops")
+    return errors
 
 
 def _check_task(cfg: RunConfig) -> list[str]:

@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ..mcore_compat import mcore_workaround
 from ..model.config import parse_loop_sampling, sample_num_loops, set_num_loops
 from ..rl.advantages import group_advantages
-from ..rl.objective import loop_weights, rl_forward_step
+from ..rl.objective import FIXED_LOOP_WEIGHTS, loop_weights, rl_forward_step
 from ..rl.rollout import generate
 from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
@@ -99,13 +99,14 @@ def recording_drift(forward_step, drift: list):
         wave = next(data_iterator)
         output, loss_func = forward_step(iter([wave]), model)
 
-        def recorded(logprobs, non_loss_data: bool = False):
+        def recorded(output, non_loss_data: bool = False):
+            logprobs = output["logprobs"] if isinstance(output, dict) else output
             if not non_loss_data:
                 g = wave.group
                 diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
                 trained = wave.rows(g.loss_mask) != 0  # [W, T]
                 drift.append(torch.where(trained, diff.abs(), 0.0).max())
-            return loss_func(logprobs, non_loss_data=non_loss_data)
+            return loss_func(output, non_loss_data=non_loss_data)
 
         return output, recorded
 
@@ -119,7 +120,11 @@ def summarise(out: list, num_groups: int) -> dict:
     tokens = sum(float(o["tokens"]) for o in out)
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens
-    return {"loss": loss, "clip_fraction": clip, "kl": kl}
+    result = {"loss": loss, "clip_fraction": clip, "kl": kl}
+    for key in ("exit_loop", "exit_entropy"):  # with the exit gate: means per response token
+        if key in out[0]:
+            result[key] = sum(float(o[key]) for o in out) / tokens
+    return result
 
 
 class RLTrainer:
@@ -345,7 +350,9 @@ class RLTrainer:
 
 
 def _sft_loss(scheme: str, mask, logprobs):
-    """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]."""
+    """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]. Loop credit taken
+    from the model (exit_pdf, learned) warms up with uniform weights."""
+    scheme = scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform"
     w = loop_weights(scheme, logprobs.shape[0], logprobs.device).to(logprobs.dtype)
     w = w[:, None, None]  # [R, 1, 1]
     nll = -(w * logprobs * mask.to(logprobs.dtype)).sum() / mask.sum()

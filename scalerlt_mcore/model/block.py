@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
@@ -33,6 +35,12 @@ class LoopedBlockSubmodules:
     final_layernorm: Union[ModuleSpec, type, None] = None
     """The shared readout's final norm."""
 
+    exit_gate: Union[ModuleSpec, type, None] = None
+    """The exit gate (built when ``looped_exit_gate``): normed loop state -> gate logit."""
+
+    loop_weights: Union[ModuleSpec, type, None] = None
+    """Learned loop credit (built when ``looped_learned_loop_weights``)."""
+
 
 class LinearConcatInjection(MegatronModule):
     """x = W [s; e] with W [H, 2H] initialised to [I | 0]: at init the loop input is s."""
@@ -45,6 +53,47 @@ class LinearConcatInjection(MegatronModule):
 
     def forward(self, state, embed):
         return torch.matmul(torch.cat([state, embed], dim=-1), self.weight.t())  # [s, b, h]
+
+
+class ExitGate(MegatronModule):
+    """Gate logit g_r = w . norm(h_r) + b of every position (MCore linear, H -> 1, bias 0 at
+    init): lambda_r = sigmoid(g_r) is the probability of exiting at loop r given no exit before."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.linear = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 1, config=config, init_method=config.init_method, bias=True,
+            gather_output=True, skip_bias_add=False)
+
+    def forward(self, normed):
+        logits, _ = self.linear(normed)  # [s, b, 1]
+        return logits.squeeze(-1)  # [s, b]
+
+
+class LearnedLoopWeights(MegatronModule):
+    """Trainable loop-credit logits [R] (zeros: equal weights at init); ``forward(R)`` returns
+    the softmax of the first R."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        zeros = torch.zeros(config.looped_num_loops, dtype=config.params_dtype,
+                            device="cpu")  # host init, as MCore's use_cpu_initialization
+        self.logits = nn.Parameter(zeros)
+
+    def forward(self, loops: int):
+        if loops > self.logits.numel():
+            raise ValueError(f"learned loop weights hold {self.logits.numel()} loops (the "
+                             f"looped_num_loops they were built with), got R = {loops}")
+        return torch.softmax(self.logits[:loops], dim=0)
+
+
+def exit_log_distribution(gate_logits):
+    """log p(r) [R, ...] of exiting at loop r from the gate logits [R, ...]: log lambda_r +
+    sum_{j<r} log(1 - lambda_j); the last loop takes the remaining mass (its own gate unused)."""
+    stay = F.logsigmoid(-gate_logits)  # log(1 - lambda_r)
+    before = torch.cumsum(stay, dim=0) - stay  # sum_{j<r} log(1 - lambda_j)
+    leave = torch.cat([F.logsigmoid(gate_logits[:-1]), torch.zeros_like(gate_logits[-1:])])
+    return leave + before
 
 
 class RecurrentTransformerBlock(MegatronModule):
@@ -60,6 +109,15 @@ class RecurrentTransformerBlock(MegatronModule):
         self.layers = self._layers(submodules.core, n_pre + 1, n_core)
         self.coda = self._layers(submodules.coda, n_pre + n_core + 1, n_coda)
         self.injection = _optional(submodules.injection, config)
+        gate = getattr(config, "looped_exit_gate", False)
+        learned = getattr(config, "looped_learned_loop_weights", False)
+        self.exit_gate = _optional(submodules.exit_gate, config) if gate else None
+        self.loop_weights = _optional(submodules.loop_weights, config) if learned else None
+        for flag, name, module in ((gate, "exit_gate", self.exit_gate),
+                                   (learned, "loop_weights", self.loop_weights)):
+            if flag and module is None:
+                raise ValueError(f"the config asks for the {name} module but the block spec "
+                                 f"has none (LoopedBlockSubmodules.{name})")
         self.final_layernorm = build_module(
             submodules.final_layernorm, config=config, hidden_size=config.hidden_size,
             eps=config.layernorm_epsilon,

@@ -67,6 +67,16 @@ class LoopedTransformerConfig(TransformerConfig):
     build no graph, their readouts enter the loss value but no gradient, and under joint replay
     the prefix K/V of their depths needs no adjoint. 0 (or k >= R): every loop trains."""
 
+    looped_exit_gate: bool = False
+    """Exit gate (Ouro/LoopLM): a linear map of every loop's normed readout input to a scalar
+    gate lambda_r = sigmoid(.), giving per token the exit distribution p(r) = lambda_r *
+    prod_{j<r} (1 - lambda_j) over the R loops (the last loop takes the remaining mass). Off:
+    no gate parameters (the model stays MCore's GPTModel function at R = 1)."""
+
+    looped_learned_loop_weights: bool = False
+    """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
+    equal), whose softmax weights the loops' readouts in the RL loss, trained with the policy."""
+
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
 

@@ -14,7 +14,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
-from .block import loop_grad_context
+from .block import exit_log_distribution, loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES
 from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
@@ -26,11 +26,13 @@ class LoopedOutput:
 
     logits:       R tensors [B, S, V] (when no labels are given), else None.
     logprobs:     [R, B, S] log-probs of ``labels`` (when given), else None.
+    exit_logprobs: [R, B, S] log p(exit at loop r) of every position (exit gate on), else None.
     prefix_state: the K/V of every depth and the per-loop boundary (when requested).
     """
 
     logits: Optional[list] = None
     logprobs: Optional[Tensor] = None
+    exit_logprobs: Optional[Tensor] = None
     prefix_state: Optional[PrefixState] = None
 
 
@@ -113,44 +115,73 @@ class LoopedGPTModel(LanguageModule):
         return out
 
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
-        """Every loop's readout; a loop left graph-free by truncated backprop reads out under
-        ``no_grad`` too (it adds to the loss value, not to any gradient)."""
+        """Every loop's readout (and exit gate); a loop left graph-free by truncated backprop
+        reads out under ``no_grad`` too (it adds to the loss value, not to any gradient)."""
+        reads = [self._loop_readout(r, h, labels) for r, h in enumerate(states)]
         if labels is None:
-            out.logits = [self._loop_readout(r, h) for r, h in enumerate(states)]
+            out.logits = [value for value, _ in reads]
         else:
-            out.logprobs = torch.stack([self._loop_readout(r, h, labels)
-                                        for r, h in enumerate(states)])
+            out.logprobs = torch.stack([value for value, _ in reads])  # [R, B, S]
+        if self.decoder.exit_gate is not None:
+            out.exit_logprobs = exit_log_distribution(torch.stack([g for _, g in reads]))
 
     def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None):
         with loop_grad_context(self.config, loop):
-            logits = self.readout(hidden)
-            return logits if labels is None else token_logprobs(logits, labels)
+            logits, gate = self.readout_and_gate(hidden)
+            return (logits if labels is None else token_logprobs(logits, labels)), gate
 
     def readout(self, hidden: Tensor) -> Tensor:
         """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V]."""
+        return self.readout_and_gate(hidden, gate=False)[0]
+
+    def readout_and_gate(self, hidden: Tensor, gate: bool = True) -> tuple:
+        """hidden [S, B, H] -> (logits [B, S, V], exit-gate logits [B, S] from the same normed
+        state, or None without a gate or with ``gate=False``)."""
+        normed = self.decoder.final_layernorm(hidden)
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
-        logits, _ = self.output_layer(self.decoder.final_layernorm(hidden), weight=weight)
-        return logits.transpose(0, 1).contiguous()
+        logits, _ = self.output_layer(normed, weight=weight)
+        gate_logits = None
+        if gate and self.decoder.exit_gate is not None:
+            gate_logits = self.decoder.exit_gate(normed).t()  # [B, S]
+        return logits.transpose(0, 1).contiguous(), gate_logits
+
+    def loop_weights(self) -> Optional[Tensor]:
+        """The learned loop credit [R] (``looped_learned_loop_weights``), else None."""
+        learned = self.decoder.loop_weights
+        return None if learned is None else learned(self.config.looped_num_loops)
 
     def boundary_logprobs(self, prefix_state: PrefixState, labels: Tensor) -> Tensor:
         """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
         readout of the prompt's last position (``prefix_state.boundary``)."""
+        return self.boundary_readouts(prefix_state, labels).logprobs
+
+    def boundary_readouts(self, prefix_state: PrefixState, labels: Tensor) -> LoopedOutput:
+        """``boundary_logprobs`` as ``logprobs`` [R, B, 1], and with the exit gate the exit
+        distribution of the prompt's last position as ``exit_logprobs`` [R, B, 1]."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
-        logits = self._boundary_logits(prefix_state.boundary).expand(batch, -1, -1)  # [B, R, V]
+        logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V], [Bp, R]
+        logits = logits.expand(batch, -1, -1)  # [B, R, V]
         first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
-        return first.t().unsqueeze(-1)  # [R, B, 1]
+        out = LoopedOutput(logprobs=first.t().unsqueeze(-1))  # [R, B, 1]
+        if gate is not None:
+            gate = gate.expand(batch, -1).t().unsqueeze(-1)  # [R, B, 1]
+            out.exit_logprobs = exit_log_distribution(gate)
+        return out
 
-    def _boundary_logits(self, boundary: Tensor) -> Tensor:
-        """Readout of the per-loop boundary [R, Bp, H] -> [Bp, R, V] (loops play the sequence
-        role); the rows of graph-free loops (truncated backprop) under ``no_grad``."""
+    def _boundary_logits(self, boundary: Tensor) -> tuple:
+        """Readout and gate of the per-loop boundary [R, Bp, H] -> ([Bp, R, V], [Bp, R] or
+        None) (loops play the sequence role); the rows of graph-free loops (truncated
+        backprop) under ``no_grad``."""
         frozen = self.config.looped_num_graph_free_loops
         if frozen == 0:
-            return self.readout(boundary)
+            return self.readout_and_gate(boundary)
         with torch.no_grad():
-            head = self.readout(boundary[:frozen])  # [Bp, R - k, V]
-        return torch.cat([head, self.readout(boundary[frozen:])], dim=1)  # [Bp, R, V]
+            head = self.readout_and_gate(boundary[:frozen])  # [Bp, R - k, V], [Bp, R - k]
+        tail = self.readout_and_gate(boundary[frozen:])
+        gate = None if tail[1] is None else torch.cat([head[1], tail[1]], dim=1)  # [Bp, R]
+        return torch.cat([head[0], tail[0]], dim=1), gate  # [Bp, R, V]
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
                         labels: Optional[Tensor] = None) -> Tensor:
@@ -158,13 +189,22 @@ class LoopedGPTModel(LanguageModule):
         ``prefix_state``: label 0 from the prompt's boundary readout, label j >= 1 from a
         forward over ``tokens[:, :j]`` (the suffix's inputs, [B, >= S - 1]) against the prefix
         K/V. Default ``labels``: ``tokens`` (the log-probs of the suffix itself)."""
+        return self.suffix_readouts(prefix_state, tokens, labels).logprobs
+
+    def suffix_readouts(self, prefix_state: PrefixState, tokens: Tensor,
+                        labels: Optional[Tensor] = None) -> LoopedOutput:
+        """``suffix_logprobs`` as ``logprobs`` [R, B, S], and with the exit gate the exit
+        distribution of the same positions as ``exit_logprobs`` [R, B, S]."""
         labels = tokens if labels is None else labels
-        first = self.boundary_logprobs(prefix_state, labels[:, 0])  # [R, B, 1]
+        first = self.boundary_readouts(prefix_state, labels[:, 0])  # [R, B, 1]
         S = labels.shape[1]
         if S == 1:
             return first
         rest = self.forward(tokens[:, : S - 1], labels=labels[:, 1:], prefix_state=prefix_state)
-        return torch.cat([first, rest.logprobs], dim=2)  # [R, B, S]
+        out = LoopedOutput(logprobs=torch.cat([first.logprobs, rest.logprobs], dim=2))
+        if first.exit_logprobs is not None:
+            out.exit_logprobs = torch.cat([first.exit_logprobs, rest.exit_logprobs], dim=2)
+        return out
 
     # ---- decoding --------------------------------------------------------------------------
 

@@ -14,7 +14,13 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import LoopedCoreAttention, LoopedSelfAttention
-from .block import LinearConcatInjection, LoopedBlockSubmodules, RecurrentTransformerBlock
+from .block import (
+    ExitGate,
+    LearnedLoopWeights,
+    LinearConcatInjection,
+    LoopedBlockSubmodules,
+    RecurrentTransformerBlock,
+)
 
 try:
     import transformer_engine  # noqa: F401
@@ -81,6 +87,7 @@ def get_looped_gpt_block_spec(config, use_transformer_engine: bool = False,
         prelude=layer_spec, core=layer_spec, coda=layer_spec,
         injection=INJECTIONS[config.looped_injection],
         final_layernorm=get_looped_final_norm_spec(config, use_transformer_engine),
+        exit_gate=ExitGate, loop_weights=LearnedLoopWeights,
     ))
 
 

@@ -2,7 +2,11 @@
 
 Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t}), where the
 token weights c are computed once from the whole group's loss mask (never per wave), so the
-loss is the same number whatever the wave size.
+loss is the same number whatever the wave size. The loop weights w_r are fixed (final, uniform,
+progressive), per token from the exit gate (exit_pdf: w_{r,i,t} = p(r | i, t)), or learned
+(RLTT: softmax of trainable logits). With ``exit_gate_coef`` the gate's own objective is added:
+exit_gate_coef * sum_{i,t} c_{i,t} (sum_r p_r sg(l_{r,i,t}) - exit_entropy_coef * H(p_{i,t})),
+l the per-token loss above and sg stop-gradient (Ouro's entropy-regularised expected loss).
 """
 
 from dataclasses import dataclass
@@ -15,14 +19,20 @@ from torch import Tensor
 from .advantages import kl_k3, ppo_clipped_objective
 
 Normalization = Literal["token_mean", "seq_mean", "constant"]
-LoopWeights = Literal["final", "uniform", "progressive"]
+LoopWeights = Literal["final", "uniform", "progressive", "exit_pdf", "learned"]
 NORMALIZATIONS = get_args(Normalization)
 LOOP_WEIGHTS = get_args(LoopWeights)
 
 
+FIXED_LOOP_WEIGHTS = ("final", "uniform", "progressive")
+"""Loop weights that depend on R alone (``loop_weights``); exit_pdf and learned come from the
+model's outputs."""
+
+
 def loop_weights(scheme: str, num_loops: int, device=None) -> Tensor:
     """Per-loop credit w_r [R] in fp64 on ``device`` (sums to 1): final readout only, uniform,
-    or growing with r (RLTT)."""
+    or growing with r (RLTT). ``exit_pdf`` and ``learned`` come from the model (see
+    ``RLObjective.loop_coef``)."""
     if scheme == "final":
         w = torch.zeros(num_loops, dtype=torch.float64, device=device)
         w[-1] = 1.0
@@ -32,6 +42,9 @@ def loop_weights(scheme: str, num_loops: int, device=None) -> Tensor:
     if scheme == "progressive":
         r = torch.arange(1, num_loops + 1, dtype=torch.float64, device=device)
         return r / r.sum()
+    if scheme in LOOP_WEIGHTS:
+        raise ValueError(f"loop weights {scheme!r} come from the model's outputs (exit gate or "
+                         f"learned logits), not from R alone")
     raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, got {scheme!r}")
 
 
@@ -56,13 +69,27 @@ class RLObjective:
     """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0)."""
 
     loop_weights: LoopWeights = "final"
-    """Per-loop credit over all-loop readouts: final | uniform | progressive."""
+    """Per-loop credit over all-loop readouts: final | uniform | progressive (fixed), exit_pdf
+    (per token, the exit gate's p(r), detached: credit follows the gate but the policy loss
+    does not move the gate, which a policy loss could otherwise push to whichever loop's
+    surrogate is lowest; the gate learns from its own term, ``exit_gate_coef``) | learned
+    (RLTT: softmax of trainable per-loop logits, trained with the policy)."""
+
+    exit_gate_coef: float = 0.0
+    """Weight of the exit gate's entropy-regularised expected loss (0: off); needs the gate."""
+
+    exit_entropy_coef: float = 0.0
+    """Entropy bonus (beta) of the exit distribution inside the gate's objective."""
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, "
                              f"got {self.normalization!r}")
-        loop_weights(self.loop_weights, 1)
+        if self.loop_weights not in LOOP_WEIGHTS:
+            raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, "
+                             f"got {self.loop_weights!r}")
+        if self.exit_gate_coef < 0 or self.exit_entropy_coef < 0:
+            raise ValueError("exit_gate_coef and exit_entropy_coef must be >= 0")
         if self.clip_low <= 0 or self.clip_high <= 0:
             raise ValueError("clip_low and clip_high must be > 0")
 
@@ -76,11 +103,51 @@ class RLObjective:
             return mask / (mask.sum(dim=1, keepdim=True) * G)
         return mask / (G * (self.constant_length or T))
 
-    def loss(self, logprobs: Tensor, old: Tensor, advantages: Tensor, weights: Tensor,
-             ref=None) -> tuple:
-        """logprobs/old/ref [R, B, T'], advantages [B], weights [B, T'] -> (loss, stats).
+    @property
+    def uses_gate(self) -> bool:
+        """Whether the loss reads the exit distribution (the model needs its exit gate)."""
+        return self.loop_weights == "exit_pdf" or self.exit_gate_coef > 0
 
-        ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens."""
+    @property
+    def needs_readouts(self) -> bool:
+        """Whether the loss needs more of the model than per-loop log-probs."""
+        return self.uses_gate or self.loop_weights == "learned"
+
+    def loop_coef(self, R: int, exit_logprobs=None, learned=None, like=None) -> Tensor:
+        """Loop weights broadcastable to [R, B, T']: fixed [R, 1, 1]; exit_pdf p(r) [R, B, T']
+        (detached); learned [R, 1, 1] (with grad)."""
+        if self.loop_weights == "exit_pdf":
+            if exit_logprobs is None:
+                raise ValueError("loop weights 'exit_pdf' need the model's exit gate "
+                                 "(looped_exit_gate)")
+            return exit_logprobs.detach().exp().to(like.dtype)
+        if self.loop_weights == "learned":
+            if learned is None:
+                raise ValueError("loop weights 'learned' need the model's learned loop weights "
+                                 "(looped_learned_loop_weights)")
+            return learned.to(like.dtype)[:, None, None]
+        return loop_weights(self.loop_weights, R, like.device).to(like.dtype)[:, None, None]
+
+    def gate_objective(self, exit_logprobs: Tensor, per_token: Tensor, weights: Tensor):
+        """sum_{i,t} c_{i,t} (sum_r p_r sg(l_r) - exit_entropy_coef * H(p)): exit_logprobs and
+        per_token [R, B, T'], weights c [B, T'] -> 0-dim."""
+        if exit_logprobs is None:
+            raise ValueError("exit_gate_coef > 0 needs the model's exit gate (looped_exit_gate)")
+        p = exit_logprobs.exp()
+        expected = (p * per_token.detach()).sum(0)  # [B, T']
+        entropy = -(p * exit_logprobs).sum(0)  # [B, T']
+        per_position = expected - self.exit_entropy_coef * entropy
+        c = weights.to(per_position.dtype)
+        return torch.where(c != 0, c * per_position, 0).sum()
+
+    def loss(self, logprobs: Tensor, old: Tensor, advantages: Tensor, weights: Tensor,
+             ref=None, exit_logprobs=None, learned=None) -> tuple:
+        """logprobs/old/ref/exit_logprobs [R, B, T'], advantages [B], weights [B, T'], learned
+        [R] -> (loss, stats).
+
+        ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens,
+        and with an exit distribution the mean exit loop sum_r r p_r and its entropy summed
+        over the trained tokens."""
         R, acc = logprobs.shape[0], logprobs.dtype
         mask = (weights != 0)[None].expand_as(logprobs)  # [R, B, T']
         adv = advantages.to(acc)[None].expand(R, -1)  # [R, B]
@@ -92,11 +159,16 @@ class RLObjective:
                 raise ValueError("kl_coef > 0 needs ref_logprobs")
             kl = kl_k3(logprobs, ref.to(acc)) * mask
             per_token = per_token + self.kl_coef * kl
-        w_loop = loop_weights(self.loop_weights, R, logprobs.device).to(acc)[:, None, None]
-        coef = w_loop * weights.to(acc)[None]  # [R, B, T']
+        coef = self.loop_coef(R, exit_logprobs, learned, logprobs) * weights.to(acc)[None]
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach()}
-        return (coef * per_token).sum(), stats
+        total = (coef * per_token).sum()
+        if self.exit_gate_coef > 0:
+            total = total + self.exit_gate_coef * self.gate_objective(exit_logprobs, per_token,
+                                                                      weights)
+        if exit_logprobs is not None:
+            stats.update(exit_stats(exit_logprobs, mask[-1]))
+        return total, stats
 
     def check_group(self, group) -> None:
         """Up-front check of what the loss needs from a group (before any compute)."""
@@ -104,16 +176,21 @@ class RLObjective:
             raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
                              f"ref_logprobs (reference log-probs), got None")
 
-    def wave_loss(self, wave, logprobs: Tensor, non_loss_data: bool = False):
+    def wave_loss(self, wave, output, non_loss_data: bool = False):
         """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
-        per-loop log-probs [R, W, T] -> (the wave's share of the group loss, stats). Token
-        weights come from the whole group's loss mask. ``non_loss_data``: the log-probs."""
+        per-loop log-probs [R, W, T] (or the wave model's ``readouts`` dict: ``logprobs``,
+        ``exit_logprobs``, ``loop_weights``) -> (the wave's share of the group loss, stats).
+        Token weights come from the whole group's loss mask. ``non_loss_data``: the log-probs."""
+        out = output if isinstance(output, dict) else {"logprobs": output}
+        logprobs = out["logprobs"]
         if non_loss_data:
             return logprobs.detach()
         g = wave.group
         weights = wave.rows(self.token_weights(g.loss_mask))  # [W, T]
         loss, stats = self.loss(logprobs, wave.rows(g.old_logprobs, 1),
-                                wave.rows(g.advantages), weights, wave.rows(g.ref_logprobs, 1))
+                                wave.rows(g.advantages), weights, wave.rows(g.ref_logprobs, 1),
+                                exit_logprobs=out.get("exit_logprobs"),
+                                learned=out.get("loop_weights"))
         return loss, {"loss": loss.detach(), **stats}
 
 
@@ -125,7 +202,19 @@ def rl_forward_step(objective: RLObjective):
 
     def forward_step(data_iterator, model):
         wave = next(data_iterator)
-        return model(wave), partial(objective.wave_loss, wave)
+        output = model.readouts(wave) if objective.needs_readouts else model(wave)
+        return output, partial(objective.wave_loss, wave)
 
     forward_step.check_group = objective.check_group
     return forward_step
+
+
+def exit_stats(exit_logprobs: Tensor, mask: Tensor) -> dict:
+    """Detached sums over the masked tokens ([B, T'] mask) of the mean exit loop
+    sum_r r p_r (loops counted from 1) and the exit distribution's entropy."""
+    p = exit_logprobs.detach().exp()  # [R, B, T']
+    r = torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device=p.device)[:, None, None]
+    on = mask != 0
+    mean_loop = torch.where(on, (r * p).sum(0), 0).sum()
+    entropy = torch.where(on, -(p * exit_logprobs.detach()).sum(0), 0).sum()
+    return {"exit_loop": mean_loop, "exit_entropy": entropy}

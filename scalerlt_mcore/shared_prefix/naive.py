@@ -6,6 +6,7 @@ from functools import partial
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
 from .group import SharedPrefixGroup, WaveBatch
 
@@ -19,8 +20,20 @@ class FullSequenceModel:
         self.config = getattr(model, "config", None)
 
     def __call__(self, wave: WaveBatch) -> torch.Tensor:
+        return self.readouts(wave)["logprobs"]
+
+    def readouts(self, wave: WaveBatch) -> dict:
+        """As ``WaveModel.readouts``: ``logprobs`` [R, W, T], ``exit_logprobs`` [R, W, T] with
+        the exit gate, ``loop_weights`` [R] with learned loop credit."""
         g = wave.group
-        return self.model(wave.rows(g.tokens), labels=wave.rows(g.labels)).logprobs
+        out = self.model(wave.rows(g.tokens), labels=wave.rows(g.labels))
+        result = {"logprobs": out.logprobs}
+        if out.exit_logprobs is not None:
+            result["exit_logprobs"] = out.exit_logprobs
+        weights = getattr(unwrap_model(self.model), "loop_weights", lambda: None)()
+        if weights is not None:
+            result["loop_weights"] = weights
+        return result
 
 
 def naive_microbatches(groups: list, micro_batch_size: int) -> list:

@@ -80,14 +80,20 @@ class WaveModel:
         self.config = inner.config
 
     def __call__(self, wave: WaveBatch) -> Tensor:
+        return self.readouts(wave)["logprobs"]
+
+    def readouts(self, wave: WaveBatch) -> dict:
+        """``logprobs`` [R, W, T] as ``__call__``; with the model's exit gate ``exit_logprobs``
+        [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
+        learned loop credit ``loop_weights`` [R]."""
         g, idx = wave.group, wave.index
         P, T = g.prompt_length, g.tokens.shape[1]
-        tail = self.inner.suffix_logprobs(self.state, g.tokens[idx, P:],
-                                          labels=g.labels[idx, P - 1 : T - 1])  # [R, W, S]
-        R, W = tail.shape[:2]
-        head = tail.new_zeros(R, W, P - 1)
-        end = tail.new_zeros(R, W, 1)
-        return torch.cat([head, tail, end], dim=2)  # [R, W, T]
+        out = self.inner.suffix_readouts(self.state, g.tokens[idx, P:],
+                                         labels=g.labels[idx, P - 1 : T - 1])  # [R, W, S]
+        result = {"logprobs": _group_layout(out.logprobs, P)}
+        if out.exit_logprobs is not None:
+            result["exit_logprobs"] = _group_layout(out.exit_logprobs, P)
+        return _with_loop_weights(result, self.inner)
 
 
 @dataclass
@@ -300,6 +306,21 @@ class SharedPrefixSchedule:
             else:
                 run.results[n] = loss_func(output)[1]
         return _merge(run.results)
+
+
+def _group_layout(tail: Tensor, P: int) -> Tensor:
+    """Response positions [R, W, S] -> the group's layout [R, W, P + S] (zeros on the prompt
+    positions 0 .. P-2 and at the last position)."""
+    R, W = tail.shape[:2]
+    return torch.cat([tail.new_zeros(R, W, P - 1), tail, tail.new_zeros(R, W, 1)], dim=2)
+
+
+def _with_loop_weights(result: dict, inner) -> dict:
+    """Add the model's learned loop credit [R] (``loop_weights()``), when it has one."""
+    weights = getattr(inner, "loop_weights", lambda: None)()
+    if weights is not None:
+        result["loop_weights"] = weights
+    return result
 
 
 def _merge(per_wave: dict, **extra) -> object:
