@@ -43,12 +43,17 @@ def _meta(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("scheme", LOOP_WEIGHTS)
 def test_objective_loss_on_meta(scheme):
-    """The loss of [R, B, T] log-probs on the device (the loop weights follow them)."""
+    """The loss of [R, B, T] log-probs on the device (the loop weights follow them; exit_pdf
+    with the gate's own term, from exit log-probs on the device; learned from weights there)."""
     R, B, T = 3, 2, 5
-    objective = RLObjective(loop_weights=scheme, kl_coef=0.1)
+    gated = scheme == "exit_pdf"
+    objective = RLObjective(loop_weights=scheme, kl_coef=0.1, exit_gate_coef=0.1 * gated)
+    model_outputs = {"exit_pdf": {"exit_logprobs": _meta(R, B, T).requires_grad_()},
+                     "learned": {"learned": _meta(R).requires_grad_()}}.get(scheme, {})
     logprobs = _meta(R, B, T).requires_grad_()
     loss, stats = objective.loss(logprobs, _meta(R, B, T), _meta(B, dtype=torch.float64),
-                                 _meta(B, T, dtype=torch.float64), ref=_meta(R, B, T))
+                                 _meta(B, T, dtype=torch.float64), ref=_meta(R, B, T),
+                                 **model_outputs)
     assert loss.device == META and loss.shape == () and loss.dtype == torch.float32
     assert all(v.device == META for v in stats.values())
     loss.backward()

@@ -218,21 +218,35 @@ class LoopedGPTModel(LanguageModule):
                             prefix=prefix)
 
     @torch.no_grad()
-    def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:
+    def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor,
+                with_exit: bool = False):
         """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
-        at each prompt's last token. Padding K/V is written but never attended to."""
+        at each prompt's last token. Padding K/V is written but never attended to.
+        ``with_exit``: (logits, the exit distribution log p(r) [R, B] there; None without a
+        gate)."""
         cache.lengths.zero_()
-        logits = self.forward(tokens, kv_cache=cache).logits  # R x [B, T, V]
+        out = self.forward(tokens, kv_cache=cache)  # logits: R x [B, T, V]
         cache.lengths.copy_(lengths)
-        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, logits[0].shape[-1])
-        return torch.stack([lg.gather(1, last).squeeze(1) for lg in logits])
+        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.logits[0].shape[-1])
+        logits = torch.stack([lg.gather(1, last).squeeze(1) for lg in out.logits])  # [R, B, V]
+        if not with_exit:
+            return logits
+        exit_lp = out.exit_logprobs
+        if exit_lp is not None:
+            exit_lp = exit_lp.gather(2, (lengths - 1)[None, :, None].expand(exit_lp.shape[0],
+                                                                            -1, 1)).squeeze(2)
+        return logits, exit_lp  # [R, B, V], [R, B]
 
     @torch.no_grad()
-    def decode_step(self, cache: DepthKVCache, tokens: Tensor) -> Tensor:
-        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V]."""
-        logits = self.forward(tokens[:, None], kv_cache=cache).logits
+    def decode_step(self, cache: DepthKVCache, tokens: Tensor, with_exit: bool = False):
+        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V]
+        (``with_exit``: and the exit distribution log p(r) [R, B], None without a gate)."""
+        out = self.forward(tokens[:, None], kv_cache=cache)
         cache.lengths += 1
-        return torch.stack([lg[:, 0] for lg in logits])
+        logits = torch.stack([lg[:, 0] for lg in out.logits])
+        if not with_exit:
+            return logits
+        return logits, None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
 
     # ---- helpers ---------------------------------------------------------------------------
 

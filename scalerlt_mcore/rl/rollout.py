@@ -5,6 +5,13 @@ temperature and top-p, a stop token and a maximum length. Records the policy's l
 every sampled token (temperature 1) under every loop's readout: for comparison with the
 training forward, or as the old log-probs of the update.
 
+With the model's exit gate (``exit_mode``): ``mixture`` samples every token from the
+exit-weighted mixture sum_r p(r) pi_r of the loops' readouts, ``threshold`` from the readout
+of the first loop whose exit CDF reaches ``exit_threshold`` (per sequence and token, Ouro's
+early exit; every loop is still computed, since later tokens attend to every depth's K/V).
+The recorded log-prob of a sampled token is then that of the sampling distribution
+(temperature 1): log sum_r p(r) pi_r(y), or log pi_{r*}(y) of the exit loop r*.
+
 Two ways to hold the prompts, the same samples (``generate(..., prompt_once=...)``):
 - per row: every one of the G samples of a prompt is its own row, the prompt prefilled G times
   and its K/V cached G times;
@@ -27,9 +34,14 @@ class Rollout:
     prompts:   list of N token lists.
     responses: [N, G, S] long, right-padded with pad_id (eos included when produced).
     lengths:   [N, G] response lengths (eos counted).
-    logprobs:  [N, G, S] log-probs of the sampled tokens under the sampled loop's readout
-               (0 on padding).
+    logprobs:  [N, G, S] log-probs of the sampled tokens under the sampling distribution
+               (the sampled loop's readout, or with ``exit_mode`` the exit mixture or the exit
+               loop's readout; 0 on padding).
     loop_logprobs: [R, N, G, S] the same under every loop's readout (0 on padding).
+    exit_logprobs: [R, N, G, S] the exit distribution log p(r) at every sampled token's
+               position (exit gate on; 0 on padding), else None.
+    exit_loops: [N, G, S] the loop (from 1) whose readout sampled each token with
+               ``exit_mode`` threshold (0 on padding), else None.
     """
 
     prompts: list
@@ -37,6 +49,38 @@ class Rollout:
     lengths: Tensor
     logprobs: Tensor
     loop_logprobs: Optional[Tensor] = None
+    exit_logprobs: Optional[Tensor] = None
+    exit_loops: Optional[Tensor] = None
+
+
+EXIT_MODES = ("none", "mixture", "threshold")
+"""How rollouts use the exit gate: not at all, the exit-weighted mixture, or CDF early exit."""
+
+
+def exit_loop_at(exit_logprobs: Tensor, threshold: float) -> Tensor:
+    """The first loop (from 0) whose exit CDF reaches ``threshold``: exit_logprobs [R, B] ->
+    [B] (the last loop when rounding keeps the CDF below it)."""
+    cdf = exit_logprobs.exp().cumsum(0)  # [R, B]
+    return (cdf < threshold).sum(0).clamp(max=exit_logprobs.shape[0] - 1)
+
+
+def sample_mixture(logits: Tensor, exit_logprobs: Tensor, temperature: float, top_p: float,
+                   generator, banned=()) -> Tensor:
+    """A token per row from sum_r p(r) pi_r: logits [R, B, V], exit_logprobs [R, B] -> [B]
+    (each loop's distribution with temperature and top-p; greedy at temperature 0)."""
+    check_generator(generator, logits.device)
+    logits = logits.float()
+    if banned:
+        logits = logits.clone()
+        logits[..., list(banned)] = float("-inf")
+    if temperature == 0:
+        probs = logits.softmax(-1)
+    else:
+        probs = top_p_filter(logits / temperature, top_p).softmax(-1)  # [R, B, V]
+    mixture = (exit_logprobs.float().exp()[..., None] * probs).sum(0)  # [B, V]
+    if temperature == 0:
+        return mixture.argmax(-1)
+    return torch.multinomial(mixture, 1, generator=generator).squeeze(-1)
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
@@ -85,53 +129,106 @@ def _right_pad(rows: list, pad_id: int) -> tuple:
 @torch.no_grad()
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             generator=None, banned=(), loop: int = -1, prompt_once: bool = False) -> Rollout:
+             generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
+             exit_mode: str = "none", exit_threshold: float = 0.5) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
-    ``loop`` (default the last), with ``generator`` on the model's device. Log-probs are the
-    policy's own (temperature 1, no ban). The returned tensors are on the host (rewards and
-    decoding read them there). ``prompt_once``: prefill each prompt once and decode its
-    samples against that one copy (the same samples and log-probs up to rounding; rows are
-    ordered as per row)."""
+    ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
+    from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
+    Log-probs are the policy's own (temperature 1, no ban). The returned tensors are on the
+    host (rewards and decoding read them there). ``prompt_once``: prefill each prompt once and
+    decode its samples against that one copy (the same samples and log-probs up to rounding;
+    rows are ordered as per row)."""
     device = next(model.parameters()).device
     check_generator(generator, device)
+    if exit_mode not in EXIT_MODES:
+        raise ValueError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
     if prompt_once:
-        cache, logits = prefill_prompt_once(model, prompts, group_size, max_new_tokens, pad_id)
+        cache, logits, exit_lp = prefill_prompt_once(model, prompts, group_size,
+                                                     max_new_tokens, pad_id)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
         tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp]
         tokens, lengths = tokens.to(device), lengths.to(device)
         cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens)
-        logits = model.prefill(cache, tokens, lengths)  # [R, B, V]
-    R, B = logits.shape[:2]
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(R, B, max_new_tokens, dtype=torch.float32, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+        logits, exit_lp = model.prefill(cache, tokens, lengths, with_exit=True)  # [R, B, V]
+    if exit_mode != "none" and exit_lp is None:
+        raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
+                         f"(looped_exit_gate)")
+    rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
+                  exit_lp is not None)
     for t in range(max_new_tokens):
-        nxt = sample_next(logits[loop], temperature, top_p, generator, banned)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        chosen = None if exit_mode != "threshold" else exit_loop_at(exit_lp, exit_threshold)
+        if exit_mode == "mixture":
+            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, banned)
+        else:
+            rows = logits[loop] if chosen is None else logits[chosen, torch.arange(
+                logits.shape[1], device=device)]  # [B, V]
+            nxt = sample_next(rows, temperature, top_p, generator, banned)
+        rec.add(t, nxt, logits, exit_lp, exit_mode, chosen, loop)
+        if bool(rec.done.all()) or t == max_new_tokens - 1:
+            break
+        logits, exit_lp = model.decode_step(cache, rec.out[:, t], with_exit=True)
+    return rec.rollout(prompts, group_size, exit_mode)
+
+
+class _Record:
+    """What ``generate`` records per decoding step, on the model's device."""
+
+    def __init__(self, R: int, B: int, steps: int, pad_id: int, eos_id: int, device,
+                 gated: bool):
+        self.pad_id, self.eos_id = pad_id, eos_id
+        self.out = torch.full((B, steps), pad_id, dtype=torch.long, device=device)
+        self.loops = torch.zeros(R, B, steps, dtype=torch.float32, device=device)
+        self.sampled = torch.zeros(B, steps, dtype=torch.float32, device=device)
+        self.exits = None
+        if gated:
+            self.exits = torch.zeros(R, B, steps, dtype=torch.float32, device=device)
+        self.exit_loop = torch.zeros(B, steps, dtype=torch.long, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def add(self, t: int, nxt, logits, exit_lp, exit_mode: str, chosen, loop: int) -> None:
+        nxt = torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
+        R = logits.shape[0]
         lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
         picked = lp.gather(-1, nxt[None, :, None].expand(R, -1, 1)).squeeze(-1)  # [R, B]
-        logps[:, :, t] = torch.where(done, 0.0, picked.float())
-        out[:, t] = nxt
-        done |= nxt == eos_id
-        if bool(done.all()) or t == max_new_tokens - 1:
-            break
-        logits = model.decode_step(cache, nxt)
-    resp_len = (out != pad_id).sum(-1)  # pad is never sampled (banned by the caller)
-    n = len(prompts)
-    per_loop = logps.view(R, n, group_size, -1).cpu()  # [R, N, G, S]
-    return Rollout(prompts, out.view(n, group_size, -1).cpu(),
-                   resp_len.view(n, group_size).cpu(), per_loop[loop], per_loop)
+        if exit_mode == "mixture":
+            sampled = torch.logsumexp(exit_lp.to(picked.dtype) + picked, dim=0)  # [B]
+        elif exit_mode == "threshold":
+            sampled = picked.gather(0, chosen[None]).squeeze(0)  # [B]
+            self.exit_loop[:, t] = torch.where(self.done, 0, chosen + 1)
+        else:
+            sampled = picked[loop]
+        self.loops[:, :, t] = torch.where(self.done, 0.0, picked.float())
+        self.sampled[:, t] = torch.where(self.done, 0.0, sampled.float())
+        if self.exits is not None:
+            self.exits[:, :, t] = torch.where(self.done, 0.0, exit_lp.float())
+        self.out[:, t] = nxt
+        self.done |= nxt == self.eos_id
+
+    def rollout(self, prompts: list, group_size: int, exit_mode: str) -> Rollout:
+        n, R = len(prompts), self.loops.shape[0]
+        resp_len = (self.out != self.pad_id).sum(-1)  # pad is never sampled (banned)
+        exits = None if self.exits is None else self.exits.view(R, n, group_size, -1).cpu()
+        exit_loops = (self.exit_loop.view(n, group_size, -1).cpu()
+                      if exit_mode == "threshold" else None)
+        return Rollout(prompts, self.out.view(n, group_size, -1).cpu(),
+                       resp_len.view(n, group_size).cpu(),
+                       self.sampled.view(n, group_size, -1).cpu(),
+                       self.loops.view(R, n, group_size, -1).cpu(), exits, exit_loops)
 
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,
                         pad_id: int) -> tuple:
     """Each of the N prompts prefilled once. -> (a cache for the N * G samples that continue
     them, holding ``max_new_tokens`` of their own; per-loop logits [R, N * G, V] of every
-    sample's first token, the prompt's repeated G times)."""
+    sample's first token, the prompt's repeated G times; their exit distribution [R, N * G]
+    or None without a gate)."""
     device = next(model.parameters()).device
     tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp]
     prefix = model.new_kv_cache(len(prompts), tokens.shape[1])
-    logits = model.prefill(prefix, tokens.to(device), lengths.to(device))  # [R, N, V]
+    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths.to(device),
+                                    with_exit=True)  # [R, N, V], [R, N]
     cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix)
-    return cache, logits.repeat_interleave(group_size, dim=1)  # [R, N * G, V]
+    if exit_lp is not None:
+        exit_lp = exit_lp.repeat_interleave(group_size, dim=1)  # [R, N * G]
+    return cache, logits.repeat_interleave(group_size, dim=1), exit_lp  # [R, N * G, V]
