@@ -160,6 +160,8 @@ def test_batch_divisibility_names_both_numbers():
      "rl_loop_weights learned needs looped_learned_loop_weights true"),
     (["--looped-learned-loop-weights", "true", "--looped-num-loops", "2",
       "--looped-num-loops-sampling", "uniform:1,3"], "draws up to 3 loops"),
+    (["--rl-rollout-exit", "mixture"], "rl_rollout_exit mixture needs looped_exit_gate true"),
+    (["--rl-exit-threshold", "0"], r"rl_exit_threshold must be in \(0, 1\], got 0"),
     (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
 ])
 def test_validate_rejects(argv, message):
@@ -376,10 +378,10 @@ FROZEN_CLI_FLAGS = [
     "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
     "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
-    "--rl-exit-entropy-coef", "--rl-exit-gate-coef",
+    "--rl-exit-entropy-coef", "--rl-exit-gate-coef", "--rl-exit-threshold",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
     "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
-    "--rl-rollout", "--rl-task",
+    "--rl-rollout", "--rl-rollout-exit", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
     "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",

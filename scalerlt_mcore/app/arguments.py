@@ -303,6 +303,13 @@ class RLArgs:
     """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
     samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
     own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
+    """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
+    loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
+    or ``threshold`` (per token, from the first loop whose exit CDF reaches
+    rl_exit_threshold: Ouro's early exit)."""
+    rl_exit_threshold: float = 0.5
+    """Exit CDF threshold of ``rl_rollout_exit: threshold``, in (0, 1]."""
     rl_old_logprobs: Literal["score", "rollout"] = "score"
     """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
     through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
@@ -756,6 +763,10 @@ def _check_rl(cfg: RunConfig) -> list[str]:
                       f"{rl.rl_ppo_epochs} (the rollout's log-probs replace the scoring pass "
                       f"of a single update)")
     errors += _check_loop_credit(cfg)
+    if rl.rl_rollout_exit != "none" and not cfg.model.looped_exit_gate:
+        errors.append(f"rl_rollout_exit {rl.rl_rollout_exit} needs looped_exit_gate true")
+    if not 0 < rl.rl_exit_threshold <= 1:
+        errors.append(f"rl_exit_threshold must be in (0, 1], got {rl.rl_exit_threshold}")
     if rl.rl_advantage != "none" and rl.rl_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs rl_group_size >= 2 "
                       "(a group of one has zero advantage)")

@@ -113,6 +113,21 @@ def recording_drift(forward_step, drift: list):
     return step
 
 
+def rollout_exit_metrics(ro) -> dict:
+    """With the exit gate: the rollout's mean exit loop sum_r r p(r) over its sampled tokens,
+    and with threshold exits the mean loop that sampled them (loops counted from 1)."""
+    if ro.exit_logprobs is None:
+        return {}
+    S = ro.responses.shape[-1]
+    sampled = torch.arange(S, device="cpu")[None, None] < ro.lengths[..., None]  # [N, G, S]
+    p = ro.exit_logprobs.exp()  # [R, N, G, S]
+    r = torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device="cpu")[:, None, None, None]
+    out = {"rollout_exit_loop": float((r * p).sum(0)[sampled].mean())}
+    if ro.exit_loops is not None:
+        out["rollout_sampled_loop"] = float(ro.exit_loops[sampled].float().mean())
+    return out
+
+
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
@@ -198,7 +213,9 @@ class RLTrainer:
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
                        banned=self.banned, loop=loop,
-                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once")
+                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
+                       exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
+                       exit_threshold=self.cfg.rl.rl_exit_threshold)
         self.model.train()
         return out
 
@@ -253,6 +270,7 @@ class RLTrainer:
             "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (t_end - t0),
             "time_rollout_s": t_rollout - t0, "time_score_s": t_train - t_score,
             "time_train_s": t_end - t_train, "time_step_s": t_end - t0, "loops": loops,
+            **rollout_exit_metrics(ro),
         })
 
     def _attach_logprobs(self, groups, ro) -> float:
@@ -266,7 +284,7 @@ class RLTrainer:
             g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
                               else old[n].detach())
             g.ref_logprobs = ref[n]
-        return float(torch.stack([rollout_drift(g, ro.logprobs[n])
+        return float(torch.stack([rollout_drift(g, ro.loop_logprobs[-1, n])
                                   for n, g in enumerate(groups)]).max())
 
     def optimize(self, groups: list) -> dict:
