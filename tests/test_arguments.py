@@ -161,6 +161,10 @@ def test_batch_divisibility_names_both_numbers():
     (["--looped-learned-loop-weights", "true", "--looped-num-loops", "2",
       "--looped-num-loops-sampling", "uniform:1,3"], "draws up to 3 loops"),
     (["--rl-rollout-exit", "mixture"], "rl_rollout_exit mixture needs looped_exit_gate true"),
+    (["--looped-exit-gate", "true"], r"looped_exit_gate needs rl_exit_gate_coef > 0"),
+    (["--looped-backprop-loops", "1"], "looped_backprop_loops > 0 needs looped_injection"),
+    (["--looped-learned-loop-weights", "true"],
+     "looped_learned_loop_weights needs rl_loop_weights learned"),
     (["--rl-exit-threshold", "0"], r"rl_exit_threshold must be in \(0, 1\], got 0"),
     (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
 ])

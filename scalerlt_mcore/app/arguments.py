@@ -782,6 +782,17 @@ def _check_loop_credit(cfg: RunConfig) -> list[str]:
                if v and not m.looped_exit_gate]
     if rl.rl_loop_weights == "learned" and not m.looped_learned_loop_weights:
         errors.append("rl_loop_weights learned needs looped_learned_loop_weights true")
+    # MCore DDP with overlapped reduction needs a gradient for every parameter every step
+    if m.looped_backprop_loops > 0 and m.looped_injection == "none":
+        errors.append("looped_backprop_loops > 0 needs looped_injection linear_concat (as "
+                      "Huginn: without injection the truncated loops cut the embedding and "
+                      "prelude off from every gradient)")
+    if m.looped_exit_gate and rl.rl_exit_gate_coef <= 0:
+        errors.append("looped_exit_gate needs rl_exit_gate_coef > 0 (the gate learns only from "
+                      "its own term; without it the gate parameters get no gradient)")
+    if m.looped_learned_loop_weights and rl.rl_loop_weights != "learned":
+        errors.append("looped_learned_loop_weights needs rl_loop_weights learned (otherwise "
+                      "its logits get no gradient)")
     try:
         high = parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)[2]
     except ValueError:

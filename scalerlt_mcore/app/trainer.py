@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
 from ..mcore_compat import mcore_workaround
 from ..model.config import parse_loop_sampling, sample_num_loops, set_num_loops
@@ -334,7 +335,7 @@ class RLTrainer:
                                            self.groups_per_rank * self.cfg.rl.rl_group_size)
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
-            forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
+            forward_step_func=partial(_sft_forward_step, self.objective),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
             seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
         return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
@@ -367,17 +368,37 @@ class RLTrainer:
         return {**metrics, **dict(zip(keys, vals.tolist()))}
 
 
-def _sft_loss(scheme: str, mask, logprobs):
-    """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]. Loop credit taken
-    from the model (exit_pdf, learned) warms up with uniform weights."""
-    scheme = scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform"
-    w = loop_weights(scheme, logprobs.shape[0], logprobs.device).to(logprobs.dtype)
-    w = w[:, None, None]  # [R, 1, 1]
-    nll = -(w * logprobs * mask.to(logprobs.dtype)).sum() / mask.sum()
-    return nll, {"nll": nll.detach()}
+def _sft_loss(scheme: str, mask, output, objective=None):
+    """Per-loop-weighted token-mean NLL; ``output``: logprobs [R, N, T] or a dict of them with
+    ``exit_logprobs`` [R, N, T] and ``loop_weights`` [R]; mask [N, T]. Learned loop credit
+    weights the loops with its weights, exit_pdf credit warms up with uniform weights. With
+    ``objective.exit_gate_coef`` the gate's own objective is added over the answer tokens (the
+    per-token NLL as its loss), so the gate trains, and receives a gradient, every step."""
+    out = output if isinstance(output, dict) else {"logprobs": output}
+    logprobs = out["logprobs"]
+    R, dt = logprobs.shape[0], logprobs.dtype
+    if scheme == "learned":
+        w = out["loop_weights"].to(dt)[:, None, None]
+    else:
+        w = loop_weights(scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform", R,
+                         logprobs.device).to(dt)[:, None, None]  # [R, 1, 1]
+    nll = -(w * logprobs * mask.to(dt)).sum() / mask.sum()
+    total = nll
+    if objective is not None and objective.exit_gate_coef > 0:
+        weights = mask.to(dt) / mask.sum()  # [N, T]
+        gate = objective.gate_objective(out.get("exit_logprobs"), -logprobs, weights)
+        total = nll + objective.exit_gate_coef * gate
+    return total, {"nll": nll.detach()}
 
 
-def _sft_forward_step(scheme: str, data_iterator, model):
+def _sft_forward_step(objective, data_iterator, model):
     batch = next(data_iterator)
-    logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, N, T]
-    return logprobs, partial(_sft_loss, scheme, batch["mask"])
+    out = model(batch["tokens"], labels=batch["labels"])  # logprobs [R, N, T]
+    output = {"logprobs": out.logprobs}
+    if out.exit_logprobs is not None:
+        output["exit_logprobs"] = out.exit_logprobs
+    weights = unwrap_model(model).loop_weights()
+    if weights is not None:
+        output["loop_weights"] = weights
+    return output, partial(_sft_loss, objective.loop_weights, batch["mask"],
+                           objective=objective)
