@@ -152,7 +152,8 @@ class RLArgs:
     rl_clip_high: float = 0.2
     """PPO clip range above 1: ratio <= 1 + rl_clip_high."""
     rl_kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the initial policy; 0 disables it."""
+    """Weight of the k3 KL penalty to the policy at the start of RL (after the supervised
+    warm-up; saved with checkpoints); 0 disables it."""
     rl_ppo_epochs: int = 1
     """Optimizer steps per rollout batch."""
     rl_loop_weights: str = "final"
