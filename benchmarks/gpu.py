@@ -116,7 +116,8 @@ def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> d
     model = _build(wl, spec, backend, device)  # fp32 for the agreement check
     group = attach_old_logprobs(model, make_group(wl, 0, device), 0)
     steps = step_functions(model, group, objective(), wl.wave_size)
-    agreement = check_agreement(steps, model, tolerance=tolerance)
+    agreement = check_agreement(steps, model, tolerance=tolerance,
+                                loss_scale=float(group.advantages.abs().mean()))
     model.to(torch.bfloat16)
     if backend == "local":
         flops = {n: count_flops(s) for n, s in steps.items()}

@@ -175,3 +175,23 @@ def test_readme_benchmark_tables_match_the_committed_results():
     assert "naive_mb1" in tables and "FLOPs, causal [all scores]" in tables
     missing = [line for line in tables.splitlines() if line and line not in readme]
     assert not missing, "README differs from benchmarks/results/cpu.json:\n" + "\n".join(missing)
+
+
+def test_loss_agreement_is_relative_to_the_size_of_its_terms(mcore_single):
+    """A loss whose terms cancel to near 0 is compared at the terms' size (loss_scale): fp32
+    rounding of a sum of 16 terms of ~0.06 (seen: 2.8e-8 on a loss of 6.4e-4) passes, an
+    error of 1e-4 of the terms' size does not."""
+    from benchmarks.measure import relative_error
+
+    loss, rounded = torch.tensor(6.359e-4, dtype=torch.float64), 6.359e-4 + 2.8e-8
+    assert relative_error(torch.tensor(rounded), loss) > 1e-5  # against the mean: ill-posed
+    assert relative_error(torch.tensor(rounded), loss, scale=0.985) < 1e-7
+    model, steps = _steps()
+    naive = steps["naive"]
+    scale = 0.5
+
+    def off():
+        return naive() + 1e-4 * scale
+
+    with pytest.raises(AgreementError, match="off disagrees with naive: loss rel err 0.0001"):
+        check_agreement({"naive": naive, "off": off}, model, loss_scale=scale)
