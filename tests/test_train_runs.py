@@ -93,6 +93,19 @@ def test_resume_from_an_iteration_continues_its_run_dir(saved_run, tmp_path, mon
     assert f"reward curve: {run_dir / 'reward_curve.png'} (steps 0-3 of metrics.jsonl)" in out
 
 
+def test_resume_with_a_kl_penalty_needs_the_checkpoints_reference(tmp_path):
+    """A checkpoint past the warm-up saved without a KL penalty has no reference to restore:
+    resuming it with one is refused (the policy at the start of RL cannot be rebuilt)."""
+    from scalerlt_mcore.app.train import run
+
+    ckpt = str(tmp_path / "ckpt")
+    run(parse_args(FAST + ["--train-iters", "3", "--rl-kl-coef", "0", "--save", ckpt,
+                           "--run-dir", str(tmp_path / "run"), "--no-plot"]))
+    with pytest.raises(CheckpointError, match=r"iter_0000003 \(step 3, past the warm-up\) "
+                                              r"holds no KL reference"):
+        run(parse_args(FAST + ["--train-iters", "4", "--load", ckpt, "--no-plot"]))
+
+
 # ---- run directories --------------------------------------------------------------------------
 
 
