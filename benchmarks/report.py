@@ -161,7 +161,7 @@ def raw_table(results: dict) -> str:
 
 def readme_tables(doc: dict) -> str:
     """The README's benchmark tables, from a ``cpu.json`` document: ratios and raw figures of
-    the headline workloads, and the targets (a test keeps the README equal to them)."""
+    the headline workloads, and the targets: what the README shows after a `make bench`."""
     results = {n: doc[n] for n in HEADLINE_NAMES if n in doc}
     lines = ["| workload | G | P | S | W | naive / joint FLOPs, causal [all scores] (DESIGN) "
              "| saved bytes | wall | naive_mb1 / joint saved bytes | wall "
