@@ -17,16 +17,16 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..rl.tokenizer import CharTokenizer
 from .arguments import ConfigError, parse_args, save_resolved, validate
-from .checkpoint import (
-    CheckpointError,
-    checkpoint_meta,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
 from .metrics import MetricsLog, plot_rewards, read_records
+from .pretrained import (
+    load_before_wrap,
+    resolve_pretrained,
+    resume_after_wrap,
+    resume_checkpoint,
+    run_vocab_size,
+)
 from .rundir import check_writable, make_run_dir
 from .runtime import (
     build_model,
@@ -81,24 +81,32 @@ def _line(step: int, m: dict) -> str:
     return (f"step {step:4d} | reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
             f"len {m['response_length']:.2f} | loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"rollout/score/train {m['time_rollout_s']:.2f}/{m['time_score_s']:.2f}/"
+            f"{m['time_train_s']:.2f} s | "
             f"saved {m['peak_saved_bytes'] / 2**20:.2f} MiB | "
             f"rollout-vs-train logp {m['rollout_logprob_max_diff']:.1e}")
 
 
 def run(cfg) -> dict:
-    """Train; returns the final evaluation. The process group and MCore's parallel state are
-    destroyed on return and on error."""
+    """Validate, then train; returns the final evaluation. The process group and MCore's
+    parallel state are destroyed on return and on error."""
+    notes = resolve_pretrained(cfg)  # --use-checkpoint-args, --looped-retrofit
+    validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
     try:
-        return _run(cfg, device)
+        return _run(cfg, device, notes)
     finally:
         shutdown_distributed()
 
 
-def _run(cfg, device: str) -> dict:
-    validate(cfg, dist.get_world_size())
+def _world_size() -> int:
+    """The job's process count: torchrun's WORLD_SIZE, 1 for a plain process."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _run(cfg, device: str, notes: list) -> dict:
     rank0 = dist.get_rank() == 0
-    resume = find_checkpoint(cfg.logging.load) if cfg.logging.load else None
+    resume = resume_checkpoint(cfg)  # verified before anything is built
     if cfg.logging.save:
         check_writable(cfg.logging.save, "save")
     run_dir = _broadcast_run_dir(cfg, resume)
@@ -107,26 +115,15 @@ def _run(cfg, device: str) -> dict:
         print(f"device: {device} ({dist.get_backend()}), data-parallel ranks: "
               f"{dist.get_world_size()}, run dir: {run_dir}", flush=True)
     config = model_config(cfg, device)
-    model = build_model(cfg, config, CharTokenizer().vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
+    for line in notes if rank0 else []:
+        print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = _resume(cfg, trainer, resume) if resume else 0
+    start = resume_after_wrap(cfg, trainer, resume)
     with _Interrupt() as stop:
         return _loop(cfg, trainer, start, run_dir, rank0, stop)
-
-
-def _resume(cfg, trainer, ckpt: Path) -> int:
-    """Load checkpoint ``ckpt`` into the trainer; returns the step to continue from. Past the
-    warm-up, a run with a KL penalty needs the checkpoint's KL reference."""
-    start = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler,
-                            reference=trainer.ref)
-    if trainer.ref is not None and trainer.ref.taken_at is None \
-            and start > cfg.rl.rl_warmup_sft_steps:
-        raise CheckpointError(
-            f"checkpoint {ckpt} (step {start}, past the warm-up) holds no KL reference (saved "
-            f"with rl_kl_coef 0): the reference must be the policy at the start of RL; resume "
-            f"with --rl-kl-coef 0, or from a checkpoint of a run with a KL penalty")
-    return start
 
 
 def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt) -> dict:
@@ -169,6 +166,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
+    trainer.use_loops_of(step)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
@@ -182,6 +180,7 @@ def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path) -> bool:
     records the run directory, which a resumed run continues by default."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
+        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler, reference=trainer.ref,
                         extra_meta={"run_dir": str(run_dir.resolve())})
