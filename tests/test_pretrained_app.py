@@ -186,9 +186,9 @@ def test_rollouts_never_sample_past_the_tokenizer(tiny_llama):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
-    """4 steps (1 warm-up + 3 RL; loops 1, 1, 2, 3 by the curriculum; KL to the pretrained
-    policy) in one go vs 2 steps, a checkpoint, and a resumed run: the same parameters and Adam
-    moments, bit for bit."""
+    """4 steps (1 warm-up + 3 RL; loops 1, 1, 2, 3 by the curriculum; KL to the policy at the
+    start of RL, saved with the checkpoint) in one go vs 2 steps, a checkpoint, and a resumed
+    run: the same parameters and Adam moments, bit for bit."""
     with model_parallel_context(3):
         full, _, _ = build(_argv(tiny_llama, save=str(tmp_path / "ckpt")))
         loops = []
@@ -196,7 +196,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
             loops.append(_step(full, step)["loops"])
             if step == 1:  # as train._maybe_save
                 full.use_configured_loops()
-                save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler)
+                save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler,
+                                reference=full.ref)
         want = _flat(full.model), _adam_moments(full.optimizer)
     assert loops == [1, 1, 2, 3]
     with model_parallel_context(3):
@@ -224,7 +225,8 @@ def test_finetune_and_no_load_optim(tmp_path, tiny_llama):
         trainer, _, _ = build(_argv(tiny_llama))
         for step in range(2):
             _step(trainer, step)
-        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler)
+        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                        reference=trainer.ref)
         saved = _flat(trainer.model)
     runs = {"finetune": (["--finetune"], 0), "no_load_optim": (["--no-load-optim"], 2)}
     for name, (flag, step) in runs.items():

@@ -223,11 +223,12 @@ def _intact_hint(ckpt: Path) -> str:
 
 def has_checkpoint(path) -> bool:
     """True when ``path`` is a ``save`` directory holding a checkpoint (``latest``) or one of
-    its ``iter_*`` directories."""
+    its ``iter_*`` directories (a checkpoint beside a ``latest`` pointer)."""
     if path is None:
         return False
     root = Path(path)
-    return (root / "latest").is_file() or (root / "common.pt").is_file()
+    return (root / "latest").is_file() or ((root / "metadata.json").is_file()
+                                           and (root.parent / "latest").is_file())
 
 
 def checkpoint_dir(path) -> Path:
