@@ -80,6 +80,7 @@ def test_task_problems_fit_tokenizer_and_limits(name):
     ("modular_arithmetic", {}), ("reverse", {}), ("sort", {}),
     ("reverse", {"min_len": 2, "max_len": 3, "alphabet": "abcd"}),  # the demo's task
     ("reverse", {"min_len": 2, "max_len": 3, "alphabet": "ab"}),  # the e2e tests' (12 prompts)
+    ("kv_retrieval", {"num_pairs": 4, "key_len": 2, "value_len": 1}),  # the long-prompt task
 ])
 def test_evaluation_prompts_are_disjoint_from_training_prompts(name, options):
     """Over many draws, no prompt drawn for training (RL or warm-up) is ever drawn for
