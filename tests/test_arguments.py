@@ -186,7 +186,8 @@ FROZEN_CLI_FLAGS = [
     "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
+    "--shared-prefix-memory-budget", "--shared-prefix-prompt", "--shared-prefix-schedule",
+    "--shared-prefix-wave-size", "--tensor-model-parallel-size",
     "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
     "--use-distributed-optimizer", "--weight-decay",
 ]

@@ -24,7 +24,7 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -118,11 +118,19 @@ class SharedPrefixArgs:
     """The schedule that trains a group of responses sharing one prompt."""
 
     shared_prefix_schedule: str = "joint_replay"
-    """``joint_replay`` (prompt computed once, one replay backward) or ``naive``."""
-    shared_prefix_wave_size: int = 4
-    """Responses per wave in joint replay."""
+    """``joint_replay`` (prompt computed once, one replay backward), ``naive``, or ``auto``
+    (per group, whichever a cost model calibrated at start predicts faster)."""
+    shared_prefix_wave_size: Union[int, str] = 4
+    """Responses per wave in joint replay, or ``auto``: per group the largest wave whose
+    predicted activations and prefix adjoints fit ``shared_prefix_memory_budget``."""
     shared_prefix_checkpoint_waves: bool = False
     """Recompute each wave in backward instead of keeping its activations."""
+    shared_prefix_prompt: str = "auto"
+    """``retain`` (keep the prompt's graph: the prompt is computed once), ``recompute`` (run
+    it again in the joint replay), or ``auto`` (retain unless only recompute fits the budget)."""
+    shared_prefix_memory_budget: Optional[float] = None
+    """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
+    None: no budget."""
 
 
 @dataclass
@@ -204,7 +212,8 @@ CHOICES = {
     "transformer_impl": ("local", "transformer_engine"),
     "looped_injection": ("none", "linear_concat"),
     "looped_prefix_attention": ("cascade", "concat"),
-    "shared_prefix_schedule": ("joint_replay", "naive"),
+    "shared_prefix_schedule": ("joint_replay", "naive", "auto"),
+    "shared_prefix_prompt": ("retain", "recompute", "auto"),
     "rl_advantage": ("grpo", "dr_grpo", "none"),
     "rl_loss_normalization": ("token_mean", "seq_mean", "constant"),
     "rl_loop_weights": ("final", "uniform", "progressive"),
@@ -233,9 +242,15 @@ KEYS = _key_table()
 def _coerce(key: str, value: Any, tp: Any, cli: bool) -> Any:
     """``value`` as type ``tp``; strings from the command line are parsed."""
     if typing.get_origin(tp) is typing.Union:
-        if value is None or (cli and value.lower() in ("none", "null")):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(options) < len(typing.get_args(tp))
+        if optional and (value is None or (cli and value.lower() in ("none", "null"))):
             return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        for option in options[:-1]:  # Union[int, str]: a number if it is one
+            parsed = _parse(value, option, cli)
+            if parsed is not _INVALID:
+                return parsed
+        tp = options[-1]
     parsed = _parse(value, tp, cli)
     if parsed is _INVALID:
         raise ConfigError(f"key {key!r} expects {tp.__name__}, got {value!r}")
@@ -459,7 +474,7 @@ def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
     t, group = cfg.training, cfg.rl.rl_group_size
     errors = _positive(t, "micro_batch_size", "global_batch_size")
     errors += _positive(cfg.rl, "rl_group_size")
-    errors += _positive(cfg.shared_prefix, "shared_prefix_wave_size")
+    errors += _check_shared_prefix(cfg.shared_prefix)
     dp = max(world_size // max(cfg.model.tensor_model_parallel_size, 1), 1)
     if errors:
         return errors
@@ -470,6 +485,18 @@ def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
         errors.append(f"responses per rank (global_batch_size / data-parallel size = "
                       f"{t.global_batch_size // dp}) must be divisible by micro_batch_size "
                       f"({t.micro_batch_size})")
+    return errors
+
+
+def _check_shared_prefix(sp: SharedPrefixArgs) -> list[str]:
+    errors, wave = [], sp.shared_prefix_wave_size
+    if wave != "auto" and (not isinstance(wave, int) or wave < 1):
+        errors.append(f"shared_prefix_wave_size must be >= 1 or 'auto', got {wave!r}")
+    budget = sp.shared_prefix_memory_budget
+    if budget is not None and budget <= 0:
+        errors.append(f"shared_prefix_memory_budget must be > 0 MiB or null, got {budget}")
+    if wave == "auto" and budget is None:
+        errors.append("shared_prefix_wave_size 'auto' needs shared_prefix_memory_budget (MiB)")
     return errors
 
 

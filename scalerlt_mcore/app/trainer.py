@@ -25,6 +25,7 @@ from ..shared_prefix import (
     logprobs_forward_step,
     naive_step,
 )
+from ..shared_prefix.planner import CostModel, Planner
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -56,7 +57,15 @@ def summarise(out: list, num_groups: int) -> dict:
     tokens = sum(float(o["tokens"]) for o in out)
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens
-    return {"loss": loss, "clip_fraction": clip, "kl": kl}
+    return {"loss": loss, "clip_fraction": clip, "kl": kl, **_plans(out)}
+
+
+def _plans(out: list) -> dict:
+    """The shared-prefix schedule's per-group plans, as means over the groups."""
+    if not out or "wave_size" not in out[0]:
+        return {}
+    return {f"plan_{k}": sum(float(o[k]) for o in out) / len(out)
+            for k in ("wave_size", "retain", "naive")}
 
 
 class RLTrainer:
@@ -75,11 +84,40 @@ class RLTrainer:
             loop_weights=rl.rl_loop_weights,
         )
         self.forward_step = rl_forward_step(self.objective)
-        self.schedule = get_shared_prefix_forward_backward_func(
-            cfg.shared_prefix.shared_prefix_wave_size,
-            cfg.shared_prefix.shared_prefix_checkpoint_waves, rl.rl_max_response_length)
+        self.schedule = self._build_schedule(cfg, model)
         self.ref = self._frozen_copy(model) if rl.rl_kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
+
+    def _build_schedule(self, cfg, model):
+        """The shared-prefix schedule; a ``Planner`` chooses per group when the wave size,
+        the prompt mode or the schedule is ``auto``."""
+        sp = cfg.shared_prefix
+        budget = sp.shared_prefix_memory_budget
+        budget = None if budget is None else budget * 2**20
+        chooser = None
+        auto = sp.shared_prefix_schedule == "auto"
+        if auto or "auto" in (sp.shared_prefix_wave_size, sp.shared_prefix_prompt):
+            chooser = Planner(
+                sp.shared_prefix_wave_size, sp.shared_prefix_prompt, budget,
+                schedule="auto" if auto else "joint_replay",
+                cost_model=self._calibrate(model) if auto else None,
+                checkpoint_waves=sp.shared_prefix_checkpoint_waves,
+                naive_micro_batch_size=cfg.training.micro_batch_size,
+                loss_per_position=self.objective.saved_per_position)
+        prompt = "recompute" if sp.shared_prefix_prompt == "auto" else sp.shared_prefix_prompt
+        return get_shared_prefix_forward_backward_func(
+            sp.shared_prefix_wave_size, sp.shared_prefix_checkpoint_waves,
+            cfg.rl.rl_max_response_length, prompt=prompt, chooser=chooser)
+
+    def _calibrate(self, model) -> CostModel:
+        """The cost model of ``shared_prefix_schedule: auto``, measured on rank 0 and shared,
+        so every rank plans alike."""
+        cost = CostModel.calibrate(model)
+        device = next(model.parameters()).device
+        values = torch.tensor([cost.call_s, cost.flop_s], dtype=torch.float64, device=device)
+        if self.world > 1:
+            dist.broadcast(values, src=0)
+        return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
 
     @staticmethod
     def _frozen_copy(model):

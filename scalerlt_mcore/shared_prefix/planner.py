@@ -348,18 +348,20 @@ class CostModel:
         return self.joint_time(m, P, S, G, plan, checkpoint_waves)
 
     @classmethod
-    def calibrate(cls, model, lengths: tuple = (2, 64), repetitions: int = 3) -> "CostModel":
-        """Time forward + backward of one short and one long sequence on ``model`` (fastest
-        of ``repetitions``) and solve for the two constants."""
+    def calibrate(cls, model, shapes: tuple = ((1, 2), (4, 128)),
+                  repetitions: int = 3) -> "CostModel":
+        """Time forward + backward of a tiny and a larger batch (rows, tokens; tokens capped
+        by the position table) on ``model``, fastest of ``repetitions``, and solve for the two
+        constants. Gradients are computed, not accumulated (``_fastest``)."""
         m = ModelShape.from_model(model)
         device = next(model.parameters()).device
-        rows = []
-        for s in lengths:
+        points = []
+        for rows, s in shapes:
             s = min(s, model.max_sequence_length)
-            tokens = torch.randint(0, m.vocab, (1, s), device=device)
-            rows.append((2 * m.depths, 3 * _pass_flops(m, 1, s, 0, readout=True),
-                         _fastest(model, tokens, repetitions)))
-        (c1, f1, t1), (c2, f2, t2) = rows
+            tokens = torch.randint(0, m.vocab, (rows, s), device=device)
+            points.append((2 * m.depths, 3 * _pass_flops(m, rows, s, 0, readout=True),
+                           _fastest(model, tokens, repetitions)))
+        (c1, f1, t1), (c2, f2, t2) = points
         det = c1 * f2 - c2 * f1
         flop_s = max((c1 * t2 - c2 * t1) / det, 0.0) if det else 0.0
         call_s = max((t1 - flop_s * f1) / c1, 0.0)
@@ -379,13 +381,15 @@ def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = F
 
 
 def _fastest(model, tokens, repetitions: int) -> float:
+    """Fastest forward + backward. ``autograd.grad`` computes the parameter gradients without
+    accumulating them: ``.grad``, DDP's grad buffers and its hooks are left untouched."""
+    params = [p for p in model.parameters() if p.requires_grad]
     best = math.inf
     for _ in range(repetitions + 1):  # one warm-up
         start = time.perf_counter()
-        out = model(tokens, labels=tokens)
-        out.logprobs.sum().backward()
+        loss = model(tokens, labels=tokens).logprobs.sum()
+        torch.autograd.grad(loss, params, allow_unused=True)
         best = min(best, time.perf_counter() - start)
-    model.zero_grad(set_to_none=True)
     return best
 
 
