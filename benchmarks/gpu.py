@@ -133,7 +133,7 @@ def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> d
     for name, (peak, above) in memory.items():
         result["schedules"][name].update(peak_memory_bytes=peak, peak_memory_above_base_bytes=above)
     for key, num in (("naive_over_joint", "naive"), ("tree_over_joint", "tree")):
-        above = [memory[n][1] for n in (num, "joint")]
+        above = [memory[n][1] for n in (num, result["joint_variant"])]
         result[key]["memory"] = None if None in above else above[0] / above[1]
     result["bench_seconds"] = time.perf_counter() - t0
     log(f"[{wl.name}] {result['bench_seconds']:.0f}s naive/joint "

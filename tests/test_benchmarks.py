@@ -124,3 +124,35 @@ def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
     result = json.loads(out.read_text())["A"]
     assert set(result["schedules"]) == set(SCHEDULES)
     assert result["naive_over_joint"]["flops"] > 1
+
+
+def test_retain_and_auto_rows(mcore_single):
+    """The best joint variant names the naive/joint figures; recompute vs retain and auto are
+    reported; auto's plan is recorded."""
+    from benchmarks.report import retain_table
+
+    result = run_workload(TINY, log=lambda *a, **k: None)
+    assert result["joint_variant"] in ("joint", "joint_retain", "joint_ckpt", "joint_concat")
+    best = result["schedules"][result["joint_variant"]]
+    assert result["naive_over_joint"]["wall"] == result["schedules"]["naive"]["wall_s"] / (
+        best["wall_s"])
+    assert set(result["recompute_over_retain"]) >= {"flops", "saved_bytes", "wall"}
+    assert result["recompute_over_retain"]["flops"] > 1  # the retained prompt runs once
+    assert result["auto_over_fastest_wall"] > 0 and set(result["auto_plan"]) == {
+        "wave_size", "retain", "naive"}
+    assert "| A |" in retain_table({"A": result})
+
+
+def test_prompt_sweep_point(mcore_single):
+    from benchmarks.prompt_sweep import BUDGETS_MIB, run_point
+    from benchmarks.report import prompt_sweep_table
+
+    wl = dataclasses.replace(TINY, name="prompt_P12", full_length=True)
+    row = run_point(wl)
+    assert set(row["wall_s"]) == set(row["saved_bytes"]) == {"recompute", "retain"}
+    for mode in ("recompute", "retain"):
+        pred, got = row["predicted_saved_bytes"][mode], row["saved_bytes"][mode]
+        assert abs(pred / got - 1) <= 0.10, (mode, pred, got)
+    assert [p["budget_mib"] for p in row["plans"]] == list(BUDGETS_MIB)
+    assert row["plans"][-1]["plan"]["wave_size"] == wl.group_size  # a roomy budget: one wave
+    assert "| 12 |" in prompt_sweep_table([row])
