@@ -349,20 +349,23 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, model, shapes: tuple = ((1, 2), (4, 128)),
-                  repetitions: int = 3) -> "CostModel":
+                  repetitions: int = 5) -> "CostModel":
         """Time forward + backward of a tiny and a larger batch (rows, tokens; tokens capped
-        by the position table) on ``model``, fastest of ``repetitions``, and solve for the two
-        constants. Gradients are computed, not accumulated (``_fastest``)."""
+        by the position table) on ``model``, interleaved, fastest of ``repetitions`` each (a
+        busy host only ever slows a run down), and solve for the two constants. Gradients are
+        computed, not accumulated (``_time_step``)."""
         m = ModelShape.from_model(model)
         device = next(model.parameters()).device
-        points = []
-        for rows, s in shapes:
-            s = min(s, model.max_sequence_length)
-            tokens = torch.randint(0, m.vocab, (rows, s), device=device)
-            points.append((2 * m.depths, 3 * _pass_flops(m, rows, s, 0, readout=True),
-                           _fastest(model, tokens, repetitions)))
-        (c1, f1, t1), (c2, f2, t2) = points
-        det = c1 * f2 - c2 * f1
+        batches = [torch.randint(0, m.vocab, (rows, min(s, model.max_sequence_length)),
+                                 device=device) for rows, s in shapes]
+        best = [math.inf] * len(batches)
+        for rep in range(repetitions + 1):  # the first round warms up
+            for i, tokens in enumerate(batches):
+                t = _time_step(model, tokens)
+                best[i] = min(best[i], t) if rep else best[i]
+        (c1, f1), (c2, f2) = [(2 * m.depths, 3 * _pass_flops(m, *b.shape, 0, readout=True))
+                              for b in batches]
+        (t1, t2), det = best, c1 * f2 - c2 * f1
         flop_s = max((c1 * t2 - c2 * t1) / det, 0.0) if det else 0.0
         call_s = max((t1 - flop_s * f1) / c1, 0.0)
         return cls(call_s=call_s, flop_s=flop_s)
@@ -380,17 +383,14 @@ def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = F
     return flops
 
 
-def _fastest(model, tokens, repetitions: int) -> float:
-    """Fastest forward + backward. ``autograd.grad`` computes the parameter gradients without
-    accumulating them: ``.grad``, DDP's grad buffers and its hooks are left untouched."""
+def _time_step(model, tokens) -> float:
+    """Seconds of one forward + backward. ``autograd.grad`` computes the parameter gradients
+    without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched."""
     params = [p for p in model.parameters() if p.requires_grad]
-    best = math.inf
-    for _ in range(repetitions + 1):  # one warm-up
-        start = time.perf_counter()
-        loss = model(tokens, labels=tokens).logprobs.sum()
-        torch.autograd.grad(loss, params, allow_unused=True)
-        best = min(best, time.perf_counter() - start)
-    return best
+    start = time.perf_counter()
+    loss = model(tokens, labels=tokens).logprobs.sum()
+    torch.autograd.grad(loss, params, allow_unused=True)
+    return time.perf_counter() - start
 
 
 # ---- choosing a plan ------------------------------------------------------------------------
