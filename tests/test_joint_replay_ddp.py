@@ -470,10 +470,10 @@ def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce, prompts):
     for r in ranks:  # MCore sets bucket_size = None (one bucket) without overlap_grad_reduce
         assert len(set(r["buckets"])) == 1
         assert (r["buckets"][0] > 1) if overlap_grad_reduce else (r["buckets"][0] == 1)
-    waves = [w for r in ranks for step in r["waves"] for w in step]
+    waves = [int(w) for r in ranks for step in r["waves"] for w in step]
     assert len(set(waves)) >= 4, "the plan must exercise different wave counts"
     for mode, flag in (("retain", 1), ("recompute", 0)):  # each mode with several wave counts
-        counts = {w for r in ranks for ws, fs in zip(r["waves"], r["retain"])
+        counts = {int(w) for r in ranks for ws, fs in zip(r["waves"], r["retain"])
                   for w, f in zip(ws, fs) if f == flag and w > 1}
         assert len(counts) >= 2, f"{mode}: wave counts {counts}"
     assert r0["err_ac"] == r1["err_ac"], "reduced grads are the same on both ranks"

@@ -163,12 +163,73 @@ def test_plan_arguments_are_checked(mcore_single):
     group = make_group(3, 6, 3, 2, seed=1)
     with pytest.raises(TypeError, match="chooser must return a GroupPlan, got tuple"):
         joint_step(model, [group], LossSpec(), 2, chooser=lambda g, m: (2, True))
-    for bad in (0, "two", 1.5, True):
+    with pytest.raises(ValueError, match="wave_size must be >= 1, got 0"):
+        get_shared_prefix_forward_backward_func(0)
+    for bad in ("two", 1.5, True):
         with pytest.raises(ValueError, match="wave_size must be an integer >= 1 or 'auto'"):
             get_shared_prefix_forward_backward_func(bad)
     with pytest.raises(ValueError, match="prompt must be one of"):
         get_shared_prefix_forward_backward_func(2, prompt="keep")
-    with pytest.raises(ValueError, match="wave_size 'auto' needs a memory budget"):
+    with pytest.raises(ValueError, match="wave_size 'auto' needs memory_budget"):
         get_shared_prefix_forward_backward_func("auto")
     with pytest.raises(ValueError, match="GroupPlan.wave_size must be an integer >= 1"):
         GroupPlan(0)
+
+
+# ---- the guards and bf16 hold under retain ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokens", "labels", "advantages", "old_logprobs"])
+def test_retained_step_verifies_inputs_before_the_final_backward(mcore_single, name):
+    """A field changed after the waves is caught before the joint replay's backward through the
+    retained prompt graph: no gradient of that backward arrives (as under recompute,
+    tests/test_joint_replay_inputs.py)."""
+    from test_joint_replay_inputs import GID, MUTATIONS, Recorder, W, _group
+
+    from scalerlt_mcore.shared_prefix import ReplayInputError
+
+    model = build_model(R=2, arch=True).double()
+    rec = Recorder(model, at_wave=2, action=MUTATIONS[name])
+    with pytest.raises(ReplayInputError) as info:
+        joint_step(model, [_group()], LossSpec(kl_coef=0.1), W, prompt="retain",
+                   phase_callback=rec)
+    msg = str(info.value)
+    assert f"'{name}'" in msg and f"group {GID}" in msg and "joint replay" in msg, msg
+    assert "discard" in msg  # the refused-step contract
+    assert rec.calls == ["prompt_producer", "wave", "wave"], rec.calls
+    after = grads(model)
+    for n, g in rec.grads_at_action.items():
+        assert torch.equal(after[n], g), f"{n} changed after phase 2"
+
+
+def test_retained_prompt_bf16_within_bf16_rounding(mcore_single):
+    """bf16 model, fp32 adjoint leaves, retained bf16 prompt graph: the bounds of
+    tests/test_joint_replay_bf16.py against naive fp32 training through stock MCore."""
+    from test_joint_replay_bf16 import (
+        BF16_TOL,
+        CASES,
+        L2_FACTOR,
+        SCHEDULE_FACTOR,
+        P,
+        S,
+        _l2_rel,
+        _twin_models,
+    )
+
+    R, arch, attn, G, W, ck, spec, per_mb = CASES[0]
+    fp32, bf16 = _twin_models(R=R, arch=arch, attn=attn)
+    group = make_group(G, P, S, R, seed=3, dtype=torch.float32, kl=spec.kl_coef > 0)
+    naive_step(fp32, [group], spec, per_mb=G)
+    ref = grads(fp32)
+    naive_step(bf16, [group], spec, per_mb=per_mb)
+    naive = grads(bf16)
+    bf16.zero_grad(set_to_none=True)
+    naive_step(bf16, [group], spec, per_mb=W)
+    naive_waves = grads(bf16)
+    bf16.zero_grad(set_to_none=True)
+    joint_step(bf16, [group], spec, W, checkpoint_waves=ck, prompt="retain")
+    joint = grads(bf16)
+    e_joint, e_naive = rel_errors(joint, ref), rel_errors(naive, ref)
+    assert max(e_joint.values()) <= BF16_TOL, e_joint
+    assert max(e_joint.values()) <= SCHEDULE_FACTOR * max(e_naive.values())
+    assert _l2_rel(joint, ref) <= L2_FACTOR * _l2_rel(naive_waves, ref)

@@ -202,7 +202,7 @@ def test_schedule_auto_picks_naive_for_short_prompts_and_joint_for_long(mcore_si
 
 
 def test_app_flags_parse_and_validate():
-    from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
+    from scalerlt_mcore.app.arguments import ConfigError, parse_args, schedule_from, validate
 
     cfg = parse_args(["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
                       "64", "--shared-prefix-prompt", "retain", "--shared-prefix-schedule",
@@ -210,10 +210,15 @@ def test_app_flags_parse_and_validate():
     validate(cfg, world_size=1)
     sp = cfg.shared_prefix
     assert (sp.shared_prefix_wave_size, sp.shared_prefix_memory_budget) == ("auto", 64.0)
+    schedule = schedule_from(cfg)  # the budget reaches the library in bytes
+    assert isinstance(schedule.chooser, Planner) and schedule.chooser.budget == 64 * 2**20
+    assert (schedule.wave_size, schedule.prompt) == ("auto", "retain")
     assert parse_args(["--shared-prefix-wave-size", "6"]).shared_prefix.shared_prefix_wave_size == 6
     for argv, message in (
             (["--shared-prefix-wave-size", "auto"], "'auto' needs shared_prefix_memory_budget"),
-            (["--shared-prefix-wave-size", "many"], "must be >= 1 or 'auto', got 'many'"),
+            (["--shared-prefix-wave-size", "many"],
+             r"shared_prefix_wave_size must be INT or \{auto\}, got 'many'"),
+            (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1, got 0"),
             (["--shared-prefix-memory-budget", "0"], "shared_prefix_memory_budget must be > 0"),
             (["--shared-prefix-prompt", "keep"], "shared_prefix_prompt must be one of")):
         with pytest.raises(ConfigError, match=message):

@@ -418,7 +418,7 @@ class Planner:
         if schedule not in ("joint_replay", "auto"):
             raise ValueError(f"schedule must be 'joint_replay' or 'auto', got {schedule!r}")
         if wave_size == "auto" and memory_budget is None:
-            raise ValueError("wave_size 'auto' needs a memory budget (bytes)")
+            raise ValueError("wave_size 'auto' needs memory_budget")
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory budget must be > 0 bytes, got {memory_budget}")
         if schedule == "auto" and cost_model is None:

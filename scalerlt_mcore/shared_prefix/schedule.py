@@ -17,6 +17,22 @@ iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose cal
 wave's per-loop log-probs. ``loss_func(output)`` returns ``(loss, stats)``: the wave's share of
 the group's loss (normalised over the whole group) and a dict of tensors.
 
+Up-front checks, before any compute (no phase runs, no grad changes when one fails): every
+group's ``SharedPrefixGroup.check`` (shapes, shared prompt, token ids and labels in the model's
+vocabulary, labels the tokens shifted by one, lengths within the position table); stochastic
+layers (dropout) are rejected, since the replay would draw other masks than the prompt producer;
+and, if ``forward_step_func`` has a ``check_group`` attribute, ``forward_step_func.check_group(
+group)`` is called for every group, so a loss can reject what it cannot use (e.g. the RL
+objective: KL without reference log-probs) before any compute.
+
+A refused step: every field the replay reads is fingerprinted after the up-front checks and
+verified before each group's prompt producer, every wave (re)compute and the joint replay
+(``ReplayGuard``). A ``ReplayInputError`` raised once compute
+has begun leaves the gradients of the waves and groups that already ran in the parameters'
+grad buffers (parameters and optimizer are untouched: the schedule never steps). The caller
+must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
+step the optimizer; the error message says so.
+
 The wave size and prompt mode may be chosen per group (``chooser``, e.g. a ``Planner`` for
 ``wave_size="auto"`` with a memory budget); a plan may also train a group naively (full
 sequences in microbatches, the last one sync-enabled). Each group's result dict carries its
@@ -37,11 +53,18 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..model.kv import PrefixState
-from .group import ReplayGuard, SharedPrefixGroup, WaveBatch
+from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 from .naive import FullSequenceModel
 from .planner import PROMPT_MODES, GroupPlan, Planner
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
+
+DROPOUT_FIELDS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
+"""Config dropout fields joint replay rejects when > 0, with their Megatron flags."""
+
+PARTIAL_GRADS = ("the step was refused after compute began: gradients of the waves that already "
+                 "ran remain in the grad buffers; discard them (DDP zero_grad_buffer() and "
+                 "optimizer.zero_grad()) and do not step the optimizer")
 
 
 def get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves: bool = False,
@@ -94,6 +117,7 @@ class _GroupRun:
     collect_non_loss_data: bool = False
     plan: Optional[GroupPlan] = None
     results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
+    state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
 
 
 class SharedPrefixSchedule:
@@ -114,9 +138,7 @@ class SharedPrefixSchedule:
                  max_response_length: Optional[int] = None,
                  phase_callback: Optional[Callable] = None, *, prompt: str = "recompute",
                  memory_budget: Optional[float] = None, chooser: Optional[Callable] = None):
-        if wave_size != "auto" and (isinstance(wave_size, bool) or not isinstance(wave_size, int)
-                                    or wave_size < 1):
-            raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+        _check_wave_size(wave_size)
         if prompt not in PROMPT_MODES + ("auto",):
             raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
         if chooser is None and "auto" in (wave_size, prompt):
@@ -156,12 +178,15 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
-        self._check_groups(groups, inner.config, forward_only, config)
+        self._check_groups(groups, inner, forward_only, config, forward_step_func)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
                           collect_non_loss_data, first_val_step)
         if forward_only:
             return [self.score_group(run) for run in runs]
-        results = self._train_groups(runs, config)
+        try:
+            results = self._train_groups(runs, config)
+        except ReplayInputError as e:
+            raise ReplayInputError(f"{e}. {PARTIAL_GRADS}") from e
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func([model], None, pg_collection=pg_collection,
                                              force_all_reduce=force_all_reduce)
@@ -169,16 +194,26 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, model_config, forward_only, config) -> None:
+    def _check_groups(self, groups, inner, forward_only, config, forward_step_func) -> None:
+        device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
+        if not forward_only or inner.training:
+            _check_deterministic(inner)
+        learned = getattr(inner, "position_embedding_type", None) == "learned_absolute"
+        limits = dict(vocab_size=getattr(inner, "vocab_size", None),
+                      max_positions=inner.max_sequence_length if learned else None)
+        check_group = getattr(forward_step_func, "check_group", None)
         for g in groups:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
-            g.check(model_config.looped_num_loops, self.max_response_length,
-                    training=not forward_only)
+            g.check_device(device)
+            g.check(inner.config.looped_num_loops, self.max_response_length,
+                    training=not forward_only, **limits)
+            if check_group is not None:
+                check_group(g)
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
               collect_non_loss_data, first_val_step) -> list:
@@ -229,12 +264,16 @@ class SharedPrefixSchedule:
                       retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
 
     def _produce_prompt(self, run: _GroupRun, retain: bool) -> tuple:
-        """Phase 1: the prompt's state detached into grad-requiring leaves. -> (the state with
-        its graph when ``retain``, else None; the leaves)."""
+        """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain);
+        its state detached into grad-requiring leaves of at least fp32 (the same numbers), so
+        the waves' prefix adjoints accumulate in fp32. -> (the state with its graph when
+        ``retain``, else None; the leaves)."""
+        run.guard.verify("prompt producer")
         with contextlib.nullcontext() if retain else torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
-        return (state if retain else None), state.detached_leaves()
+        run.state_dtype = state.boundary.dtype
+        return (state if retain else None), state.detached_leaves(torch.float32)
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
@@ -242,17 +281,13 @@ class SharedPrefixSchedule:
                          readout=False).prefix_state
 
     def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
-        """Phase 2: every wave but the last; returns the summed prefix adjoints (>= fp32)."""
-        adjoints = [torch.zeros_like(t, dtype=_acc(t)) for t in leaves.tensors()]
+        """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves'
+        grads (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
         for n, wave in enumerate(waves):
             loss = self._wave_loss(run, leaves, wave, n)
             _scaled(loss, run.config).backward()
-            for adj, leaf in zip(adjoints, leaves.tensors()):
-                if leaf.grad is not None:
-                    adj.add_(leaf.grad)
-                    leaf.grad = None
             self.phase_callback("wave", run.group)
-        return adjoints
+        return [leaf.grad for leaf in leaves.tensors()]
 
     def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints,
                       state: Optional[PrefixState] = None) -> None:
@@ -266,7 +301,7 @@ class SharedPrefixSchedule:
         roots, grads = [_scaled(loss, run.config)], [None]
         if adjoints is not None:
             for t, a in zip(state.tensors(), adjoints):
-                if t.requires_grad:
+                if a is not None and t.requires_grad:
                     roots.append(t)
                     grads.append(a.to(t.dtype))
         torch.autograd.backward(roots, grads)
@@ -287,9 +322,8 @@ class SharedPrefixSchedule:
 
     def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
         def fn(*state_tensors):
-            return self._wave_objective(run, wave, wave_no,
-                                        PrefixState.from_tensors(list(state_tensors),
-                                                                 state.signature))
+            return self._wave_objective(run, wave, wave_no, _wave_state(
+                list(state_tensors), state.signature, run.state_dtype))
 
         if self.checkpoint_waves:
             return checkpoint(fn, *state.tensors(), use_reentrant=False)
@@ -345,7 +379,7 @@ def _merge(per_wave: dict, **extra) -> object:
     if extra and isinstance(merged, dict):
         ref = next((v for v in merged.values() if isinstance(v, Tensor)), None)
         device = ref.device if ref is not None else None
-        merged.update({k: torch.tensor(v, device=device) for k, v in extra.items()})
+        merged.update({k: torch.tensor(float(v), device=device) for k, v in extra.items()})
     return merged
 
 
@@ -362,8 +396,44 @@ def _merge_values(items: list):
     return items
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _check_deterministic(inner) -> None:
+    """Reject dropout: the replay recomputes the prompt and the waves, and the prefix adjoints
+    of one dropout mask would meet a recompute drawn with another (masks are not replayed).
+    Checks the config (also a config changed after the model was built) and every module in
+    training mode: an ``nn.Dropout`` with p > 0, or an MCore layer that keeps its own
+    ``hidden_dropout`` > 0 (its bias-dropout-add reads that copy, not the config)."""
+    for name, flag in DROPOUT_FIELDS.items():
+        p = getattr(inner.config, name, 0.0) or 0.0
+        if p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: config."
+                             f"{name} = {p} (flag {flag}); set it to 0")
+    for mname, m in inner.named_modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            what, p = "drops with p", m.p
+        else:
+            what, p = "applies hidden_dropout", getattr(m, "hidden_dropout", None)
+        if m.training and isinstance(p, (int, float)) and p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: module "
+                             f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
+                             f"(MCore builds its dropouts from --hidden-dropout)")
+
+
+def _check_wave_size(wave_size) -> None:
+    if wave_size == "auto":
+        return
+    if isinstance(wave_size, bool) or not isinstance(wave_size, int):
+        raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+    if wave_size < 1:
+        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
+
+
+def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
+    """The prefix state a wave attends to. K/V go to the attention as they are: wider adjoint
+    leaves (fp32 in a bf16 model) let its prefix backward return wide gradients. The boundary
+    is cast to the state's own ``dtype``, as the readout's norm runs in the model's dtype."""
+    if dtype is not None:
+        tensors = [*tensors[:-1], tensors[-1].to(dtype)]
+    return PrefixState.from_tensors(tensors, signature)
 
 
 def _scaled(loss, config):
