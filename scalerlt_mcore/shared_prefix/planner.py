@@ -5,9 +5,10 @@ measures) and the prefix adjoints, per (model, P, S, G, W, prompt mode, checkpoi
 and for naive training of the same group. Peaks per phase of the joint replay:
 
 - recompute: a wave of phase 2 holds its own activations and the prefix state it reads (the
-  leaves share the no-grad prompt's K/V storage); the joint replay holds the prompt graph
-  and the last wave;
-- retain: every wave runs while the prompt graph is held (the leaves share its storage);
+  leaves share the no-grad prompt's K/V storage; in a bf16/fp16 model they are fp32 copies);
+  the joint replay holds the prompt graph and the last wave;
+- retain: every wave runs while the prompt graph is held (the leaves share its storage, or are
+  fp32 copies beside it in a bf16/fp16 model);
 - checkpointed waves: a wave's activations exist only while it is recomputed in its backward
   (the probe does not see them; ``activation_bytes`` counts them);
 - naive: one microbatch of full prompt+response sequences.
@@ -257,10 +258,24 @@ def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: float) -> int:
     return int(per_position * m.loops * rows * T * m.acc_bytes)
 
 
+def _kv_numel(m: ModelShape, P: int) -> int:
+    return m.depths * 2 * P * m.kv_groups * m.kv_channels
+
+
 def adjoint_bytes(m: ModelShape, P: int) -> int:
-    """Prefix adjoints: accumulators (>= fp32) and the leaves' gradients (state dtype)."""
-    numel = m.depths * 2 * P * m.kv_groups * m.kv_channels + m.loops * m.hidden
-    return numel * (m.acc_bytes + m.dtype_bytes)
+    """Prefix adjoints: the gradients of the state's leaves, which are at least fp32."""
+    return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
+
+
+def leaf_copy_bytes(m: ModelShape, P: int, checkpoint_waves: bool) -> int:
+    """What a wave saves of the fp32 leaves copied from a narrower (bf16/fp16) prefix state
+    (0 when the leaves share the state's storage): the K/V the cascade kernels save, or every
+    leaf when the wave is checkpointed (its inputs); concat saves its own concatenation."""
+    if m.acc_bytes == m.dtype_bytes:
+        return 0
+    if checkpoint_waves:
+        return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
+    return _kv_numel(m, P) * m.acc_bytes if m.prefix_attention == "cascade" else 0
 
 
 # ---- whole steps ----------------------------------------------------------------------------
@@ -280,14 +295,16 @@ def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     last = G - (n - 1) * W
     prompt = prompt_bytes(m, P, G, T)
     wave = {w: wave_bytes(m, P, S, w, loss_per_position) for w in {W, last}}
-    # the prefix K/V storage is read by cascade waves; the prompt graph holds it too
+    # the prefix K/V storage is read by cascade waves; the prompt graph holds it too. fp32
+    # leaves copied from a bf16/fp16 state are extra storage the waves save instead
+    copies = leaf_copy_bytes(m, P, checkpoint_waves)
     held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
     if n == 1:
         phases = [(prompt, wave[W])]
     elif plan.retain:
-        phases = [(prompt, wave[W])]
+        phases = [(prompt + copies, wave[W])]
     else:
-        phases = [(held, wave[W]), (prompt, wave[last])]
+        phases = [(copies or held, wave[W]), (prompt, wave[last])]
     visible = [base + (0 if checkpoint_waves else w) for base, w in phases]
     full = [base + w for base, w in phases]
     return MemoryEstimate(saved_bytes=max(visible), activation_bytes=max(full),
