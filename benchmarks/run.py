@@ -41,7 +41,8 @@ def sweep_workloads() -> list:
             out.append(Workload(f"sweep_G{G}_r{ratio}", group_size=G,
                                 prompt_length=ratio * SWEEP_RESPONSE,
                                 response_length=SWEEP_RESPONSE, wave_size=max(1, G // 4),
-                                hidden=SWEEP_HIDDEN, heads=2, repetitions=SWEEP_REPS))
+                                hidden=SWEEP_HIDDEN, heads=2, repetitions=SWEEP_REPS,
+                                variants=False))
     return out
 
 

@@ -32,6 +32,8 @@ from scalerlt_mcore.shared_prefix.planner import CostModel, Planner
 SCHEDULES = ("naive", "naive_mb1", "tree", "joint", "joint_retain", "joint_ckpt", "joint_concat",
              "auto")
 JOINT_VARIANTS = ("joint", "joint_retain", "joint_ckpt", "joint_concat")
+VARIANTS = ("joint_retain", "auto")
+"""Issue 14's rows, which a workload may leave out (``Workload.variants``)."""
 
 
 # ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
@@ -121,10 +123,12 @@ def auto_planner(model, group: SharedPrefixGroup, wave_size: int) -> Planner:
 
 
 def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
-                   wave_size: int, planner=None) -> dict:
-    """name -> zero-argument callable running one full training step (grads zeroed first)."""
+                   wave_size: int, planner=None, variants: bool = True) -> dict:
+    """name -> zero-argument callable running one full training step (grads zeroed first);
+    without ``variants`` the ``VARIANTS`` are left out."""
     packed = tree_inputs(group)
-    planner = planner or auto_planner(model, group, wave_size)
+    if variants:
+        planner = planner or auto_planner(model, group, wave_size)
     raw = {
         "naive": partial(naive_step, model, group, objective, wave_size),
         "naive_mb1": partial(naive_step, model, group, objective, wave_size, micro_batch_size=1),
@@ -144,4 +148,4 @@ def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
             return fn()
         return step
 
-    return {name: zeroed(raw[name]) for name in SCHEDULES}
+    return {name: zeroed(raw[name]) for name in SCHEDULES if variants or name not in VARIANTS}

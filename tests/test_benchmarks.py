@@ -268,3 +268,20 @@ def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
     assert [t["workload"] for t in doc["meta"]["targets"]] == ["A", "rl_step"]
     md = (tmp_path / "cpu.md").read_text()
     assert md.startswith("# bench\n\nA table\n") and md.count("## Whole RL step") == 1
+
+
+def test_sweep_workloads_leave_out_the_variant_rows(mcore_single):
+    """The G x P:S sweep runs without joint_retain and auto (bench time); the headline and demo
+    workloads keep them. A workload without them still reports every other figure."""
+    from benchmarks.report import retain_table
+    from benchmarks.run import DEMO, HEADLINE, sweep_workloads
+    from benchmarks.schedules import VARIANTS
+
+    assert all(not w.variants for w in sweep_workloads())
+    assert all(w.variants for w in (*HEADLINE, DEMO))
+    result = run_workload(dataclasses.replace(TINY, variants=False), log=lambda *a, **k: None)
+    assert set(result["schedules"]) == set(SCHEDULES) - set(VARIANTS)
+    assert result["joint_variant"] in ("joint", "joint_ckpt", "joint_concat")
+    assert "auto_plan" not in result and "recompute_over_retain" not in result
+    assert retain_table({"x": result}).count("\n") == 1  # the header only
+    assert not [t for t in check_targets({"x": result}) if "auto" in t["figure"]]
