@@ -223,3 +223,19 @@ def test_graph_free_depths_get_no_adjoint(mcore_single):
 def test_negative_k_is_refused(mcore_single):
     with pytest.raises(ValueError, match="looped_backprop_loops must be an integer >= 0, got -1"):
         build_model(R=2, looped_backprop_loops=-1)
+
+
+@pytest.mark.parametrize("dt", ["f64", "f32"])
+def test_retained_prompt_matches_naive(mcore_single, dt):
+    """The retained-prompt path (prompt='retain': the prompt graph is kept, built only for
+    the trained loops) with k = 1 of R = 3, against naive stock MCore."""
+    dtype = DTYPES[dt]
+    model = _set_k(build_model(R=3, arch=True).to(dtype), 1)
+    group = make_group(5, 8, 4, 3, seed=77, dtype=dtype, kl=True)
+    spec = LossSpec(normalization="token_mean", kl_coef=0.05, loop_weights="uniform")
+    naive_step(model, [group], spec, per_mb=2)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [group], spec, 2, prompt="retain")
+    assert float(out[0]["retain"]) == 1.0
+    assert max(rel_errors(grads(model), ref).values()) <= TOL[dtype]
