@@ -2,6 +2,7 @@
 schedule and the step counter, plus the model's structure to refuse a mismatched load."""
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing
@@ -76,13 +77,16 @@ def _init_adam_state(optimizer) -> None:
                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
-def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
-    """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer)."""
+def save_checkpoint(path, step: int, model, optimizer, scheduler,
+                    extra: Optional[dict] = None) -> Path:
+    """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer).
+    ``extra`` (e.g. ``tokenizer``: its identity, ``config``: the run's flat config) goes into the
+    checkpoint's metadata (``read_meta``)."""
     root = Path(path)
     ckpt = root / f"iter_{step:07d}"
     ckpt.mkdir(parents=True, exist_ok=True)
     state = _sharded_state(model, optimizer)
-    state["meta"] = {"step": step, "scheduler": scheduler.state_dict(),
+    state["meta"] = {**(extra or {}), "step": step, "scheduler": scheduler.state_dict(),
                      "signature": _model_signature(model)}
     dist_checkpointing.save(state, str(ckpt))
     if torch.distributed.get_rank() == 0:
@@ -91,14 +95,38 @@ def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
     return ckpt
 
 
-def load_checkpoint(path, model, optimizer, scheduler) -> int:
-    """Restore the latest checkpoint under ``path``; returns the step to continue from."""
+def latest_checkpoint(path) -> Path:
+    """The checkpoint ``path/latest`` points at."""
     root = Path(path)
     pointer = root / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"no checkpoint under {root} (missing {pointer})")
-    ckpt = root / pointer.read_text().strip()
+    return root / pointer.read_text().strip()
+
+
+def read_meta(path) -> dict:
+    """The metadata of the latest checkpoint under ``path`` (step, scheduler, signature and
+    what ``save_checkpoint`` got as ``extra``); needs no process group."""
+    return dist_checkpointing.load_common_state_dict(str(latest_checkpoint(path)))["meta"]
+
+
+def _check_tokenizer(ckpt: Path, meta: dict, tokenizer: Optional[dict]) -> None:
+    saved = meta.get("tokenizer")
+    if tokenizer is not None and saved is not None and saved != tokenizer:
+        keys = sorted(saved.keys() | tokenizer.keys())
+        diffs = [f"{k} {saved.get(k)!r} != {tokenizer.get(k)!r}"
+                 for k in keys if saved.get(k) != tokenizer.get(k)]
+        raise ValueError(f"checkpoint {ckpt} was saved with a different tokenizer (checkpoint "
+                         f"!= this run): {', '.join(diffs)}; set --tokenizer-type / "
+                         "--tokenizer-model as in the run that saved it")
+
+
+def load_checkpoint(path, model, optimizer, scheduler, tokenizer: Optional[dict] = None) -> int:
+    """Restore the latest checkpoint under ``path``; returns the step to continue from.
+    ``tokenizer``: this run's tokenizer identity, refused when the checkpoint's differs."""
+    ckpt = latest_checkpoint(path)
     meta = dist_checkpointing.load_common_state_dict(str(ckpt))["meta"]
+    _check_tokenizer(ckpt, meta, tokenizer)
     diffs = _structure_mismatch(ckpt, meta, model)
     if diffs:
         more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""

@@ -17,14 +17,20 @@ from ..mcore_compat import mcore_workaround
 from ..rl.advantages import group_advantages
 from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
-from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
     SavedTensorProbe,
     SharedPrefixGroup,
     logprobs_forward_step,
     naive_step,
 )
-from .arguments import objective_from, schedule_from, task_from
+from .arguments import (
+    eval_prompts,
+    objective_from,
+    prompts_per_step,
+    schedule_from,
+    task_from,
+    tokenizer_from,
+)
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -49,6 +55,17 @@ def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> l
     return groups
 
 
+TIMING_KEYS = ("tokens_per_s", "rollout_ms", "score_ms", "train_ms")
+"""Step metrics that measure time: they differ between two runs of the same computation."""
+
+
+def step_times(clock: list) -> dict:
+    """Milliseconds of an RL step's phases from its four time stamps: rollout (sampling and
+    rewards), scoring (old and reference log-probs), training (the optimizer steps)."""
+    ms = [1000 * (b - a) for a, b in zip(clock, clock[1:])]
+    return dict(zip(("rollout_ms", "score_ms", "train_ms"), ms))
+
+
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
@@ -66,13 +83,13 @@ class RLTrainer:
         self.cfg, self.model, self.ddp = cfg, model, ddp
         self.optimizer, self.scheduler = optimizer, scheduler
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.tok = CharTokenizer()
+        self.tok = tokenizer_from(cfg)
         self.task = task_from(cfg)
         self.objective = objective_from(cfg)
         self.forward_step = rl_forward_step(self.objective)
         self.schedule = schedule_from(cfg)
         self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
-        self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
+        self.groups_per_rank = prompts_per_step(cfg) // self.world
 
     @staticmethod
     @mcore_workaround
@@ -93,8 +110,15 @@ class RLTrainer:
     # ---- data ------------------------------------------------------------------------------
 
     def _prompts(self, texts) -> list:
-        """Token lists of prompt strings, each led by bos."""
-        return [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
+        """Token lists of prompt strings, each led by bos; a prompt too long for the position
+        table with a full response is an error naming it."""
+        room = self.cfg.model.max_position_embeddings - self.cfg.rl.rl_max_response_length
+        prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
+        for text, p in zip(texts, prompts):
+            if len(p) > room:
+                raise ValueError(f"prompt {text[:60]!r} is {len(p)} tokens with bos: more than "
+                                 f"max_position_embeddings - rl_max_response_length ({room})")
+        return prompts
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
         gen = torch.Generator().manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
@@ -131,20 +155,24 @@ class RLTrainer:
     # ---- one RL step -----------------------------------------------------------------------
 
     def rl_step(self, step: int) -> dict:
-        t0 = time.perf_counter()
+        clock = [time.perf_counter()]
         problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
                                     self.groups_per_rank)
-        ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
+        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature)
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
         groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step)
+        clock.append(time.perf_counter())
         drift = self._attach_logprobs(groups, advantages, ro)
+        clock.append(time.perf_counter())
         train = self.optimize(groups)
+        clock.append(time.perf_counter())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         return self._reduce({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
-            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
+            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (clock[-1] - clock[0]),
+            **step_times(clock),
         })
 
     def _attach_logprobs(self, groups, advantages, ro) -> float:
@@ -164,7 +192,7 @@ class RLTrainer:
 
     def optimize(self, groups: list) -> dict:
         """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
-        for _ in range(self.cfg.rl.rl_ppo_epochs):
+        for _ in range(self.cfg.rl.grpo_iterations):
             probe = SavedTensorProbe(self.model)
             out, grad_norm = self._optimizer_step(lambda: self._forward_backward(groups), probe)
         return {**summarise(out, len(groups)), "grad_norm": grad_norm,
@@ -196,7 +224,7 @@ class RLTrainer:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
-                                           self.groups_per_rank * self.cfg.rl.rl_group_size)
+                                           self.groups_per_rank * self.cfg.rl.grpo_group_size)
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
@@ -224,7 +252,7 @@ class RLTrainer:
     def evaluate(self) -> dict:
         """Greedy exact-match accuracy on fixed held-out prompts, from every loop's readout."""
         problems = self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
-                                    self.cfg.rl.rl_eval_prompts)
+                                    eval_prompts(self.cfg))
         per_loop = []
         for loop in range(self.model.config.looped_num_loops):
             ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop)
