@@ -52,16 +52,16 @@ def test_precedence_defaults_yaml_cli(tmp_path):
     assert cfg.model.hidden_size == 16  # cli beats yaml
     assert cfg.model.bf16 is True and cfg.training.seed == 7  # cli only
     assert cfg.rl.rl_task_options == {"modulus": 5}
-    assert cfg.rl.rl_group_size == RunConfig().rl.rl_group_size  # default
+    assert cfg.rl.grpo_group_size == RunConfig().rl.grpo_group_size  # default
 
 
 def test_cli_value_forms(tmp_path):
     cfg = parse_args(["--bf16", "false", "--no-plot", "--num-query-groups", "1",
-                      "--rl-kl-coef", "-0.5", "--rl-task-options", "{max_len: 3}",
+                      "--grpo-kl-beta", "-0.5", "--rl-task-options", "{max_len: 3}",
                       "--ffn-hidden-size", "none", "--save", "ckpt"])
     assert cfg.model.bf16 is False and cfg.logging.no_plot is True
     assert cfg.model.num_query_groups == 1 and cfg.model.ffn_hidden_size is None
-    assert cfg.rl.rl_kl_coef == -0.5 and cfg.rl.rl_task_options == {"max_len": 3}
+    assert cfg.rl.grpo_kl_beta == -0.5 and cfg.rl.rl_task_options == {"max_len": 3}
     assert cfg.logging.save == "ckpt"
 
 
@@ -114,11 +114,11 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 def test_batch_divisibility_names_both_numbers():
-    cfg = parse_args(["--global-batch-size", "24", "--rl-group-size", "8",
+    cfg = parse_args(["--global-batch-size", "24", "--grpo-group-size", "8",
                       "--micro-batch-size", "8"])
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"global_batch_size \(24\) must be divisible by "
-                       r"data-parallel size x rl_group_size \(2 x 8 = 16\)"):
+                       r"data-parallel size x grpo_group_size \(2 x 8 = 16\)"):
         validate(cfg, world_size=2)
     cfg = parse_args(["--micro-batch-size", "3"])
     with pytest.raises(ConfigError, match=r"must be divisible by micro_batch_size \(3\)"):
@@ -130,8 +130,10 @@ def test_batch_divisibility_names_both_numbers():
     (["--micro-batch-size", "0"], "micro_batch_size must be >= 1"),
     (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1"),
     (["--rl-loop-weights", "last"], "rl_loop_weights must be one of"),
-    (["--rl-clip-low", "0"], "rl_clip_low and rl_clip_high must be > 0"),
-    (["--rl-clip-high", "-0.1"], "rl_clip_low and rl_clip_high must be > 0"),
+    (["--grpo-clamp-eps-lower", "0"],
+     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
+    (["--grpo-clamp-eps-upper", "-0.1"],
+     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
     (["--bf16", "--fp16"], r"Only one of self.fp16: True and self.bf16 True should be True"),
     (["--looped-num-loops", "0"], "looped_num_loops must be an integer >= 1, got 0"),
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
@@ -139,7 +141,8 @@ def test_batch_divisibility_names_both_numbers():
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
-    (["--rl-task", "revers"], "known tasks: modular_arithmetic, reverse, sort"),
+    (["--rl-task", "revers"],
+     "known tasks: modular_arithmetic, reverse, sort, mix, reasoning_gym:<dataset>"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
@@ -152,8 +155,8 @@ def test_validate_rejects(argv, message):
 
 def test_validate_reports_all_problems_at_once():
     with pytest.raises(ConfigError) as e:
-        validate(parse_args(["--rl-clip-low", "0", "--rl-top-p", "0"]), world_size=1)
-    assert "rl_clip_low" in str(e.value) and "rl_top_p" in str(e.value)
+        validate(parse_args(["--grpo-clamp-eps-lower", "0", "--rl-top-p", "0"]), world_size=1)
+    assert "grpo_clamp_eps_lower" in str(e.value) and "rl_top_p" in str(e.value)
 
 
 def test_resolved_config_round_trip(tmp_path):
@@ -220,7 +223,8 @@ def test_library_keys_have_the_library_type_default_and_doc():
         assert getattr(section, key) == lib_field.default, key
         assert field_docs(type(section))[key], key
     rl_docs = field_docs(type(RunConfig().rl))
-    assert rl_docs["rl_clip_low"] == "PPO ratio clip below: ratio >= 1 - rl_clip_low."
+    assert rl_docs["grpo_clamp_eps_lower"] == (
+        "PPO ratio clip below: ratio >= 1 - grpo_clamp_eps_lower.")
 
 
 def test_every_literal_library_field_is_a_choice_key():
@@ -271,7 +275,7 @@ def test_a_new_library_field_becomes_a_key_with_its_type_default_doc_and_choices
 
 
 def test_values_reach_the_library_objects():
-    cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--rl-kl-coef", "0.05",
+    cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--grpo-kl-beta", "0.05",
                       "--looped-initial-state", "zeros", "--shared-prefix-checkpoint-waves",
                       "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
     kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
@@ -318,10 +322,11 @@ def test_values_set_in_python_are_checked_too():
 
 def test_library_errors_name_the_key_not_the_library_field():
     with pytest.raises(ConfigError) as e:
-        validate(parse_args(["--rl-clip-high", "0", "--shared-prefix-wave-size", "0"]), 1)
+        validate(parse_args(["--grpo-clamp-eps-upper", "0", "--shared-prefix-wave-size", "0"]), 1)
     lines = str(e.value).splitlines()[1:]
     assert [line.strip() for line in lines] == [
-        "rl_clip_low and rl_clip_high must be > 0", "shared_prefix_wave_size must be >= 1, got 0"]
+        "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0",
+        "shared_prefix_wave_size must be >= 1, got 0"]
 
 
 def test_help_lists_every_flag(capsys):
@@ -334,19 +339,23 @@ def test_help_lists_every_flag(capsys):
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
-    "--ddp-bucket-size", "--ffn-hidden-size", "--fp16", "--global-batch-size", "--help",
+    "--ddp-bucket-size", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
+    "--exit-interval", "--ffn-hidden-size", "--fp16", "--global-batch-size",
+    "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper", "--grpo-group-size", "--grpo-iterations",
+    "--grpo-kl-beta", "--grpo-prompts-per-step", "--help",
     "--hidden-size", "--load", "--log-interval", "--looped-initial-state", "--looped-injection",
     "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
-    "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--max-position-embeddings",
+    "--looped-prefix-attention", "--lr", "--lr-decay-iters", "--lr-decay-style",
+    "--lr-warmup-iters", "--max-position-embeddings",
     "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",
     "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",
-    "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
-    "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
+    "--rl-loop-weights", "--rl-loss-normalization",
+    "--rl-max-response-length", "--rl-partial-credit", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
     "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
+    "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
     "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
     "--use-distributed-optimizer", "--weight-decay",
 ]

@@ -71,6 +71,14 @@ def _ok(proc) -> list:
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
+def _untimed(record: dict, *drop: str) -> dict:
+    """``record`` without what reads the clock (and the keys ``drop``)."""
+    from scalerlt_mcore.app.metrics import CLOCK_KEYS
+    from scalerlt_mcore.app.trainer import TIMING_KEYS
+
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS + CLOCK_KEYS + drop}
+
+
 def _records(run_dir) -> list:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -81,13 +89,13 @@ def _records(run_dir) -> list:
 def _trainer(argv: list):
     """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
     from scalerlt_mcore.app import runtime
+    from scalerlt_mcore.app.arguments import tokenizer_from
     from scalerlt_mcore.app.trainer import RLTrainer
-    from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
     cfg = parse_args(argv)
     validate(cfg, torch.distributed.get_world_size())
     config = runtime.model_config(cfg, "cpu")
-    model = runtime.build_model(cfg, config, CharTokenizer().vocab_size, "cpu")
+    model = runtime.build_model(cfg, config, tokenizer_from(cfg).vocab_size, "cpu")
     return RLTrainer(cfg, model, *runtime.wrap_for_training(cfg, config, model))
 
 
@@ -195,8 +203,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, two_rank_job):
     r0, steps = two_rank_job[0], [r for r in records if r["kind"] != "eval"]
     assert len(steps) == len(r0["metrics"])
     for record, m in zip(steps, r0["metrics"]):
-        assert {k: v for k, v in record.items() if k not in ("kind", "step", "tokens_per_s")} \
-            == {k: v for k, v in m.items() if k != "tokens_per_s"}
+        assert _untimed(record, "kind", "step") == _untimed(m)
     saved = _load(_flags(train_iters=TWO_RANK_ITERS), ckpt)
     assert saved["step"] == TWO_RANK_ITERS
     assert torch.equal(saved["params"], r0["params"])
@@ -317,7 +324,7 @@ def test_joint_replay_and_naive_training_agree(mcore_single):
     for ra, rb in zip(*rec["rollouts"].values()):
         assert torch.equal(ra.responses, rb.responses) and torch.equal(ra.lengths, rb.lengths)
     assert len(rec["rollouts"]["A"]) == JN_ITERS - SFT
-    rl_steps = (JN_ITERS - SFT) * TINY["rl_ppo_epochs"]
+    rl_steps = (JN_ITERS - SFT) * TINY["grpo_iterations"]
     assert len(rec["grad_err"]) == rl_steps and len(rec["lr"]) == SFT + rl_steps
     assert max(rec["grad_err"]) <= GRAD_RTOL, f"grad rel errors per step {rec['grad_err']}"
     assert max(rec["loss_err"]) <= LOSS_ATOL, f"loss/kl errors per step {rec['loss_err']}"
@@ -416,13 +423,13 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path):
     # metrics: every record of the uninterrupted run, timings aside, is the cut or resumed one
     a = _records(tmp_path / "a_run")
     b = _records(tmp_path / "b_run1") + _records(tmp_path / "b_run2")
-    untimed = [[{key: v for key, v in r.items() if key != "tokens_per_s"} for r in records]
+    untimed = [[_untimed(r) for r in records]
                for records in (a, b)]
     assert untimed[0] == untimed[1]
     # final checkpoints: parameters, Adam moments and counters, LR schedule: bitwise
     sa, sb = (_load(common, tmp_path / d) for d in ("a_ckpt", "b_ckpt"))
     assert sa["step"] == sb["step"] == RESUME_ITERS
-    adam_steps = SFT + (RESUME_ITERS - SFT) * TINY["rl_ppo_epochs"]  # warm-up: one each
+    adam_steps = SFT + (RESUME_ITERS - SFT) * TINY["grpo_iterations"]  # warm-up: one each
     assert sa["steps"] == sb["steps"] == [float(adam_steps)]
     assert sa["num_steps"] == sb["num_steps"]
     for key in ("params", "exp_avg", "exp_avg_sq"):
@@ -485,7 +492,7 @@ def test_global_batch_not_divisible_by_dp_times_group(tmp_path):
     proc = _run(_torchrun(_free_port()) + _flags(global_batch_size=12, train_iters=1),
                 tmp_path, timeout=180)
     assert proc.returncode != 0
-    assert ("global_batch_size (12) must be divisible by data-parallel size x rl_group_size "
+    assert ("global_batch_size (12) must be divisible by data-parallel size x grpo_group_size "
             "(2 x 4 = 8)") in proc.stdout + proc.stderr
 
 
@@ -522,8 +529,8 @@ def _full_state(tr) -> dict:
 def test_load_from_a_different_model_config_names_the_mismatch(tmp_path):
     from scalerlt_mcore.app.train import run
 
-    base = _flags(global_batch_size=8, rl_warmup_sft_steps=0, rl_eval_prompts=2, no_plot=True,
-                  rl_eval_every=0, run_dir=str(tmp_path / "run"))  # 0: no periodic evaluation
+    base = _flags(global_batch_size=8, rl_warmup_sft_steps=0, eval_iters=1, no_plot=True,
+                  eval_interval=0, run_dir=str(tmp_path / "run"))  # 0: no periodic evaluation
     ckpt = str(tmp_path / "ckpt")
     run(parse_args(base + ["--train-iters", "1", "--save", ckpt]))
     for flags, message in (

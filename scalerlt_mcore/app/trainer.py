@@ -191,7 +191,7 @@ class RLTrainer:
         return drift
 
     def optimize(self, groups: list) -> dict:
-        """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
+        """``grpo_iterations`` optimizer steps on the groups; the last one's stats."""
         for _ in range(self.cfg.rl.grpo_iterations):
             probe = SavedTensorProbe(self.model)
             out, grad_norm = self._optimizer_step(lambda: self._forward_backward(groups), probe)
