@@ -336,6 +336,20 @@ def test_help_lists_every_flag(capsys):
     assert all(flag in out for flag in cli_flags() if flag not in ("--config", "--help"))
 
 
+def test_help_shows_the_values_a_run_without_flags_uses(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "Without --config the packaged demo config (demo_cpu.yaml) is applied" in out
+    demo, builtin = to_dict(parse_args([])), to_dict(RunConfig())
+    assert demo["train_iters"] != builtin["train_iters"]
+    assert (f"--train-iters INT (default {demo['train_iters']} (demo; built-in "
+            f"{builtin['train_iters']})):") in out
+    assert demo["seed"] == builtin["seed"]
+    assert f"--seed INT (default {demo['seed']}):" in out
+    assert "--grpo-kl-beta FLOAT (default 0.0):" in out  # RLObjective's default, the demo's too
+
+
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
