@@ -283,6 +283,10 @@ class RLArgs:
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
     """Supervised steps on (prompt, answer) pairs before RL."""
+    rl_warmup_sft_lr: Optional[float] = None
+    """Constant learning rate of the supervised warm-up steps, which then leave the schedule
+    alone (``lr``, ``lr_warmup_iters`` and the decay start with RL); None: the warm-up steps
+    follow the schedule like RL steps."""
 
 
 @dataclass
@@ -733,6 +737,8 @@ def _check_rl(cfg: RunConfig) -> list[str]:
     errors += _positive(cfg.training, "eval_interval", "exit_interval", minimum=0)
     errors += _positive(cfg.logging, "save_interval", minimum=0)
     errors += _positive(cfg.logging, "log_interval")
+    if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
+        errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")
     if rl.rl_temperature <= 0:
         errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
     if not 0 < rl.rl_top_p <= 1:

@@ -90,7 +90,8 @@ def wrap_for_training(cfg, config, model):
         params_dtype=config.params_dtype, use_distributed_optimizer=t.use_distributed_optimizer,
     ), [ddp])
     sft = min(cfg.rl.rl_warmup_sft_steps, t.train_iters)  # one optimizer step per warm-up step
-    steps = max(t.lr_warmup_iters + 1, sft + (t.train_iters - sft) * cfg.rl.grpo_iterations)
+    scheduled = 0 if cfg.rl.rl_warmup_sft_lr is not None else sft  # warm-up steps it counts
+    steps = max(t.lr_warmup_iters + 1, scheduled + (t.train_iters - sft) * cfg.rl.grpo_iterations)
     decay = max(t.lr_warmup_iters + 1, t.lr_decay_iters or steps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,

@@ -63,7 +63,8 @@ def _broadcast_run_dir(cfg) -> Path:
 def _line(step: int, m: dict) -> str:
     return (f"step {step:4d} | {m['step_ms']:.0f} ms/iter | "
             f"reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
-            f"len {m['response_length']:.2f} | loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
+            f"len {m['response_length']:.2f} | entropy {m['entropy']:.2f} | "
+            f"loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
             f"saved {m['peak_saved_bytes'] / 2**20:.2f} MiB | "
             f"rollout-vs-train logp {m['rollout_logprob_max_diff']:.1e}")

@@ -66,6 +66,13 @@ def step_times(clock: list) -> dict:
     return dict(zip(("rollout_ms", "score_ms", "train_ms"), ms))
 
 
+def sampled_entropy(ro) -> float:
+    """Mean -log p of the sampled response tokens under the policy (temperature 1): an unbiased
+    estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
+    entropy collapse."""
+    return float(-ro.logprobs.double().sum() / ro.lengths.sum())
+
+
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
@@ -171,6 +178,7 @@ class RLTrainer:
         return self._reduce({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
+            "entropy": sampled_entropy(ro),
             "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (clock[-1] - clock[0]),
             **step_times(clock),
         })
@@ -199,17 +207,23 @@ class RLTrainer:
                 "peak_saved_bytes": probe.peak_bytes,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _optimizer_step(self, forward_backward, context=None) -> tuple:
+    def _optimizer_step(self, forward_backward, context=None, lr=None) -> tuple:
         """Zero the grads, run ``forward_backward()`` (inside ``context``), step the optimizer
-        and the LR schedule. -> (its output, grad norm)."""
+        and the LR schedule; with ``lr``, step at that learning rate, the schedule untouched.
+        -> (its output, grad norm)."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         with context or contextlib.nullcontext():
             out = forward_backward()
+        if lr is None:
+            self.scheduler.step(increment=0)  # the schedule's rate (after a fixed-lr step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] if lr is None else lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        self.scheduler.step(increment=1)
+        if lr is None:
+            self.scheduler.step(increment=1)
         return out, float(grad_norm or 0.0)
 
     def _forward_backward(self, groups: list) -> list:
@@ -229,7 +243,8 @@ class RLTrainer:
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
-            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
+            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)),
+            lr=self.cfg.rl.rl_warmup_sft_lr)
         return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
                              "lr": self.optimizer.param_groups[0]["lr"]})
 
