@@ -176,8 +176,13 @@ def huggingface_tokenizer(model: str) -> MCoreTokenizer:
     named like one (``<eos>``, ``</s>``, ``<|endoftext|>``, ...), required; bos and pad: one
     named like them, else MCore appends ``<bos>`` / ``<pad>`` to the vocabulary."""
     from megatron.core.tokenizers import MegatronTokenizer
-    from tokenizers import Tokenizer as RawTokenizer
 
+    try:
+        import transformers  # noqa: F401  (MCore's huggingface library needs it)
+        from tokenizers import Tokenizer as RawTokenizer
+    except ImportError as e:
+        raise ValueError("tokenizer_type HuggingFaceTokenizer needs the transformers and "
+                         "tokenizers packages (pip install 'scalerlt_mcore[rl]')") from e
     file = _tokenizer_file(model)
     vocab = RawTokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
     eos = _named(vocab, _EOS_NAMES)
