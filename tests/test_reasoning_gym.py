@@ -32,8 +32,10 @@ def test_spell_backward_answers_and_the_datasets_partial_credit():
         word = p.prompt.rsplit(": ", 1)[1]
         assert p.answer == word[::-1] and 3 <= len(word) <= 5
         assert task.reward(p, p.answer) == 1.0
-        # the dataset's own score: the answer inside a longer text earns a fraction
-        assert 0.0 < task.reward(p, p.answer + "!!") < 1.0
+        # the dataset's own score: the answer inside a longer text earns a fraction, counted
+        # with partial credit only (else exact match: 0)
+        assert 0.0 < task.reward(p, p.answer + "!!", partial_credit=True) < 1.0
+        assert task.reward(p, p.answer + "!!") == 0.0
 
 
 def test_problems_come_from_the_seed_alone():

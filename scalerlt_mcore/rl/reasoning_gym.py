@@ -2,7 +2,8 @@
 
 ``--rl-task reasoning_gym:<dataset>`` with ``--rl-task-options`` passed to the dataset's config
 (``reasoning_gym.create_dataset(<dataset>, **options)``); every response is scored by the
-dataset's own ``score_answer`` (1.0 for the exact answer; some datasets give partial credit).
+dataset's own ``score_answer``: 1.0 for the exact answer, and with ``rl_partial_credit`` the
+dataset's own partial credit (else 0.0 for anything less than 1.0).
 
     task = get_task("reasoning_gym:chain_sum", min_terms=2, max_terms=2, max_digits=1)
     problems = task.sample(seed=0, n=4)       # Problem(prompt=question, answer, entry)
@@ -67,8 +68,10 @@ class ReasoningGymTask(Task):
         return Problem(entry["question"], str(entry["answer"]), entry=entry)
 
     def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
-        """The dataset's ``score_answer`` (its own partial credit, whatever ``partial_credit``)."""
-        return float(self._data.score_answer(completion, problem.entry))
+        """The dataset's ``score_answer``: as it is with ``partial_credit``, else 1.0 only where
+        it says 1.0 (the exact answer) and 0.0 otherwise, as the built-in tasks' exact match."""
+        score = float(self._data.score_answer(completion, problem.entry))
+        return score if partial_credit else float(score == 1.0)
 
     @property
     def max_prompt_chars(self):
