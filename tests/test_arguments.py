@@ -168,8 +168,8 @@ def test_resolved_config_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("name, world_size", [
-    ("demo_cpu.yaml", 1), ("cpu_2rank.yaml", 2), ("h20_8gpu.yaml", 8), ("rg_basic_arithmetic.yaml", 1),
-    ("rg_spell_backward.yaml", 1)])
+    ("demo_cpu.yaml", 1), ("cpu_2rank.yaml", 2), ("h20_8gpu.yaml", 8),
+    ("rg_basic_arithmetic.yaml", 1), ("rg_spell_backward.yaml", 1)])
 def test_shipped_configs_are_valid(name, world_size):
     validate(parse_args(["--config", str(REPO / "configs" / name)]), world_size)
 
