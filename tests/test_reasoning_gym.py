@@ -85,7 +85,7 @@ def _rg_flags(*extra: str) -> list:
 def test_validate_checks_the_task_against_the_tokenizer():
     with pytest.raises(ConfigError, match=r"rl_task reasoning_gym:chain_sum with tokenizer_type "
                        r"CharTokenizer: character 'S'"):
-        validate(parse_args(_rg_flags()), world_size=1)
+        validate(parse_args(_rg_flags("--tokenizer-type", "CharTokenizer")), world_size=1)
     validate(parse_args(_rg_flags("--tokenizer-type", "ByteLevelTokenizer")), world_size=1)
     # measured lengths: every prompt is 67 bytes ("...problem: 4 - 1 ="): 1 + 67 + 4 positions
     with pytest.raises(ConfigError, match=r"max_position_embeddings \(64\) must be >= bos \+ "

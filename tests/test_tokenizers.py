@@ -83,6 +83,13 @@ def test_bad_tokenizer_flags_are_named(kind, model, message):
         build_tokenizer(kind, model)
 
 
+def test_tokenizer_file_with_another_name_is_refused(tmp_path, bpe_file):
+    other = tmp_path / "vocab.json"
+    other.write_bytes(bpe_file.read_bytes())
+    with pytest.raises(ValueError, match="must be named tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", str(other))
+
+
 def test_tokenizer_json_without_eos_is_refused(tmp_path):
     path = train_bpe(tmp_path / "tokenizer.json", specials=("<pad>",))
     with pytest.raises(ValueError, match="has no end-of-sequence token"):

@@ -163,6 +163,8 @@ def _tokenizer_file(model: str) -> Path:
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"tokenizer_model {model!r}: no Hugging Face tokenizer.json there")
+    if file.name != "tokenizer.json":  # MCore's library loads the folder's tokenizer.json
+        raise ValueError(f"tokenizer_model {model!r}: the file must be named tokenizer.json")
     return file
 
 
