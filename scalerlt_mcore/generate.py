@@ -21,6 +21,7 @@ from scalerlt_mcore.app.arguments import (
     tokenizer_from,
 )
 from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
+from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import (
     build_model,
     init_distributed,
@@ -77,7 +78,7 @@ def load_model(cfg, load: str):
     device = init_distributed(cfg)
     config = model_config(cfg, device)
     tokenizer = tokenizer_from(cfg)
-    model = build_model(cfg, config, tokenizer.vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
     _, optimizer, scheduler = wrap_for_training(cfg, config, model)
     load_checkpoint(load, model, optimizer, scheduler, tokenizer=tokenizer.identity())
     return model.eval()
@@ -91,11 +92,14 @@ def sample(model, cfg, args, prompts: list, loop: int):
 
     tok = tokenizer_from(cfg)
     ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    device = next(model.parameters()).device
+    # a pretrained vocabulary may extend past the tokenizer's: never sample those ids
+    banned = (tok.pad_id, tok.bos_id, *range(tok.vocab_size, model.vocab_size))
     out = generate(model, ids, args.num_samples,
                    args.max_new_tokens or cfg.rl.rl_max_response_length, eos_id=tok.eos_id,
                    pad_id=tok.pad_id, temperature=args.temperature, top_p=args.top_p,
-                   generator=torch.Generator().manual_seed(args.seed),
-                   banned=(tok.pad_id, tok.bos_id), loop=loop)
+                   generator=torch.Generator(device=device).manual_seed(args.seed),
+                   banned=banned, loop=loop)
     return [[tok.decode(r.tolist()) for r in out.responses[n]] for n in range(len(prompts))]
 
 

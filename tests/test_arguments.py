@@ -28,6 +28,7 @@ from scalerlt_mcore.app.arguments import (
     parse_args,
     save_resolved,
     schedule_from,
+    task_from,
     to_dict,
     validate,
     with_library_fields,
@@ -139,18 +140,32 @@ def test_batch_divisibility_names_both_numbers():
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
     (["--tensor-model-parallel-size", "3"],
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
+    (["--tensor-model-parallel-size", "2"],
+     r"tensor_model_parallel_size 2: tensor parallelism is not supported yet"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
     (["--rl-task", "revers"],
-     "known tasks: modular_arithmetic, reverse, sort, mix, reasoning_gym:<dataset>"),
+     "known tasks: kv_retrieval, modular_arithmetic, reverse, sort, mix, reasoning_gym:<dataset>"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
+    (["--rl-old-logprobs", "rollout", "--grpo-iterations", "2"],
+     "rl_old_logprobs 'rollout' needs grpo_iterations 1, got 2"),
+    (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(argv), world_size=1)
+
+
+def test_long_prompt_config_is_valid_and_long():
+    cfg = parse_args(["--config", str(REPO / "configs/long_prompt_cpu.yaml")])
+    validate(cfg, world_size=1)
+    task = task_from(cfg)
+    assert task.name == "kv_retrieval" and 1 + task.max_prompt_chars == 512  # bos + prompt
+    assert (cfg.rl.grpo_group_size, cfg.rl.rl_max_response_length) == (16, 16)
+    assert cfg.model.max_position_embeddings == 512 + 16
 
 
 def test_validate_reports_all_problems_at_once():
@@ -206,7 +221,9 @@ def _library_keys() -> dict:
 def test_every_looped_field_and_objective_field_is_a_key():
     looped = {f.name for f in dataclasses.fields(LoopedTransformerConfig)
               if f.name.startswith("looped_")}
-    assert looped == {k for k in KEYS if k.startswith("looped_")} == set(LOOPED_FLAGS)
+    # the app's own loop options (pretrained retrofit, loop curriculum) are not model fields
+    app_only = {"looped_retrofit", "looped_loops_warmup_iters"}
+    assert looped == {k for k in KEYS if k.startswith("looped_")} - app_only == set(LOOPED_FLAGS)
     assert "looped_initial_state" in looped  # the field the app had left out
     # every RLObjective field has a key: a new field without one fails here
     assert sorted(OBJECTIVE_FLAGS.values()) == sorted(
@@ -283,10 +300,11 @@ def test_values_reach_the_library_objects():
     assert set(kwargs) == set(LOOPED_FLAGS) | {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
         "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "transformer_impl"}
+        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias"}
     config = model_config(cfg, "cpu")
     for key in kwargs:
-        assert getattr(config, key) == flat[key], key
+        if flat[key] is not None:  # None: MCore's default (kv_channels = hidden / heads)
+            assert getattr(config, key) == flat[key], key
     assert (config.looped_initial_state, config.num_query_groups) == ("zeros", 4)
     objective = objective_from(cfg)
     for key, name in OBJECTIVE_FLAGS.items():
@@ -353,27 +371,29 @@ def test_help_shows_the_values_a_run_without_flags_uses(capsys):
 
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
-    "--ddp-bucket-size", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
-    "--exit-interval", "--ffn-hidden-size", "--fp16", "--global-batch-size",
-    "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper", "--grpo-group-size", "--grpo-iterations",
-    "--grpo-kl-beta", "--grpo-prompts-per-step", "--help",
-    "--hidden-size", "--load", "--log-interval", "--looped-initial-state", "--looped-injection",
-    "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
-    "--looped-prefix-attention", "--lr", "--lr-decay-iters", "--lr-decay-style",
-    "--lr-warmup-iters", "--max-position-embeddings",
-    "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",
-    "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
-    "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",
-    "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-partial-credit", "--rl-task",
-    "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-lr",
-    "--rl-warmup-sft-steps",
-    "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
-    "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
-    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--weight-decay",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
+    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--distributed-timeout-minutes",
+    "--eval-interval", "--eval-iters", "--exit-interval", "--ffn-hidden-size", "--finetune",
+    "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
+    "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step",
+    "--help", "--hidden-size", "--kv-channels", "--load", "--log-interval",
+    "--looped-cascade-kernel", "--looped-initial-state", "--looped-injection",
+    "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
+    "--looped-num-prelude-layers", "--looped-prefix-attention", "--looped-retrofit", "--lr",
+    "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--max-position-embeddings",
+    "--micro-batch-size", "--min-lr", "--no-load-optim", "--no-load-rng", "--no-plot",
+    "--norm-epsilon", "--normalization", "--num-attention-heads", "--num-layers",
+    "--num-query-groups", "--overlap-grad-reduce", "--pipeline-model-parallel-size",
+    "--position-embedding-type", "--pretrained-checkpoint", "--rl-advantage", "--rl-loop-weights",
+    "--rl-loss-normalization", "--rl-max-response-length", "--rl-old-logprobs",
+    "--rl-partial-credit", "--rl-rollout", "--rl-task", "--rl-task-options", "--rl-temperature",
+    "--rl-top-p", "--rl-warmup-sft-lr", "--rl-warmup-sft-steps", "--rope-scaling-factor",
+    "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
+    "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",
+    "--swiglu", "--tensor-model-parallel-size", "--tensorboard-dir", "--tokenizer-model",
+    "--tokenizer-type", "--train-iters", "--transformer-impl",
+    "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
+    "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size", "--weight-decay",
 ]
 
 

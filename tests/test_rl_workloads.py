@@ -13,7 +13,7 @@ from tokenizer_files import train_bpe
 
 from scalerlt_mcore.app.arguments import parse_args
 from scalerlt_mcore.app.metrics import CLOCK_KEYS
-from scalerlt_mcore.app.trainer import TIMING_KEYS
+from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import model_parallel_context
 
 TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
@@ -38,7 +38,7 @@ def _records(tmp: Path, *names: str) -> list:
         for line in (tmp / f"run_{name}" / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
             assert record["time"] > 1.7e9 and ("step_ms" in record) == (record["kind"] != "eval")
-            out.append({k: v for k, v in record.items() if k not in TIMING_KEYS + CLOCK_KEYS})
+            out.append({k: v for k, v in record.items() if k not in TIMED_METRICS + CLOCK_KEYS})
     return out
 
 
@@ -139,8 +139,8 @@ def test_tensorboard_scalars_and_generation_from_the_checkpoint(tmp_path, capsys
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("train/reward_mean", "train/reward_std", "train/response_length", "train/loss",
-                "train/kl", "train/clip_fraction", "train/tokens_per_s", "train/rollout_ms",
-                "train/score_ms", "train/train_ms", "train/step_ms", "sft/loss",
+                "train/kl", "train/clip_fraction", "train/tokens_per_s", "train/time_rollout_s",
+                "train/time_score_s", "train/time_train_s", "train/step_ms", "sft/loss",
                 "eval/eval_reward", "eval/loop_1", "eval/loop_2"):
         assert tag in tags, (tag, sorted(tags))
     records = [json.loads(x) for x in (tmp_path / "run_t/metrics.jsonl").read_text().splitlines()]

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from scalerlt_mcore.app.arguments import ConfigError, load_config, parse_args, to_dict, validate
+from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import _free_port, model_parallel_context, run_distributed
 
 TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
@@ -74,9 +75,8 @@ def _ok(proc) -> list:
 def _untimed(record: dict, *drop: str) -> dict:
     """``record`` without what reads the clock (and the keys ``drop``)."""
     from scalerlt_mcore.app.metrics import CLOCK_KEYS
-    from scalerlt_mcore.app.trainer import TIMING_KEYS
 
-    return {k: v for k, v in record.items() if k not in TIMING_KEYS + CLOCK_KEYS + drop}
+    return {k: v for k, v in record.items() if k not in TIMED_METRICS + CLOCK_KEYS + drop}
 
 
 def _records(run_dir) -> list:
@@ -348,6 +348,66 @@ def test_joint_replay_and_naive_training_agree(mcore_single):
     assert (bound.Ep >= max(rec["lr"])).sum() == 0, "bound vacuous (a full Adam step)"
     assert bound.Ep.norm() <= MAX_BOUND_NORM * moved.norm(), report
     assert diff.max() > 0, "the trajectories differ by rounding: the bound is exercised"
+
+
+# Old log-probs from the rollout vs from the scoring pass, at equal parameters: the same
+# per-token log-probs computed by decoding (prompt once, one token at a time) and by the
+# shared-prefix forward, fp32 rounding through ~10 layer applications (as the decode tests).
+ROLLOUT_LOGPROB_ATOL = 1e-5
+
+
+def test_rollout_modes_and_rollout_logprobs_as_old_logprobs(mcore_single):
+    """The main job's RL step with prompt-once rollouts (the default), per-row rollouts, and the
+    rollout's own log-probs as old log-probs (no scoring pass), from one seed: the same
+    responses; old log-probs and gradients equal to rounding; the rollout-vs-training
+    difference logged at rounding level."""
+    flags = {"score": {}, "per_row": {"rl_rollout": "per_row"},
+             "rollout": {"rl_old_logprobs": "rollout"}}
+    seen, metrics = {}, {}
+    for name, extra in flags.items():
+        torch.manual_seed(7)
+        tr = _trainer(_flags(grpo_iterations=1, **extra))
+        seen[name] = rec = {"rollouts": [], "grads": [], "groups": [], "scored": []}
+        _record_rollouts(tr, rec["rollouts"])
+        _record_grads(tr, rec["grads"])
+        _record_calls(tr, "_forward_backward", rec["groups"])
+        _record_calls(tr, "score", rec["scored"])
+        metrics[name] = [_step(tr, step) for step in range(SFT + 1)][-1]
+        # scoring: policy and KL reference, or the reference alone with rollout log-probs
+        want = [(tr.ref,)] if name == "rollout" else [(tr.ddp,), (tr.ref,)]
+        assert [args[:1] for args in rec["scored"]] == want, name
+    ro = {name: rec["rollouts"][0] for name, rec in seen.items()}
+    for name in ("per_row", "rollout"):
+        assert torch.equal(ro[name].responses, ro["score"].responses), name
+        assert torch.equal(ro[name].lengths, ro["score"].lengths), name
+    old_diff = 0.0
+    [(groups_score,)], [(groups_ro,)] = seen["score"]["groups"], seen["rollout"]["groups"]
+    for g_score, g_ro in zip(groups_score, groups_ro):
+        assert torch.equal(g_score.loss_mask, g_ro.loss_mask)
+        trained = (g_ro.loss_mask != 0)[None].expand_as(g_ro.old_logprobs)  # [R, G, T]
+        assert (g_ro.old_logprobs[trained] < 0).all() and (g_ro.old_logprobs[~trained] == 0).all()
+        diff = (g_ro.old_logprobs - g_score.old_logprobs.float())[trained].abs().max().item()
+        old_diff = max(old_diff, diff)
+    assert old_diff <= ROLLOUT_LOGPROB_ATOL
+    for name in flags:
+        assert metrics[name]["rollout_logprob_max_diff"] <= ROLLOUT_LOGPROB_ATOL, name
+        for key in TIMED_METRICS:
+            assert metrics[name][key] > 0, (name, key)
+        phases = sum(metrics[name][f"time_{p}_s"] for p in ("rollout", "score", "train"))
+        assert phases <= metrics[name]["time_step_s"]
+    g_score, g_ro = seen["score"]["grads"][-1], seen["rollout"]["grads"][-1]
+    assert (g_ro - g_score).abs().max() <= GRAD_RTOL * g_score.abs().max()
+
+
+def _record_calls(trainer, method: str, log: list) -> None:
+    """Append the positional arguments of every call of ``trainer.<method>`` to ``log``."""
+    inner = getattr(trainer, method)
+
+    def record(*args):
+        log.append(args)
+        return inner(*args)
+
+    setattr(trainer, method, record)
 
 
 def _record_rollouts(trainer, log: list) -> None:

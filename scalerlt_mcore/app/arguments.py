@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin
 
 import torch
+import torch.nn.functional as F
 import yaml
 
 from ..model.config import LoopedTransformerConfig, Normalization, PositionEmbeddingType
@@ -186,6 +187,35 @@ class ModelArgs:
     """Tensor-parallel size."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (the looped GPT rejects any other than 1)."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table; None: the tokenizer's. A pretrained model's may be larger:
+    ids past the tokenizer's are never sampled."""
+    kv_channels: Optional[int] = None
+    """Attention head dimension; None: hidden_size / num_attention_heads."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated linear unit, silu), as in Llama / Qwen2."""
+    disable_bias_linear: bool = False
+    """No biases on the linear layers (Llama / Qwen2)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even with ``disable_bias_linear`` (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    rotary_base: float = 10000.0
+    """RoPE base (Hugging Face ``rope_theta``)."""
+    use_rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (MCore's: frequency factors 1 and 4, context 8192)."""
+    rope_scaling_factor: float = 8.0
+    """Factor of ``use_rope_scaling``."""
+    looped_retrofit: Optional[str] = None
+    """Retrofitted recurrence from a pretrained plain stack of N layers: ``prelude,core,coda``
+    (e.g. ``2,4,2``): the first ``prelude`` layers run once, the next ``core`` layers are
+    looped, the last ``coda`` layers run after every loop; the layers between core and coda
+    are dropped (logged). Sets looped_num_prelude_layers, num_layers and
+    looped_num_coda_layers, and looped_injection ``linear_concat`` (initialised to [I | 0]).
+    Needs ``pretrained_checkpoint``."""
+    looped_loops_warmup_iters: int = 0
+    """Loop-count curriculum: over this many steps the loop count rises linearly from 1 to
+    looped_num_loops (step t: 1 + floor((looped_num_loops - 1) * t / this)); 0: off."""
 
 
 @dataclass
@@ -279,6 +309,16 @@ class RLArgs:
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
     grpo_iterations: int = 1
     """Passes (optimizer steps) over each rollout batch (PPO epochs)."""
+    rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
+    """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
+    samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
+    own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    rl_old_logprobs: Literal["score", "rollout"] = "score"
+    """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
+    through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
+    per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
+    forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
+    ``grpo_iterations`` 1."""
     rl_partial_credit: bool = False
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
@@ -293,11 +333,14 @@ class RLArgs:
 class TokenizerArgs:
     """The tokenizer (Megatron-LM's flags; ``scalerlt_mcore.rl.tokenizer``)."""
 
-    tokenizer_type: TokenizerType = "CharTokenizer"
+    tokenizer_type: Optional[TokenizerType] = None
     """``CharTokenizer`` (the built-in tasks' characters), ``ByteLevelTokenizer`` (UTF-8
-    bytes, MCore's byte-level tokenizer) or ``HuggingFaceTokenizer`` (a tokenizer.json)."""
+    bytes, MCore's byte-level tokenizer) or ``HuggingFaceTokenizer`` (a tokenizer.json); None:
+    ``HuggingFaceTokenizer`` when ``pretrained_checkpoint`` is a Hugging Face directory holding
+    a tokenizer.json, else ``CharTokenizer``."""
     tokenizer_model: Optional[str] = None
-    """The ``HuggingFaceTokenizer``'s tokenizer.json file, or the folder holding it."""
+    """The ``HuggingFaceTokenizer``'s tokenizer.json file, or the folder holding it; None: the
+    tokenizer.json of a Hugging Face ``pretrained_checkpoint``."""
 
 
 @dataclass
@@ -319,6 +362,24 @@ class LoggingArgs:
     tokens/s, step times) here; None: no TensorBoard."""
     no_plot: bool = False
     """Do not write the training-curve plot."""
+    pretrained_checkpoint: Optional[str] = None
+    """Start from these weights (weights only: optimizer, LR schedule and step start fresh):
+    a Hugging Face Llama / Qwen2 directory (config.json + *.safetensors), a stock MCore
+    GPTModel distributed checkpoint, or a ``save`` directory of this trainer. When ``load``
+    holds a checkpoint, training resumes from it instead."""
+    use_checkpoint_args: bool = False
+    """Take the architecture (layer shapes, norms, RoPE, vocabulary size) from the pretrained
+    Hugging Face config.json instead of the model flags."""
+    finetune: bool = False
+    """With ``load``: load the model weights only and start at step 0 (fresh optimizer, LR
+    schedule and step)."""
+    no_load_optim: bool = False
+    """With ``load``: do not load the optimizer state (Adam moments start at zero); weights,
+    step and LR schedule are loaded."""
+    no_load_rng: bool = False
+    """With ``load``: do not load RNG state. Checkpoints hold none (each step's data and
+    sampling derive from seed and step), so this is accepted as in Megatron and changes
+    nothing."""
 
 
 @dataclass
@@ -576,9 +637,17 @@ def model_config(cfg: RunConfig, device: str) -> LoopedTransformerConfig:
     group, so ``validate`` builds it too."""
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    return LoopedTransformerConfig(**looped_kwargs(cfg), params_dtype=dtype, pipeline_dtype=dtype,
+    return LoopedTransformerConfig(**looped_kwargs(cfg), **_megatron_model_kwargs(m),
+                                   params_dtype=dtype, pipeline_dtype=dtype,
                                    use_cpu_initialization=device == "cpu",
                                    perform_initialization=True)
+
+
+def _megatron_model_kwargs(m: "ModelArgs") -> dict:
+    """Megatron-LM flags whose TransformerConfig field has another name or form."""
+    return dict(layernorm_epsilon=m.norm_epsilon, gated_linear_unit=m.swiglu,
+                activation_func=F.silu if m.swiglu else F.gelu,
+                add_bias_linear=not m.disable_bias_linear)
 
 
 def library_kwargs(cfg: RunConfig, flags: dict[str, str]) -> dict:
@@ -609,7 +678,38 @@ def _tokenizer(tokenizer_type: str, tokenizer_model: Optional[str]):
 
 def tokenizer_from(cfg: RunConfig):
     """The run's tokenizer (built once per process for each type and model)."""
-    return _tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    return _tokenizer(*tokenizer_args(cfg))
+
+
+def tokenizer_args(cfg: RunConfig) -> tuple[str, Optional[str]]:
+    """(tokenizer_type, tokenizer_model) of the run: the flags, and where they are unset the
+    tokenizer.json of a Hugging Face ``pretrained_checkpoint`` (else ``CharTokenizer``); a
+    ``tokenizer_model`` alone means ``HuggingFaceTokenizer``."""
+    kind, model = cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model
+    pretrained = pretrained_tokenizer_json(cfg.logging.pretrained_checkpoint)
+    if kind is None:
+        kind = "HuggingFaceTokenizer" if model or pretrained else "CharTokenizer"
+    if kind == "HuggingFaceTokenizer" and model is None:
+        model = pretrained
+    return kind, model
+
+
+def pretrained_tokenizer_json(path: Optional[str]) -> Optional[str]:
+    """The tokenizer.json of a Hugging Face checkpoint directory (config.json beside it), or
+    None."""
+    root = Path(path) if path else None
+    if root is None or not (root / "config.json").is_file():
+        return None
+    file = root / "tokenizer.json"
+    return str(file) if file.is_file() else None
+
+
+def _tokenizer_size(cfg: RunConfig) -> Optional[int]:
+    """The tokenizer's vocabulary size; None when it does not build (``_check_task`` says why)."""
+    try:
+        return tokenizer_from(cfg).vocab_size
+    except (ValueError, OSError):
+        return None
 
 
 def prompts_per_step(cfg: RunConfig) -> int:
@@ -632,7 +732,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         errors = (_check_model(cfg, world_size) + _check_batches(cfg, world_size)
                   + _check_training(cfg.training) + _check_rl(cfg)
                   + _library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
-                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS))
+                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
+                  + _check_pretrained(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
@@ -686,6 +787,10 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
     if world_size % m.tensor_model_parallel_size:
         errors.append(f"world size ({world_size}) must be divisible by "
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size})")
+    if m.tensor_model_parallel_size > 1:
+        errors.append(f"tensor_model_parallel_size {m.tensor_model_parallel_size}: tensor "
+                      f"parallelism is not supported yet (the prefix state, decoding cache and "
+                      f"data draw are not per tensor-parallel rank); use 1")
     return errors + _library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
 
 
@@ -743,6 +848,10 @@ def _check_rl(cfg: RunConfig) -> list[str]:
         errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
     if not 0 < rl.rl_top_p <= 1:
         errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
+    if rl.rl_old_logprobs == "rollout" and rl.grpo_iterations != 1:
+        errors.append(f"rl_old_logprobs 'rollout' needs grpo_iterations 1, got "
+                      f"{rl.grpo_iterations} (the rollout's log-probs replace the scoring pass "
+                      f"of a single update)")
     if rl.rl_advantage != "none" and rl.grpo_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs grpo_group_size >= 2 "
                       "(a group of one has zero advantage)")
@@ -764,7 +873,7 @@ def _check_task(cfg: RunConfig) -> list[str]:
         prompt, answer = _task_lengths(task, tok)
     except ValueError as e:
         return [f"rl_task {cfg.rl.rl_task} with tokenizer_type "
-                f"{cfg.tokenizer.tokenizer_type}: {e}"]
+                f"{tokenizer_args(cfg)[0]}: {e}"]
     errors = []
     if cfg.rl.rl_max_response_length < answer:
         errors.append(f"rl_max_response_length ({cfg.rl.rl_max_response_length}) is shorter "
@@ -783,3 +892,27 @@ def _task_lengths(task, tok) -> tuple[int, int]:
     exact = task.max_prompt_chars is not None and (
         isinstance(tok, CharTokenizer) or tok.identity()["type"] == "ByteLevelTokenizer")
     return (task.max_prompt_chars, task.max_answer_chars) if exact else measured
+
+
+def _check_pretrained(cfg: RunConfig) -> list[str]:
+    """Architecture extras, loading flags and retrofitted recurrence."""
+    m, lg = cfg.model, cfg.logging
+    errors = _positive(m, "looped_loops_warmup_iters", minimum=0)
+    errors += [f"{k} must be > 0, got {getattr(m, k)}"
+               for k in ("norm_epsilon", "rotary_base", "rope_scaling_factor")
+               if getattr(m, k) <= 0]
+    if m.kv_channels is not None and m.kv_channels < 1:
+        errors.append(f"kv_channels must be >= 1 or null, got {m.kv_channels}")
+    tokens = _tokenizer_size(cfg)
+    if m.vocab_size is not None and tokens is not None and m.vocab_size < tokens:
+        errors.append(f"vocab_size ({m.vocab_size}) must be >= the tokenizer's ({tokens})")
+    if m.looped_retrofit is not None and not re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):
+        errors.append(f"looped_retrofit must be 'prelude,core,coda' (e.g. '2,4,2'), got "
+                      f"{m.looped_retrofit!r}")
+    needs = {"looped_retrofit": m.looped_retrofit, "use_checkpoint_args": lg.use_checkpoint_args}
+    errors += [f"{k} needs pretrained_checkpoint" for k, v in needs.items()
+               if v and not lg.pretrained_checkpoint]
+    errors += [f"{k} needs load (the checkpoint it applies to)"
+               for k in ("finetune", "no_load_optim", "no_load_rng")
+               if getattr(lg, k) and not lg.load]
+    return errors

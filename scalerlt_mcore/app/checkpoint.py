@@ -121,6 +121,14 @@ def _check_tokenizer(ckpt: Path, meta: dict, tokenizer: Optional[dict]) -> None:
                          "--tokenizer-model as in the run that saved it")
 
 
+def check_tokenizer(path, tokenizer: dict) -> None:
+    """Refuse the checkpoint at ``path`` (a ``save`` directory or an ``iter_*`` directory) when
+    it was saved with another tokenizer than ``tokenizer`` (an identity)."""
+    ckpt = checkpoint_dir(path)
+    _check_tokenizer(ckpt, dist_checkpointing.load_common_state_dict(str(ckpt))["meta"],
+                     tokenizer)
+
+
 def load_checkpoint(path, model, optimizer, scheduler, tokenizer: Optional[dict] = None) -> int:
     """Restore the latest checkpoint under ``path``; returns the step to continue from.
     ``tokenizer``: this run's tokenizer identity, refused when the checkpoint's differs."""
@@ -138,5 +146,55 @@ def load_checkpoint(path, model, optimizer, scheduler, tokenizer: Optional[dict]
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step(optimizer)
+    scheduler.load_state_dict(meta["scheduler"])
+    return int(meta["step"])
+
+
+# ---- weights only: --pretrained-checkpoint (one of ours), --finetune, --no-load-optim ------
+
+
+def has_checkpoint(path) -> bool:
+    """True when ``path`` is a ``save`` directory holding a checkpoint (``latest``)."""
+    return path is not None and (Path(path) / "latest").is_file()
+
+
+def checkpoint_dir(path) -> Path:
+    """A ``save`` directory -> its latest ``iter_*``; an ``iter_*`` directory -> itself."""
+    root = Path(path)
+    return root / (root / "latest").read_text().strip() if has_checkpoint(root) else root
+
+
+def is_own_checkpoint(path) -> bool:
+    """True for a checkpoint written by ``save_checkpoint`` (its common state has ``meta``)."""
+    ckpt = checkpoint_dir(path)
+    if not (ckpt / "metadata.json").is_file():
+        return False
+    return "meta" in dist_checkpointing.load_common_state_dict(str(ckpt))
+
+
+def load_model_weights(path, model) -> Path:
+    """Only the model weights of a checkpoint of ours (any loop count); returns its
+    directory. Tensors that differ in name or shape are named."""
+    ckpt = checkpoint_dir(path)
+    saved = {k: tuple(t.global_shape) for k, t in
+             dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
+             if not k.startswith("optimizer.")}
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model.sharded_state_dict())
+            if isinstance(t, ShardedTensor)}
+    diffs = [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
+             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
+    if diffs:
+        more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
+        raise ValueError(f"checkpoint {ckpt} holds weights of a different model (checkpoint "
+                         f"!= this run): {', '.join(diffs[:4])}{more}")
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    with torch.no_grad():
+        model.load_state_dict(state["model"])
+    return ckpt
+
+
+def load_step_and_schedule(path, scheduler) -> int:
+    """The step and LR schedule of the latest checkpoint under ``path`` (no optimizer)."""
+    meta = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(path)))["meta"]
     scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])

@@ -65,6 +65,8 @@ def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: s
         max_sequence_length=cfg.model.max_position_embeddings,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base, rope_scaling=cfg.model.use_rope_scaling,
+        rope_scaling_factor=cfg.model.rope_scaling_factor,
     )
     # As MCore's Float16Module: every parameter (norms too) in the half dtype; the optimizer
     # keeps fp32 main params. Inputs are token ids and log-probs come out in fp32, so the

@@ -14,16 +14,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..mcore_compat import fallback_note
-from .arguments import (
-    default_run_dir,
-    parse_args,
-    save_resolved,
-    to_dict,
-    tokenizer_from,
-    validate,
-)
-from .checkpoint import load_checkpoint, save_checkpoint
+from .arguments import default_run_dir, parse_args, save_resolved, to_dict, validate
+from .checkpoint import save_checkpoint
 from .metrics import MetricsLog, plot_rewards
+from .pretrained import load_before_wrap, resolve_pretrained, resume_after_wrap, run_vocab_size
 from .runtime import (
     build_model,
     init_distributed,
@@ -66,6 +60,8 @@ def _line(step: int, m: dict) -> str:
             f"len {m['response_length']:.2f} | entropy {m['entropy']:.2f} | "
             f"loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"rollout/score/train {m['time_rollout_s']:.2f}/{m['time_score_s']:.2f}/"
+            f"{m['time_train_s']:.2f} s | "
             f"saved {m['peak_saved_bytes'] / 2**20:.2f} MiB | "
             f"rollout-vs-train logp {m['rollout_logprob_max_diff']:.1e}")
 
@@ -73,10 +69,11 @@ def _line(step: int, m: dict) -> str:
 def run(cfg) -> dict:
     """Validate, then train; returns the final evaluation. The process group and MCore's
     parallel state are destroyed on return and on error."""
+    notes = resolve_pretrained(cfg)  # --use-checkpoint-args, --looped-retrofit
     validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
     try:
-        return _run(cfg, device)
+        return _run(cfg, device, notes)
     finally:
         shutdown_distributed()
 
@@ -86,7 +83,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _run(cfg, device: str) -> dict:
+def _run(cfg, device: str, notes: list) -> dict:
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
     if rank0:
@@ -97,12 +94,13 @@ def _run(cfg, device: str) -> dict:
         if fallback_note():
             print(fallback_note(), flush=True)
     config = model_config(cfg, device)
-    tokenizer = tokenizer_from(cfg)
-    model = build_model(cfg, config, tokenizer.vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
+    for line in notes if rank0 else []:
+        print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = load_checkpoint(cfg.logging.load, model, optimizer, scheduler,
-                            tokenizer=tokenizer.identity()) if cfg.logging.load else 0
+    start = resume_after_wrap(cfg, model, optimizer, scheduler)
     log = MetricsLog(run_dir, enabled=rank0, tensorboard_dir=cfg.logging.tensorboard_dir)
     try:
         with _Interrupt() as stop:
@@ -159,6 +157,7 @@ def _exit_interval_reached(cfg, steps_done: int) -> bool:
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
+    trainer.use_loops_of(step)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
@@ -171,6 +170,7 @@ def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
     """Save after ``step`` when forced or at the interval; True when it saved."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
+        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler, extra={"tokenizer": trainer.tok.identity(),
                                                   "config": to_dict(cfg)})

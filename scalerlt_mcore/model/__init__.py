@@ -3,8 +3,10 @@
 from .attention import LoopedCoreAttention, LoopedSelfAttention
 from .block import LinearConcatInjection, LoopedBlockSubmodules, RecurrentTransformerBlock
 from .config import LoopedTransformerConfig
+from .hf_import import PretrainedArchitecture, looped_gpt_from_hf, read_hf_architecture
 from .kv import DepthKVCache, PrefixState
 from .looped_gpt import LoopedGPTModel, LoopedOutput, token_logprobs
+from .retrofit import LayerMapping
 from .specs import (
     get_looped_gpt_block_spec,
     get_looped_gpt_layer_local_spec,
@@ -12,8 +14,10 @@ from .specs import (
 )
 
 __all__ = [
-    "DepthKVCache", "LinearConcatInjection", "LoopedBlockSubmodules", "LoopedCoreAttention",
-    "LoopedGPTModel", "LoopedOutput", "LoopedSelfAttention", "LoopedTransformerConfig",
-    "PrefixState", "RecurrentTransformerBlock", "get_looped_gpt_block_spec",
-    "get_looped_gpt_layer_local_spec", "get_looped_gpt_layer_te_spec", "token_logprobs",
+    "DepthKVCache", "LayerMapping", "LinearConcatInjection", "LoopedBlockSubmodules",
+    "LoopedCoreAttention", "LoopedGPTModel", "LoopedOutput", "LoopedSelfAttention",
+    "LoopedTransformerConfig", "PrefixState", "PretrainedArchitecture",
+    "RecurrentTransformerBlock", "get_looped_gpt_block_spec", "get_looped_gpt_layer_local_spec",
+    "get_looped_gpt_layer_te_spec", "looped_gpt_from_hf", "read_hf_architecture",
+    "token_logprobs",
 ]

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 Injection = Literal["none", "linear_concat"]
 InitialState = Literal["embed", "zeros"]
 PrefixAttention = Literal["concat", "cascade"]
+CascadeKernel = Literal["auto", "flash", "efficient", "cpu_flash", "matmul"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 """Position embeddings of ``LoopedGPTModel`` (its ``position_embedding_type`` argument)."""
 Normalization = TransformerConfig.__annotations__["normalization"]
@@ -18,6 +19,7 @@ Normalization = TransformerConfig.__annotations__["normalization"]
 INJECTIONS = get_args(Injection)
 INITIAL_STATES = get_args(InitialState)
 PREFIX_ATTENTIONS = get_args(PrefixAttention)
+CASCADE_KERNELS = get_args(CascadeKernel)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
@@ -49,6 +51,13 @@ class LoopedTransformerConfig(TransformerConfig):
     """Attention of a suffix batch to a shared prefix K/V: ``concat`` (expand the prefix per
     sequence and attend once) or ``cascade`` (one batched product against the single prefix,
     merged with each sequence's causal part through the log-sum-exp; reads the prefix once)."""
+
+    looped_cascade_kernel: CascadeKernel = "auto"
+    """Kernel of the ``cascade`` prefix attention: ``auto`` (the fused log-sum-exp kernel of the
+    tensors' device: ``cpu_flash`` on CPU; on CUDA ``flash`` where it supports the dtype and
+    head dim (fp16/bf16), else ``efficient``, else ``matmul``, e.g. for fp64), ``flash`` /
+    ``efficient`` (PyTorch's CUDA flash / memory-efficient SDPA ops), ``cpu_flash`` (PyTorch's
+    CPU flash op), or ``matmul`` (materialises the [*, W*S, P] scores: the reference path)."""
 
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
@@ -86,3 +95,11 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             f"parallelism), got {cfg.pipeline_model_parallel_size}")
     if cfg.sequence_parallel or cfg.context_parallel_size > 1:
         raise NotImplementedError("looped GPT does not support sequence or context parallelism")
+
+
+def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:
+    """Change R of built models sharing ``config`` (e.g. a loop-count curriculum): every
+    forward, cache and prefix state reads it from the config; no parameter depends on it."""
+    if not isinstance(loops, int) or loops < 1:
+        raise ValueError(f"looped_num_loops must be an integer >= 1, got {loops!r}")
+    config.looped_num_loops = loops

@@ -60,9 +60,11 @@ class PrefixState:
         depth = (len(tensors) - 1) // 2
         return cls(tensors[:depth], tensors[depth : 2 * depth], tensors[-1], signature)
 
-    def detached_leaves(self) -> "PrefixState":
-        """A copy whose tensors are detached leaves that require grad (they collect adjoints)."""
-        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
+    def detached_leaves(self, dtype: Optional[torch.dtype] = None) -> "PrefixState":
+        """A copy whose tensors are detached leaves that require grad (they collect adjoints).
+        ``dtype``: each leaf is promoted to at least it (the same numbers, e.g. fp32 leaves of a
+        bf16 state, so that the adjoints they collect are accumulated in fp32)."""
+        leaves = [_promoted(t.detach(), dtype).requires_grad_(True) for t in self.tensors()]
         return PrefixState.from_tensors(leaves, self.signature)
 
     def check_compatible(self, config) -> None:
@@ -97,15 +99,25 @@ class PrefixState:
             )
 
 
+def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+    return t if dtype is None else t.to(torch.promote_types(t.dtype, dtype))
+
+
 class DepthKVCache:
     """Decoding cache: per-depth K/V for a batch with per-sequence lengths.
 
     keys/values: [D, T_max, B, ng, hn]; ``lengths[b]`` = tokens of sequence b in the cache.
     A forward with this cache writes its new K/V at positions lengths[b] ... lengths[b]+s-1 and
     attends to every cached position <= the query's own.
+
+    ``prefix`` (prompt-once decoding): a cache holding N prompts (right-padded, its ``lengths``
+    the prompt lengths) that rows n*G ... n*G+G-1 of this cache continue, G = B / N. This cache
+    then holds only the continuations' K/V (slot 0 = the first token after the prompt); every
+    row reads its prompt's K/V from the single copy in ``prefix``.
     """
 
-    def __init__(self, config, batch: int, max_length: int, dtype=None, device=None):
+    def __init__(self, config, batch: int, max_length: int, dtype=None, device=None,
+                 prefix: Optional["DepthKVCache"] = None):
         groups = config.num_query_groups or config.num_attention_heads
         shape = (config.looped_num_depths, max_length, batch, groups, config.kv_channels)
         dtype = dtype or config.params_dtype
@@ -113,15 +125,45 @@ class DepthKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.signature = config_signature(config)
+        self.prefix = prefix
+        if prefix is not None:
+            _check_prefix_cache(prefix, self)
 
     @property
     def max_length(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[2]
+
+    def offsets(self) -> Tensor:
+        """[B] absolute position of every row's slot 0: its prompt's length in ``prefix``
+        (0 without a prefix)."""
+        if self.prefix is None:
+            return torch.zeros_like(self.lengths)
+        return self.prefix.lengths.repeat_interleave(self.batch // self.prefix.batch)
+
     def positions(self, steps: int) -> Tensor:
         """Absolute positions of the next ``steps`` tokens of every sequence: [B, s]."""
         offsets = torch.arange(steps, device=self.lengths.device)
-        return self.lengths[:, None] + offsets[None, :]
+        start = self.lengths if self.prefix is None else self.lengths + self.offsets()
+        return start[:, None] + offsets[None, :]
+
+
+def _check_prefix_cache(prefix: DepthKVCache, cache: DepthKVCache) -> None:
+    """A prompt-once cache's prefix: same model structure, one prompt per G rows, no nesting."""
+    if prefix.signature != cache.signature:
+        raise ValueError("the prefix cache was built for a different model config")
+    if prefix.prefix is not None:
+        raise ValueError("a prefix cache cannot itself continue a prefix")
+    if cache.batch % prefix.batch:
+        raise ValueError(f"a prompt-once cache of batch {cache.batch} cannot continue "
+                         f"{prefix.batch} prompts: its batch must be a multiple (G rows per "
+                         f"prompt)")
+    if (prefix.keys.dtype, prefix.keys.device) != (cache.keys.dtype, cache.keys.device):
+        raise ValueError(f"the prefix cache is {prefix.keys.dtype} on {prefix.keys.device}, the "
+                         f"continuation cache {cache.keys.dtype} on {cache.keys.device}")
 
 
 @mcore_workaround

@@ -38,13 +38,16 @@ class LoopedGPTModel(LanguageModule):
     function as MCore's ``GPTModel`` with the same weights (same parameter names).
 
     ``transformer_layer_spec``: a block spec (``get_looped_gpt_block_spec``), or, as MCore's
-    ``GPTModel`` accepts, one layer spec used for every layer (local final norm)."""
+    ``GPTModel`` accepts, one layer spec used for every layer (local final norm).
+    ``rope_scaling`` / ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling, as in MCore's
+    ``GPTModel`` (low/high frequency factors 1 and 4, original context 8192)."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, pg_collection=None):
+                 rotary_base: int = 10000, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
@@ -65,6 +68,7 @@ class LoopedGPTModel(LanguageModule):
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels, rotary_percent=rotary_percent,
                 rotary_interleaved=config.rotary_interleaved, rotary_base=rotary_base,
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
         block_spec = (transformer_layer_spec if is_block_spec(transformer_layer_spec)
@@ -146,10 +150,14 @@ class LoopedGPTModel(LanguageModule):
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def new_kv_cache(self, batch: int, max_length: int) -> DepthKVCache:
-        """An empty depth-indexed cache in the model's dtype and device."""
+    def new_kv_cache(self, batch: int, max_length: int,
+                     prefix: Optional[DepthKVCache] = None) -> DepthKVCache:
+        """An empty depth-indexed cache in the model's dtype and device. ``prefix``: a cache
+        of N prefilled prompts that this cache's ``batch`` = N * G rows continue (prompt-once
+        decoding: ``max_length`` then counts only the tokens after the prompt)."""
         p = next(self.parameters())
-        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device)
+        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device,
+                            prefix=prefix)
 
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:
