@@ -31,3 +31,19 @@ def train_bpe(path: Path, vocab_size: int = 320, specials=("<pad>", "<bos>", "<e
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
+
+
+def train_char_bpe(path: Path, texts: list[str], vocab_size: int,
+                   specials=("<pad>", "<bos>", "<eos>")) -> Path:
+    """Train a BPE tokenizer.json on ``texts`` from their characters alone (no byte alphabet, so
+    the vocabulary can be as small as a tiny model's), decoding by concatenation."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
