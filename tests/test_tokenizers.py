@@ -51,11 +51,12 @@ def test_huggingface_tokenizer_json_matches_the_tokenizers_package(bpe_file):
     assert same.identity() == tok.identity()
 
 
-def test_missing_pad_and_bos_are_appended_by_mcore(tmp_path):
-    path = train_bpe(tmp_path / "tokenizer.json", specials=("</s>",))
+@pytest.mark.parametrize("eos", ["</s>", "<|end_of_text|>"])  # Llama 2, Llama 3
+def test_missing_pad_and_bos_are_appended_by_mcore(tmp_path, eos):
+    path = train_bpe(tmp_path / "tokenizer.json", specials=(eos,))
     raw = RawTokenizer.from_file(str(path))
     tok = build_tokenizer("HuggingFaceTokenizer", str(path))
-    assert tok.eos_id == raw.token_to_id("</s>")
+    assert tok.eos_id == raw.token_to_id(eos)
     assert sorted((tok.bos_id, tok.pad_id)) == [raw.get_vocab_size(), raw.get_vocab_size() + 1]
     assert tok.vocab_size == raw.get_vocab_size() + 2
     assert tok.decode(tok.encode("abc") + [tok.eos_id]) == "abc"

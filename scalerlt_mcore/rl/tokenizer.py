@@ -152,7 +152,7 @@ def byte_level_tokenizer() -> MCoreTokenizer:
                           _sha256(b"utf-8 bytes"))
 
 
-_EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "[SEP]")
+_EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 _BOS_NAMES = ("<bos>", "<s>", "<|startoftext|>", "[CLS]")
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
 
