@@ -59,9 +59,8 @@ class ReasoningGymTask(Task):
     def name(self) -> str:
         return PREFIX + self.dataset
 
-    def sample(self, seed: int, n: int) -> list[Problem]:
-        rng = random.Random(seed)
-        return [self._problem_at(rng.randrange(INDEX_SPACE)) for _ in range(n)]
+    def _problem(self, rng: random.Random) -> Problem:
+        return self._problem_at(rng.randrange(INDEX_SPACE))
 
     def _problem_at(self, index: int) -> Problem:
         entry = self._data[index]

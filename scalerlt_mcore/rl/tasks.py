@@ -14,13 +14,28 @@ default: 512 tokens with bos).
 
 ``reasoning_gym:<dataset>`` draws from a reasoning-gym dataset (``rl/reasoning_gym.py``), and
 ``mix`` draws from several tasks with weights (``MixedTask``).
+
+Every prompt belongs to one split, fixed by a hash of its text (``split_of``): training draws
+(``sample(..., split="train")``, ``supervised_pairs``) never produce an evaluation prompt and
+evaluation draws (``split="eval"``) never produce a training prompt.
 """
 
 import dataclasses
 import random
 import string
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+SPLITS = ("train", "eval")
+EVAL_BUCKETS = 4
+"""One prompt in ``EVAL_BUCKETS`` (by the hash of its text) belongs to the evaluation split."""
+
+
+def split_of(prompt: str) -> str:
+    """``"eval"`` or ``"train"``: the split of ``prompt``, from a stable hash of its text (the
+    same in every process and Python version)."""
+    return "eval" if zlib.crc32(prompt.encode()) % EVAL_BUCKETS == 0 else "train"
 
 
 @dataclass(frozen=True)
@@ -38,14 +53,25 @@ class Task:
 
     name = "task"
 
-    def sample(self, seed: int, n: int) -> list[Problem]:
-        """``n`` problems drawn from ``random.Random(seed)``: the same seed gives the same list,
-        whatever the global RNG state."""
+    def sample(self, seed: int, n: int, split: str = "train") -> list[Problem]:
+        """``n`` problems of ``split`` drawn from ``random.Random(seed)`` (draws of the other
+        split are rejected): the same seed gives the same list, whatever the global RNG state."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         rng = random.Random(seed)
-        return [self._problem(rng) for _ in range(n)]
+        return [self._draw(rng, split) for _ in range(n)]
+
+    def _draw(self, rng: random.Random, split: str, attempts: int = 10_000) -> Problem:
+        for _ in range(attempts):
+            problem = self._problem(rng)
+            if split_of(problem.prompt) == split:
+                return problem
+        raise ValueError(f"task {self.name!r} drew no {split} prompt in {attempts} draws: its "
+                         f"prompts are too few to split into training and evaluation")
 
     def supervised_pairs(self, seed: int, n: int) -> list[tuple[str, str]]:
-        """``(prompt, answer)`` pairs for an optional supervised warm-up."""
+        """``(prompt, answer)`` pairs of the training split for an optional supervised
+        warm-up."""
         return [(p.prompt, p.answer) for p in self.sample(seed, n)]
 
     def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
@@ -189,11 +215,11 @@ class MixedTask(Task):
             self._tasks.append(task)
             self._weights.append(weight)
 
-    def sample(self, seed: int, n: int) -> list[Problem]:
+    def sample(self, seed: int, n: int, split: str = "train") -> list[Problem]:
         rng, out = random.Random(seed), []
         for _ in range(n):
             k = rng.choices(range(len(self._tasks)), weights=self._weights)[0]
-            inner = self._tasks[k].sample(rng.randrange(2**31 - 1), 1)[0]
+            inner = self._tasks[k].sample(rng.randrange(2**31 - 1), 1, split)[0]
             out.append(Problem(inner.prompt, inner.answer, entry=(k, inner)))
         return out
 
