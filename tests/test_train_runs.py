@@ -21,6 +21,7 @@ from test_train_e2e import TRAIN, _flags, _records, _run
 
 from scalerlt_mcore.app.arguments import ConfigError, parse_args
 from scalerlt_mcore.app.checkpoint import CheckpointError
+from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 
 # small steps: 2 prompts x 4 responses, 2 evaluation prompts, no periodic evaluation
@@ -29,7 +30,7 @@ TIMESTAMP = "runs/20260101-000000"
 
 
 def _untimed(records: list) -> list:
-    return [{k: v for k, v in r.items() if k not in TIMED_METRICS} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMED_METRICS + CLOCK_KEYS} for r in records]
 
 
 @pytest.fixture(scope="module")
