@@ -75,8 +75,8 @@ def test_rl_steps_run_at_each_steps_draw(mcore_single):
     from test_train_e2e import SFT, _flags, _trainer
 
     torch.manual_seed(7)
-    tr = _trainer(_flags(looped_num_loops_sampling="uniform:1,3", rl_ppo_epochs=1,
-                         rl_kl_coef=0.0))
+    tr = _trainer(_flags(looped_num_loops_sampling="uniform:1,3", grpo_iterations=1,
+                         grpo_kl_beta=0.0))
     seen = []
     optimize = tr.optimize
 
