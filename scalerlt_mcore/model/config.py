@@ -73,5 +73,10 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.pipeline_model_parallel_size > 1:
         raise NotImplementedError("looped GPT does not support pipeline parallelism > 1")
-    if cfg.sequence_parallel or cfg.context_parallel_size > 1:
-        raise NotImplementedError("looped GPT does not support sequence or context parallelism")
+    if cfg.sequence_parallel:
+        raise NotImplementedError("sequence_parallel=True (--sequence-parallel): the looped GPT "
+                                  "does not support sequence parallelism")
+    if cfg.context_parallel_size > 1:
+        raise NotImplementedError(f"context_parallel_size={cfg.context_parallel_size} "
+                                  f"(--context-parallel-size): the looped GPT does not support "
+                                  f"context parallelism")

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -14,15 +14,17 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
-from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
+from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
+from .vocab_parallel import gather_vocab, token_logprobs
 
 
 @dataclass
 class LoopedOutput:
     """Per-loop results of a forward.
 
-    logits:       R tensors [B, S, V] (when no labels are given), else None.
+    logits:       R tensors [B, S, V / tp] (when no labels are given; split over the
+                  vocabulary under tensor parallelism, as MCore's parallel_output), else None.
     logprobs:     [R, B, S] log-probs of ``labels`` (when given), else None.
     prefix_state: the K/V of every depth and the per-loop boundary (when requested).
     """
@@ -37,7 +39,11 @@ class LoopedGPTModel(LanguageModule):
     function as MCore's ``GPTModel`` with the same weights (same parameter names).
 
     ``transformer_layer_spec``: a block spec (``get_looped_gpt_block_spec``), or, as MCore's
-    ``GPTModel`` accepts, one layer spec used for every layer (local final norm)."""
+    ``GPTModel`` accepts, one layer spec used for every layer (local final norm).
+
+    Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
+    multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
+    caches are per rank; log-probs use MCore's vocab-parallel cross entropy."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
@@ -45,6 +51,7 @@ class LoopedGPTModel(LanguageModule):
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
                  rotary_base: int = 10000, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
+        self._check_tensor_parallel(config, vocab_size)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
         if position_embedding_type not in ("learned_absolute", "rope"):
@@ -76,6 +83,17 @@ class LoopedGPTModel(LanguageModule):
             tp_group=self.pg_collection.tp,
         )
         self.setup_embeddings_and_output_layer()
+
+    def _check_tensor_parallel(self, config, vocab_size: int) -> None:
+        tp = self.pg_collection.tp.size()
+        if tp != config.tensor_model_parallel_size:
+            raise ValueError(f"config.tensor_model_parallel_size is "
+                             f"{config.tensor_model_parallel_size} but the tensor-parallel group "
+                             f"has {tp} ranks")
+        if vocab_size % tp:
+            raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel "
+                             f"size {tp}: pad it as Megatron does (make_vocab_size_divisible_by "
+                             f"x tensor_model_parallel_size)")
 
     def set_input_tensor(self, input_tensor) -> None:
         """MCore schedules call this; without pipeline parallelism there is nothing to set."""
@@ -110,10 +128,13 @@ class LoopedGPTModel(LanguageModule):
         if labels is None:
             out.logits = [self.readout(h) for h in states]
         else:
-            out.logprobs = torch.stack([token_logprobs(self.readout(h), labels) for h in states])
+            out.logprobs = torch.stack([self._logprobs(self.readout(h), labels) for h in states])
+
+    def _logprobs(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return token_logprobs(logits, labels, self.pg_collection.tp)
 
     def readout(self, hidden: Tensor) -> Tensor:
-        """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V]."""
+        """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V / tp]."""
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
         logits, _ = self.output_layer(self.decoder.final_layernorm(hidden), weight=weight)
@@ -124,9 +145,9 @@ class LoopedGPTModel(LanguageModule):
         readout of the prompt's last position (``prefix_state.boundary``)."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
-        logits = self.readout(prefix_state.boundary)  # [Bp, R, V]: loops play the seq role
-        logits = logits.expand(batch, -1, -1)  # [B, R, V]
-        first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
+        logits = self.readout(prefix_state.boundary)  # [Bp, R, V/tp]: loops play the seq role
+        logits = logits.expand(batch, -1, -1)  # [B, R, V/tp]
+        first = self._logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
         return first.t().unsqueeze(-1)  # [R, B, 1]
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
@@ -153,19 +174,25 @@ class LoopedGPTModel(LanguageModule):
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:
         """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
-        at each prompt's last token. Padding K/V is written but never attended to."""
+        at each prompt's last token, over the whole (padded) vocabulary on every
+        tensor-parallel rank. Padding K/V is written but never attended to."""
         cache.lengths.zero_()
-        logits = self.forward(tokens, kv_cache=cache).logits  # R x [B, T, V]
+        logits = self.forward(tokens, kv_cache=cache).logits  # R x [B, T, V/tp]
         cache.lengths.copy_(lengths)
         last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, logits[0].shape[-1])
-        return torch.stack([lg.gather(1, last).squeeze(1) for lg in logits])
+        return self._full_vocab([lg.gather(1, last).squeeze(1) for lg in logits])
 
     @torch.no_grad()
     def decode_step(self, cache: DepthKVCache, tokens: Tensor) -> Tensor:
-        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V]."""
+        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V] (as
+        ``prefill``)."""
         logits = self.forward(tokens[:, None], kv_cache=cache).logits
         cache.lengths += 1
-        return torch.stack([lg[:, 0] for lg in logits])
+        return self._full_vocab([lg[:, 0] for lg in logits])
+
+    def _full_vocab(self, per_loop: list) -> Tensor:
+        """R tensors [B, V/tp] -> [R, B, V], the same on every tensor-parallel rank."""
+        return gather_vocab(torch.stack(per_loop), self.pg_collection.tp)  # [R, B, V]
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -189,7 +216,7 @@ class LoopedGPTModel(LanguageModule):
         keys = [ctx.recorded[d][0] for d in range(depths)]
         values = [ctx.recorded[d][1] for d in range(depths)]
         boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
-        return PrefixState(keys, values, boundary, config_signature(self.config))
+        return PrefixState(keys, values, boundary, state_signature(self.config))
 
     def _check_inputs(self, input_ids, labels, prefix_state, kv_cache) -> None:
         if input_ids.dim() != 2:
@@ -205,23 +232,9 @@ class LoopedGPTModel(LanguageModule):
                 raise ValueError(f"prefix state batch {prefix_state.batch} must be 1 or the "
                                  f"input batch {input_ids.shape[0]}")
         if kv_cache is not None:
-            if kv_cache.signature != config_signature(self.config):
+            if kv_cache.signature != state_signature(self.config):
                 raise ValueError("kv_cache was built for a different model config")
             if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:
                 raise ValueError(f"kv_cache holds {kv_cache.max_length} positions; this step "
                                  f"would write past it")
 
-
-def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(labels) from logits [..., V], in fp32 or wider (fp64 stays fp64).
-
-    Under tensor parallelism the logits are vocab-sharded and MCore's vocab-parallel cross
-    entropy is used (it computes in fp32)."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
-        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    lead = logits.shape[:-1]
-    flat = logits.to(acc).reshape(1, -1, logits.shape[-1])  # [1, N, V]
-    nll = tensor_parallel.vocab_parallel_cross_entropy(flat, labels.reshape(1, -1))
-    return -nll.reshape(lead)

@@ -3,6 +3,10 @@
 Samples from the final loop's readout (the number of loops equals training's), with
 temperature and top-p, a stop token and a maximum length. Records the policy's log-prob of
 every sampled token (temperature 1, final loop) for comparison with the training forward.
+
+Under tensor parallelism the model returns the whole (padded) vocabulary's logits on every rank
+of a TP group and each rank's KV cache holds its own heads; ranks that pass the same prompts and
+generator state draw the same tokens. Padding ids (>= ``vocab_size``) are never drawn.
 """
 
 from dataclasses import dataclass
@@ -39,11 +43,15 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
 
 
 def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
-                banned=()) -> Tensor:
-    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids never drawn."""
-    if banned:
+                banned=(), vocab_size=None) -> Tensor:
+    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids and the padding
+    ids >= ``vocab_size`` (Megatron's vocabulary padding) are never drawn."""
+    padded = vocab_size is not None and vocab_size < logits.shape[-1]
+    if banned or padded:
         logits = logits.clone()
         logits[:, list(banned)] = float("-inf")
+        if padded:
+            logits[:, vocab_size:] = float("-inf")
     if temperature == 0:
         return logits.argmax(-1)
     probs = top_p_filter(logits.float() / temperature, top_p).softmax(-1)
@@ -61,9 +69,11 @@ def _right_pad(rows: list, pad_id: int) -> tuple:
 @torch.no_grad()
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             generator=None, banned=(), loop: int = -1) -> Rollout:
+             generator=None, banned=(), loop: int = -1, vocab_size=None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
-    ``loop`` (default the last). Log-probs are the policy's own (temperature 1, no ban)."""
+    ``loop`` (default the last). Log-probs are the policy's own (temperature 1, no ban, over the
+    model's whole padded vocabulary, as training scores them). ``vocab_size``: the real
+    vocabulary (ids beyond it are padding, never drawn); None: no padding."""
     rows = [p for p in prompts for _ in range(group_size)]
     tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp]
     device = next(model.parameters()).device
@@ -75,7 +85,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     logps = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, generator, banned)
+        nxt = sample_next(logits, temperature, top_p, generator, banned, vocab_size)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
         logps[:, t] = torch.where(done, 0.0, lp.gather(-1, nxt[:, None]).squeeze(-1).float())
