@@ -139,7 +139,7 @@ def test_resolved_config_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("name, world_size", [
-    ("demo_cpu.yaml", 1), ("cpu_2rank.yaml", 2), ("h20_8gpu.yaml", 8)])
+    ("demo_cpu.yaml", 1), ("cpu_2rank.yaml", 2), ("cpu_tp2.yaml", 2), ("h20_8gpu.yaml", 8)])
 def test_shipped_configs_are_valid(name, world_size):
     validate(parse_args(["--config", str(REPO / "configs" / name)]), world_size)
 
@@ -177,7 +177,8 @@ FROZEN_CLI_FLAGS = [
     "--ddp-bucket-size", "--ffn-hidden-size", "--fp16", "--global-batch-size", "--help",
     "--hidden-size", "--load", "--log-interval", "--looped-injection",
     "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
-    "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--max-position-embeddings",
+    "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--make-vocab-size-divisible-by",
+    "--max-position-embeddings",
     "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",
     "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",

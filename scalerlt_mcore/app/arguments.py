@@ -62,7 +62,11 @@ class ModelArgs:
     fp16: bool = False
     """Train in float16 mixed precision."""
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel size."""
+    """Tensor-parallel size: each layer's heads and MLP, and the vocabulary, split over this
+    many ranks (the data-parallel size is the world size divided by it)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size (as Megatron);
+    padding ids are never sampled and never labels."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size; the looped GPT supports only 1."""
     looped_num_loops: int = 2
@@ -435,7 +439,7 @@ def _positive(section: Any, *keys: str, minimum: float = 1) -> list[str]:
 def _check_model(m: ModelArgs, world_size: int) -> list[str]:
     errors = _positive(m, "num_layers", "hidden_size", "num_attention_heads",
                        "max_position_embeddings", "tensor_model_parallel_size",
-                       "looped_num_loops")
+                       "make_vocab_size_divisible_by", "looped_num_loops")
     errors += _positive(m, "looped_num_prelude_layers", "looped_num_coda_layers", minimum=0)
     if m.pipeline_model_parallel_size != 1:
         errors.append(f"pipeline_model_parallel_size must be 1 (the looped GPT has no "

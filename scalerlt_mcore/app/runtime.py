@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from ..cpu_backend import enable_cpu_backend
-from ..model import LoopedGPTModel, get_looped_gpt_block_spec
+from ..model import LoopedGPTModel, get_looped_gpt_block_spec, padded_vocab_size
 from ..model.config import LoopedTransformerConfig
 
 
@@ -66,11 +66,15 @@ def model_config(cfg, device: str) -> LoopedTransformerConfig:
 
 
 def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: str):
-    """The bare looped GPT on ``device``."""
+    """The bare looped GPT on ``device``; ``vocab_size`` (the tokenizer's) is padded as Megatron
+    pads it (``make_vocab_size_divisible_by`` x ``tensor_model_parallel_size``)."""
     te = cfg.model.transformer_impl == "transformer_engine"
     spec = get_looped_gpt_block_spec(config, use_transformer_engine=te)
+    m = cfg.model
     model = LoopedGPTModel(
-        config, spec, vocab_size=vocab_size,
+        config, spec,
+        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                     m.tensor_model_parallel_size),
         max_sequence_length=cfg.model.max_position_embeddings,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,

@@ -1,7 +1,8 @@
 """The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
 
-Every step's prompts derive from (seed, step, rank) alone, so a resumed run draws the same data
-as an uninterrupted one.
+Every step's prompts and samples derive from (seed, step, data-parallel rank) alone, so a
+resumed run draws the same data as an uninterrupted one, and the ranks of a tensor-parallel
+group draw the same data.
 """
 
 import contextlib
@@ -11,6 +12,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..rl.advantages import group_advantages
@@ -65,7 +67,9 @@ class RLTrainer:
     def __init__(self, cfg, model, ddp, optimizer, scheduler):
         self.cfg, self.model, self.ddp = cfg, model, ddp
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # data are drawn per data-parallel rank: identical on the ranks of a TP group
+        self.rank = parallel_state.get_data_parallel_rank()
+        self.world = parallel_state.get_data_parallel_world_size()
         self.tok = CharTokenizer()
         self.task = get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
         rl = cfg.rl
@@ -109,7 +113,8 @@ class RLTrainer:
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=(self.tok.pad_id, self.tok.bos_id), loop=loop)
+                       banned=(self.tok.pad_id, self.tok.bos_id), loop=loop,
+                       vocab_size=self.tok.vocab_size)
         self.model.train()
         return out
 
@@ -242,7 +247,7 @@ class RLTrainer:
         keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
         vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
         if self.world > 1:
-            dist.all_reduce(vals)
+            dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
             vals /= self.world
         return {**metrics, **dict(zip(keys, vals.tolist()))}
 
