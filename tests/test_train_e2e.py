@@ -435,10 +435,12 @@ TP_ITERS, TP_CUT = 5, 3  # 2 warm-up + 3 RL steps; the resumed run restarts afte
 
 
 def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
-    """``--tensor-model-parallel-size 2`` on 2 ranks (DP=1): 5 steps with checkpoints after
-    steps 3 and 5; a second job resumed from the step-3 checkpoint logs bitwise the same steps
-    4-5 and final evaluation, and saves bitwise the same parameters."""
-    common = _flags(train_iters=TP_ITERS, tensor_model_parallel_size=2, no_plot=True)
+    """``--tensor-model-parallel-size 2`` on 2 ranks (DP=1), vocabulary padded as Megatron's
+    default pads it (49 -> 256): 5 steps with checkpoints after steps 3 and 5; a second job
+    resumed from the step-3 checkpoint logs bitwise the same steps 4-5 and final evaluation,
+    and saves bitwise the same parameters."""
+    common = _flags(train_iters=TP_ITERS, tensor_model_parallel_size=2,
+                    make_vocab_size_divisible_by=128, no_plot=True)
     full = _ok(_run(_torchrun(_free_port()) + common + [
         "--save", "a_ckpt", "--save-interval", str(TP_CUT), "--run-dir", "a_run"], tmp_path))
     assert "data-parallel ranks: 1, tensor-parallel ranks: 2" in full[0]

@@ -9,6 +9,7 @@
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as _CE
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import VocabUtility
@@ -27,14 +28,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     return -(-vocab_size // multiple) * multiple
 
 
+def _group(tp_group):
+    """``tp_group``, else MCore's tensor-parallel group when model parallelism is set up."""
+    if tp_group is None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return tp_group
+
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
 def token_logprobs(logits: Tensor, labels: Tensor, tp_group=None) -> Tensor:
-    """log p(labels) from logits [..., V / tp] split over ``tp_group`` (None or size 1: not
-    split), in fp32 or wider: fp64 logits give fp64 log-probs."""
+    """log p(labels) from logits [..., V / tp] split over ``tp_group`` (default: MCore's
+    tensor-parallel group; size 1: not split), in fp32 or wider: fp64 logits give fp64
+    log-probs."""
     acc = torch.promote_types(logits.dtype, torch.float32)
+    tp_group = _group(tp_group)
     if _size(tp_group) == 1:
         logp = torch.log_softmax(logits.to(acc), dim=-1)
         return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -42,7 +52,9 @@ def token_logprobs(logits: Tensor, labels: Tensor, tp_group=None) -> Tensor:
 
 
 def gather_vocab(logits: Tensor, tp_group=None) -> Tensor:
-    """logits [..., V / tp] -> [..., V], identical on every rank of ``tp_group``."""
+    """logits [..., V / tp] -> [..., V], identical on every rank of ``tp_group`` (default as
+    ``token_logprobs``)."""
+    tp_group = _group(tp_group)
     if _size(tp_group) == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits, group=tp_group)
