@@ -224,7 +224,7 @@ def _worker(rank, world_size) -> dict:
 
 
 def test_megatron_train_step_with_shared_prefix_schedule():
-    ranks = run_distributed(_worker, WORLD, timeout=240)
+    ranks = run_distributed(_worker, WORLD, timeout=500)
     for r in ranks:
         a, b = r["shared_prefix"], r["stock"]
         assert set(a["loss"]) == {"loss", "clipped", "kl", "tokens", "num_waves"}

@@ -268,7 +268,7 @@ def _tp1_grads(dtype, step: int, dp: int) -> dict:
 def layout(request):
     """The ranks' results for one layout, and TP=1 references computed here."""
     world = request.param
-    ranks = run_distributed(_worker, world, tensor_model_parallel_size=TP, timeout=240)
+    ranks = run_distributed(_worker, world, tensor_model_parallel_size=TP, timeout=500)
     dp = world // TP
     with model_parallel_context():
         tp1 = {dtype: [_tp1_grads(dtype, s, dp) for s in range(len(PLAN))]
