@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean gpu-check wheelhouse
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,21 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# GPU acceptance check on one CUDA GPU with no network (README, "GPU acceptance check"): the
+# machine's python3 and CUDA torch, megatron-core and missing pure-Python packages from
+# .wheelhouse/; never creates .venv. GPU_CHECK_DRY_RUN=1: the CPU dry run in the existing .venv.
+GPU_CHECK_DRY := $(filter-out 0,$(GPU_CHECK_DRY_RUN))
+GPU_CHECK_PY := $(if $(GPU_CHECK_DRY),$(PY),python3)
+
+gpu-check:
+	@test -x $(GPU_CHECK_PY) || command -v $(GPU_CHECK_PY) >/dev/null || \
+		{ echo "gpu-check: $(GPU_CHECK_PY) not found (the dry run uses .venv: run make test first)"; exit 1; }
+	$(GPU_CHECK_PY) tools/gpu_check.py $(if $(GPU_CHECK_DRY),--dry-run)
+
+# On a machine with package access: the wheels gpu-check installs (CPython 3.12, x86_64).
+wheelhouse:
+	python3 tools/gpu_check.py wheelhouse
 
 clean:
 	rm -rf $(VENV) *.egg-info

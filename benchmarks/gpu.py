@@ -4,11 +4,14 @@ Runs naive / packed tree mask / joint replay (cascade, checkpointed waves, conca
 model and data, after checking in fp32 (TF32 off) that every schedule's loss and gradients
 equal naive training's. Reports response tokens/s, peak ``torch.cuda.max_memory_allocated``
 per schedule (absolute and above the memory held before the step), saved-tensor bytes, FLOPs
-and the naive/joint and tree/joint ratios. Uses the Transformer Engine layer spec when TE is
-importable (else MCore's local spec with PyTorch SDPA, and says so). Not run in CI.
+and the naive/joint and tree/joint ratios, against the GPU targets (``GPU_TARGETS``). Uses
+the Transformer Engine layer spec when TE is importable (else MCore's local spec with PyTorch
+SDPA, and says so); the cascade prefix attention runs on the fused kernel
+``looped_cascade_kernel='auto'`` picks (recorded). Run by ``make gpu-check``; not in CI.
 
-``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]``;
-``--dry-run`` runs a tiny version on CPU to exercise the code path without a GPU.
+``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]`` writes the
+JSON and the tables beside it (``gpu.md``); ``--dry-run`` runs a tiny version on CPU to
+exercise the code path without a GPU.
 """
 
 import argparse
@@ -22,6 +25,9 @@ import warnings
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# (workload, figure, minimum): naive / joint replay on one GPU; wall = tokens/s of joint over
+# naive, memory = peak torch.cuda.max_memory_allocated above the step's base.
+GPU_TARGETS = (("A", "wall", 2.5), ("A", "memory", 3.0), ("B", "wall", 4.0), ("B", "memory", 5.0))
 
 
 def parse_args(argv=None):
@@ -82,6 +88,18 @@ def _build(wl, spec, backend, device):
                                       layer_spec=spec)
     model = LoopedGPTModel(config, block, wl.vocab, wl.prompt_length + wl.response_length)
     return model.to(device).train()
+
+
+def cascade_kernels(head_dim: int, device) -> dict:
+    """dtype -> the kernel ``looped_cascade_kernel='auto'`` runs the cascade on here."""
+    from scalerlt_mcore.model.attention import resolve_cascade_kernel
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.empty(1, 1, 1, head_dim, dtype=dtype, device=device)
+        kernel = resolve_cascade_kernel("auto", q)
+        out[str(dtype).replace("torch.", "")] = getattr(kernel, "name", kernel)
+    return out
 
 
 def _memory(steps: dict, model, device) -> dict:
@@ -169,6 +187,38 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def targets(results: dict) -> list:
+    """[{workload, figure, measured, target, ok}] of ``GPU_TARGETS`` (naive over joint)."""
+    rows = []
+    for name, figure, minimum in GPU_TARGETS:
+        if name in results:
+            value = results[name]["naive_over_joint"][figure]
+            rows.append({"workload": name, "figure": f"naive/joint {figure}", "target": minimum,
+                         "measured": value, "ok": value is not None and value >= minimum})
+    return rows
+
+
+def targets_table(rows: list) -> str:
+    lines = ["| workload | figure | target | measured | met |", "|---|---|---|---|---|"]
+    for t in rows:
+        met = "n/a" if t["measured"] is None else ("yes" if t["ok"] else "NO")
+        lines.append(f"| {t['workload']} | {t['figure']} | >= {t['target']} "
+                     f"| {_f(t['measured'])} | {met} |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, results: dict, meta: dict) -> str:
+    text = (f"# GPU benchmark: naive vs packed tree mask vs joint replay\n\n"
+            f"{meta['device']}, torch {meta['torch']}, {meta['dtype']}; {meta['layer_spec']}; "
+            "cascade kernel " + ", ".join(f"{k} {v}" for k, v in meta["cascade_kernel"].items())
+            + f"; whole run {meta['bench_seconds']:.0f} s."
+            f"\n\n" + "\n".join(f"- {n}" for n in meta["notes"]) + "\n\n## Figures\n\n"
+            + table(results) + "\n\n## Targets\n\n" + targets_table(meta["targets"]) + "\n")
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -188,11 +238,11 @@ def main(argv=None) -> int:
     from .measure import AgreementError
 
     t0 = time.perf_counter()
-    results = {}
+    results, wls = {}, workloads(args)
     with model_parallel_context(seed=0):
         spec, backend, spec_note = choose_spec(args.spec)
         print(f"layer spec: {spec_note}", flush=True)
-        for wl in workloads(args):
+        for wl in wls:
             try:
                 results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
                                                args.warmup)
@@ -211,15 +261,21 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "dtype": "bfloat16 (agreement checked in float32)",
             "layer_spec": spec_note, "bench_seconds": time.perf_counter() - t0,
+            "cascade_kernel": cascade_kernels(wls[0].hidden // wls[0].heads, device),
             "notes": ["tokens/s counts trained response tokens (G * S per step)",
                       "memory ratios use the peak above the memory held when the step began",
                       "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square); "
                       "with TE, counted on a local-spec twin of the same model"]}
+    meta["targets"] = targets(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, **results}, f, indent=1)
+    markdown = os.path.splitext(args.out)[0] + ".md"
+    write_markdown(markdown, results, meta)
     print(table(results))
-    print(f"\nwhole GPU benchmark: {meta['bench_seconds']:.0f} s; results in {args.out}")
+    print("\n" + targets_table(meta["targets"]))
+    print(f"\nwhole GPU benchmark: {meta['bench_seconds']:.0f} s; results in {args.out}, "
+          f"{markdown}")
     return 0
 
 

@@ -11,6 +11,7 @@ TARGETS = (
     ("A", "naive_over_joint.saved_bytes", 5.0), ("A", "naive_over_joint.wall", 3.0),
     ("B", "naive_over_joint.flops", 5.4), ("B", "naive_over_joint.flops_causal", 5.4),
     ("B", "naive_over_joint.saved_bytes", 7.0), ("B", "naive_over_joint.wall", 4.5),
+    ("rl_step", "naive_over_joint.wall", 3.0),
 )
 JOINT_OVER_TREE_FLOPS_MAX = 1.15
 

@@ -1,9 +1,10 @@
 """CPU benchmark: naive vs packed tree mask vs joint replay, one process, same model and data.
 
-``python -m benchmarks.run [--only A,B] [--no-sweep] [--out benchmarks/results]``
+``python -m benchmarks.run [--only A,B,rl_step] [--no-sweep] [--no-rl-step] [--out ...]``
 Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
 schedule's loss or gradients differ from naive training's by more than 1e-5 (fp32, relative
-to each tensor's max).
+to each tensor's max). ``rl_step`` (benchmarks/rl_step.py): the main job's whole RL step,
+naive vs joint, on the long-prompt task; stored under ``rl_step`` in cpu.json.
 """
 
 import argparse
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-rl-step", action="store_true",
+                        help="skip the whole-RL-step benchmark (benchmarks/rl_step.py)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     for category in (UserWarning, DeprecationWarning, FutureWarning):  # MCore's import notes
@@ -91,10 +94,12 @@ def main(argv=None) -> int:
     from .measure import AgreementError
 
     workloads = list(HEADLINE) + ([] if args.no_sweep else sweep_workloads())
+    rl_step = not args.no_rl_step
     if args.only:
         keep = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in keep]
-    results = {}
+        rl_step = rl_step and "rl_step" in keep
+    results, extra = {}, {}
     with model_parallel_context(seed=args.seed):
         for wl in workloads:
             try:
@@ -103,11 +108,16 @@ def main(argv=None) -> int:
                 print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
                       file=sys.stderr)
                 return 2
+        if rl_step:
+            from .rl_step import run_rl_step
+
+            extra["rl_step"] = run_rl_step(seed=args.seed)
     total = time.perf_counter() - t0
-    return _write(args.out, results, total)
+    return _write(args.out, results, total, extra)
 
 
-def _write(out: str, results: dict, total: float) -> int:
+def _write(out: str, results: dict, total: float, extra: dict = None) -> int:
+    """``extra``: entries beside the workloads (``rl_step``), stored and reported apart."""
     from .measure import TOLERANCE
     from .report import (
         check_targets,
@@ -118,17 +128,25 @@ def _write(out: str, results: dict, total: float) -> int:
         write_markdown,
     )
 
+    extra = extra or {}
+    notes = NOTES + (extra["rl_step"]["notes"] if "rl_step" in extra else [])
     meta = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "notes": NOTES}
-    targets = check_targets(results)
+            "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "notes": notes}
+    targets = check_targets({**results, **extra})
     meta["targets"] = targets
     os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "cpu.json"), results, meta)
+    write_json(os.path.join(out, "cpu.json"), {**results, **extra}, meta)
     preamble = (f"# CPU benchmark: naive vs packed tree mask vs joint replay\n\n"
                 f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
-                f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in NOTES))
+                f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in notes))
     write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble)
+    if "rl_step" in extra:
+        from .rl_step import MD_HEADING
+        from .rl_step import markdown as rl_step_markdown
+
+        with open(os.path.join(out, "cpu.md"), "a") as f:
+            f.write(f"\n{MD_HEADING}\n\n{rl_step_markdown(extra['rl_step'])}\n")
     plot(os.path.join(out, "cpu.png"), results, "CPU: naive / joint replay")
     print(markdown_table(results))
     print()

@@ -59,31 +59,25 @@ def objective():
 
 
 def make_group(wl: Workload, seed: int = 0, device=None):
-    """A group with random tokens; old log-probs are filled in by ``attach_old_logprobs``."""
+    """A group with random tokens on ``device``; old log-probs are filled in by
+    ``attach_old_logprobs``."""
     from scalerlt_mcore.shared_prefix import SharedPrefixGroup
 
     gen = torch.Generator().manual_seed(seed)
     G, P, S, V = wl.group_size, wl.prompt_length, wl.response_length, wl.vocab
-    T = P + S
     prompt = torch.randint(1, V, (P,), generator=gen)
     if wl.full_length:
         lens = torch.full((G,), S)
     else:
         lens = torch.randint(1, S + 1, (G,), generator=gen)
         lens[0] = S
-    tokens = torch.zeros(G, T, dtype=torch.long)  # [G, T]: prompt, response, right padding
-    tokens[:, :P] = prompt
-    mask = torch.zeros(G, T)
+    responses = torch.zeros(G, S, dtype=torch.long)  # [G, S], right-padded with 0
     for i, n in enumerate(lens.tolist()):
-        tokens[i, P : P + n] = torch.randint(1, V, (n,), generator=gen)
-        mask[i, P - 1 : P - 1 + n] = 1.0  # position t predicts token t + 1
-    labels = torch.zeros_like(tokens)
-    labels[:, :-1] = tokens[:, 1:]
+        responses[i, :n] = torch.randint(1, V, (n,), generator=gen)
     advantages = torch.randn(G, generator=gen)
-    old = torch.zeros(wl.num_loops, G, T)  # [R, G, T], placeholder
-    group = SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
-                              advantages=advantages, old_logprobs=old)
-    return to_device(group, device)
+    old = torch.zeros(wl.num_loops, G, P + S)  # [R, G, T], placeholder
+    return SharedPrefixGroup.from_rollout(prompt, responses, lens, 0, device=device,
+                                          advantages=advantages, old_logprobs=old)
 
 
 @torch.no_grad()
@@ -94,12 +88,4 @@ def attach_old_logprobs(model, group, seed: int = 0, noise: float = 0.05):
     gen = torch.Generator().manual_seed(seed + 1)
     lp = lp + noise * torch.randn(lp.shape, generator=gen).to(lp.device)
     group.old_logprobs = lp * (group.loss_mask > 0)
-    return group
-
-
-def to_device(group, device):
-    if device is None:
-        return group
-    for name in ("tokens", "labels", "loss_mask", "advantages", "old_logprobs"):
-        setattr(group, name, getattr(group, name).to(device))
     return group

@@ -29,16 +29,13 @@ def group(gen) -> SharedPrefixGroup:
     """One prompt, G random responses of uneven length (right-padded with 0)."""
     prompt = torch.randint(1, VOCAB, (PROMPT,), generator=gen)
     lengths = torch.randint(1, RESPONSE + 1, (G,), generator=gen)
-    tokens = torch.zeros(G, PROMPT + RESPONSE, dtype=torch.long)
-    tokens[:, :PROMPT] = prompt
-    mask = torch.zeros(G, PROMPT + RESPONSE)
+    responses = torch.zeros(G, RESPONSE, dtype=torch.long)  # [G, S]
     for i, n in enumerate(lengths.tolist()):
-        tokens[i, PROMPT : PROMPT + n] = torch.randint(1, VOCAB, (n,), generator=gen)
-        mask[i, PROMPT - 1 : PROMPT - 1 + n] = 1  # positions whose label is a response token
-    labels = torch.zeros_like(tokens)
-    labels[:, :-1] = tokens[:, 1:]
-    return SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask,
-                             prompt_length=PROMPT, advantages=torch.randn(G, generator=gen))
+        responses[i, :n] = torch.randint(1, VOCAB, (n,), generator=gen)
+    # tokens = prompt + response, labels = tokens shifted by one, loss mask on the positions
+    # that predict a response token; all on the model's device (here the CPU)
+    return SharedPrefixGroup.from_rollout(prompt, responses, lengths, pad_id=0,
+                                          advantages=torch.randn(G, generator=gen))
 
 
 def main() -> None:

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-MCORE_VERSION = "0.16.1"
-_MARKER = "_scalerlt_cpu_backend"  # set on torch.cuda once the backend is applied
+from .mcore_compat import require_mcore, resolve
+
+_MARKER = "_scalerlt_cpu_backend"  # set on torch.cuda once every patch is applied
+_MISSING = object()  # an attribute the owner did not define itself (inherited)
 
 # "module:attr" of every applied patch, in order; filled by enable_cpu_backend().
 APPLIED: list[str] = []
@@ -37,49 +38,45 @@ def cpu_backend_enabled() -> bool:
 def enable_cpu_backend() -> bool:
     """Apply the CPU backend; return True when applied (now or before), False with CUDA.
 
-    Raises RuntimeError for any megatron-core version other than 0.16.1.
+    All or nothing: if a patch fails to apply, every patch applied so far is restored and the
+    error re-raised, so a retry starts from stock MCore. Raises RuntimeError for any
+    megatron-core version other than 0.16.1.
     """
     if torch.cuda.is_available():
         return False
-    _check_mcore_version()
+    require_mcore("scalerlt_mcore CPU backend")
     if cpu_backend_enabled():
         return True
-    for target, replacement in _patch_table():
-        _apply(target, replacement)
-    _quiet_rng_fork_warning()
+    undo = []  # one restore callable per applied patch, in order
+    try:
+        for target, replacement in _patch_table():
+            undo.append(_apply(target, replacement))
+        undo.append(_quiet_rng_fork_warning())
+    except BaseException:
+        for restore in reversed(undo):
+            restore()
+        raise
     setattr(torch.cuda, _MARKER, True)
     return True
 
 
-def _check_mcore_version() -> None:
-    """Refuse an MCore version these patches were not written for."""
-    import megatron.core
-
-    found = getattr(megatron.core, "__version__", "unknown")
-    if found != MCORE_VERSION:
-        raise RuntimeError(
-            f"scalerlt_mcore CPU backend is written for megatron-core {MCORE_VERSION}; "
-            f"found megatron-core {found}. Re-check every patch in patches/README.md "
-            "against that version before enabling it."
-        )
-
-
-def _resolve(target: str):
-    """Split 'pkg.module:Class.attr' into (owner object, attribute name)."""
-    module_name, _, attr_path = target.partition(":")
-    owner = importlib.import_module(module_name)
-    *owners, name = attr_path.split(".")
-    for part in owners:
-        owner = getattr(owner, part)
-    return owner, name
-
-
-def _apply(target: str, replacement) -> None:
-    """Replace one attribute; `replacement(original)` builds the new value."""
-    owner, name = _resolve(target)
-    original = getattr(owner, name)
-    setattr(owner, name, replacement(original))
+def _apply(target: str, replacement):
+    """Replace one attribute; `replacement(original)` builds the new value. Returns a callable
+    that puts the owner's own attribute back exactly (or removes the override of an inherited
+    one) and drops the target from APPLIED."""
+    owner, name = resolve(target)
+    own = vars(owner).get(name, _MISSING)
+    setattr(owner, name, replacement(getattr(owner, name)))
     APPLIED.append(target)
+
+    def restore() -> None:
+        if own is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+        APPLIED.remove(target)
+
+    return restore
 
 
 # --- torch.cuda replacements (each raises without CUDA in stock torch) ---------------------
@@ -164,11 +161,23 @@ class _DropRngForkWarning(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-def _quiet_rng_fork_warning() -> None:
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+
+
+def _quiet_rng_fork_warning():
     """RNG tracker fork warns when the CPU generator moves inside a fork; here the tracked
-    generator *is* the CPU generator, so every dropout inside a fork would warn."""
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngForkWarning())
-    APPLIED.append("megatron.core.tensor_parallel.random:logger (filter)")
+    generator *is* the CPU generator, so every dropout inside a fork would warn. Returns the
+    callable that removes the filter again."""
+    logger, drop = logging.getLogger(_RNG_LOGGER), _DropRngForkWarning()
+    target = f"{_RNG_LOGGER}:logger (filter)"
+    logger.addFilter(drop)
+    APPLIED.append(target)
+
+    def restore() -> None:
+        logger.removeFilter(drop)
+        APPLIED.remove(target)
+
+    return restore
 
 
 # --- MCore functions called through under _CudaAsCpu -----------------------------------------

@@ -52,33 +52,28 @@ def build_model(R: int = 2, arch: bool = False, attn: str = "cascade", hidden: i
 
 
 def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
-               kl: bool = False, group_id: int = 0, vocab: int = VOCAB) -> SharedPrefixGroup:
+               kl: bool = False, group_id: int = 0, vocab: int = VOCAB,
+               device=None) -> SharedPrefixGroup:
     """A group with one random prompt and G right-padded responses of uneven lengths in
-    [1, S] (the first has length S, the last is shorter when S > 1)."""
+    [1, S] (the first has length S, the last is shorter when S > 1), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    T = P + S
     prompt = torch.randint(1, vocab, (P,), generator=gen)
     lens = torch.randint(1, S + 1, (G,), generator=gen)
     lens[0] = S
     if G > 1 and S > 1:
         lens[-1] = max(1, S // 2)
-    tokens = torch.zeros(G, T, dtype=torch.long)
-    tokens[:, :P] = prompt
-    mask = torch.zeros(G, T, dtype=dtype)
+    responses = torch.zeros(G, S, dtype=torch.long)  # [G, S], right-padded with 0
     for i, n in enumerate(lens.tolist()):
-        tokens[i, P : P + n] = torch.randint(1, vocab, (n,), generator=gen)
-        mask[i, P - 1 : P - 1 + n] = 1  # position t predicts token t + 1
-    labels = torch.zeros_like(tokens)
-    labels[:, :-1] = tokens[:, 1:]
+        responses[i, :n] = torch.randint(1, vocab, (n,), generator=gen)
     adv = torch.randn(G, generator=gen, dtype=dtype)
     # Behaviour/reference log-probs near the tiny model's (almost uniform, log 1/V) so that
     # some tokens are clipped and some are not, whatever the advantage's sign.
     base = -math.log(vocab)
-    old = base + 0.25 * torch.randn(R, G, T, generator=gen, dtype=dtype)
-    ref = base + 0.25 * torch.randn(R, G, T, generator=gen, dtype=dtype) if kl else None
-    return SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
-                             advantages=adv, old_logprobs=old, ref_logprobs=ref,
-                             group_id=group_id)
+    old = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype)
+    ref = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype) if kl else None
+    return SharedPrefixGroup.from_rollout(prompt, responses, lens, 0, device=device,
+                                          mask_dtype=dtype, group_id=group_id, advantages=adv,
+                                          old_logprobs=old, ref_logprobs=ref)
 
 
 # ---- the naive reference loss (independent of RLObjective) -------------------------------

@@ -1,20 +1,41 @@
 """Configuration: precedence, errors that name the key, validation, resolved config, CLI."""
 
 import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import Literal, Optional
 
 import pytest
 
 from scalerlt_mcore.app.arguments import (
+    CHOICES,
+    KEYS,
+    LOOPED_FLAGS,
+    OBJECTIVE_FLAGS,
+    SCHEDULE_FLAGS,
     ConfigError,
     RunConfig,
     cli_flags,
     demo_config_text,
     field_docs,
+    library_fields,
+    looped_kwargs,
+    model_config,
+    objective_from,
     parse_args,
     save_resolved,
+    schedule_from,
+    task_from,
+    to_dict,
     validate,
+    with_library_fields,
 )
+from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.rl.advantages import ADVANTAGE_MODES
+from scalerlt_mcore.rl.objective import RLObjective
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,18 +131,67 @@ def test_batch_divisibility_names_both_numbers():
     (["--micro-batch-size", "0"], "micro_batch_size must be >= 1"),
     (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1"),
     (["--rl-loop-weights", "last"], "rl_loop_weights must be one of"),
-    (["--rl-clip-low", "0"], "rl_clip_low must be > 0"),
-    (["--rl-clip-high", "-0.1"], "rl_clip_high must be > 0"),
-    (["--bf16", "--fp16"], "bf16 and fp16 are both set"),
-    (["--rl-task", "revers"], "known tasks: modular_arithmetic, reverse, sort"),
+    (["--rl-clip-low", "0"], "rl_clip_low and rl_clip_high must be > 0"),
+    (["--rl-clip-high", "-0.1"], "rl_clip_low and rl_clip_high must be > 0"),
+    (["--bf16", "--fp16"], r"Only one of self.fp16: True and self.bf16 True should be True"),
+    (["--looped-num-loops", "0"], "looped_num_loops must be an integer >= 1, got 0"),
+    (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
+    (["--tensor-model-parallel-size", "3"],
+     r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
+    (["--make-vocab-size-divisible-by", "0"], "make_vocab_size_divisible_by must be >= 1"),
+    (["--tensor-model-parallel-size", "3"],
+     r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
+    (["--rl-task", "revers"], "known tasks: kv_retrieval, modular_arithmetic, reverse, sort"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
+    (["--rl-old-logprobs", "rollout", "--rl-ppo-epochs", "2"],
+     "rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got 2"),
+    (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(argv), world_size=1)
+
+
+def test_tensor_parallel_sizes_checked_against_data_parallel_size():
+    """TP is supported: TP=2 on 2 ranks is one data-parallel rank, whose batch checks use DP
+    size 1; an explicit vocab_size (not padded) must split over the TP ranks."""
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                      "--rl-group-size", "8", "--micro-batch-size", "8"])
+    validate(cfg, world_size=2)  # DP 1: the 8 responses on the one data-parallel rank
+    with pytest.raises(ConfigError, match=r"global_batch_size \(8\) must be divisible by "
+                       r"data-parallel size x rl_group_size \(2 x 8 = 16\)"):
+        validate(cfg, world_size=4)  # DP 2
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--vocab-size", "63"])
+    with pytest.raises(ConfigError, match=r"vocab_size \(63\) must be divisible by "
+                       r"tensor_model_parallel_size \(2\)"):
+        validate(cfg, world_size=2)
+
+
+def test_embedding_rows_pad_only_the_tokenizer_vocabulary():
+    """Megatron's padding (make_vocab_size_divisible_by x TP) applies to the tokenizer's 49
+    ids; an explicit vocab_size (a pretrained model's) is the number of rows as set."""
+    from scalerlt_mcore.app.pretrained import run_vocab_size
+
+    def rows(*argv):
+        return run_vocab_size(parse_args(list(argv)))
+
+    assert rows("--make-vocab-size-divisible-by", "1") == 49
+    assert rows("--make-vocab-size-divisible-by", "128") == 128
+    assert rows("--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "2") == 256
+    assert rows("--make-vocab-size-divisible-by", "4", "--tensor-model-parallel-size", "2") == 56
+    assert rows("--vocab-size", "64", "--tensor-model-parallel-size", "2") == 64
+
+
+def test_long_prompt_config_is_valid_and_long():
+    cfg = parse_args(["--config", str(REPO / "configs/long_prompt_cpu.yaml")])
+    validate(cfg, world_size=1)
+    task = task_from(cfg)
+    assert task.name == "kv_retrieval" and 1 + task.max_prompt_chars == 512  # bos + prompt
+    assert (cfg.rl.rl_group_size, cfg.rl.rl_max_response_length) == (16, 16)
+    assert cfg.model.max_position_embeddings == 512 + 16
 
 
 def test_validate_reports_all_problems_at_once():
@@ -144,9 +214,15 @@ def test_shipped_configs_are_valid(name, world_size):
     validate(parse_args(["--config", str(REPO / "configs" / name)]), world_size)
 
 
-def test_embedded_default_is_repo_demo_config():
-    assert demo_config_text() == (REPO / "configs/demo_cpu.yaml").read_text()
-    assert parse_args([]) == parse_args(["--config", str(REPO / "configs/demo_cpu.yaml")])
+def test_repo_demo_config_is_a_link_to_the_packaged_one():
+    link = REPO / "configs/demo_cpu.yaml"
+    packaged = REPO / "scalerlt_mcore/configs/demo_cpu.yaml"
+    assert link.is_symlink() and not os.path.isabs(os.readlink(link))  # relative: git keeps it
+    assert link.resolve() == packaged.resolve()
+    assert Path(str(resources.files("scalerlt_mcore") / "configs/demo_cpu.yaml")).resolve() \
+        == packaged.resolve()
+    assert demo_config_text() == packaged.read_text()
+    assert parse_args([]) == parse_args(["--config", str(link)])
     validate(parse_args([]), world_size=1)
 
 
@@ -156,12 +232,143 @@ def test_every_field_has_a_docstring():
         assert list(field_docs(cls)) == [f.name for f in dataclasses.fields(cls)]
 
 
-def test_choices_match_model_config():
-    from scalerlt_mcore.app.arguments import CHOICES
-    from scalerlt_mcore.model.config import INJECTIONS, PREFIX_ATTENTIONS
+# ---- the library's dataclasses are the source of the keys --------------------------------
 
-    assert set(CHOICES["looped_injection"]) == set(INJECTIONS)
-    assert set(CHOICES["looped_prefix_attention"]) == set(PREFIX_ATTENTIONS)
+
+def _library_keys() -> dict:
+    """key -> (library class, field), computed from the dataclasses alone."""
+    keys = {f.name: (LoopedTransformerConfig, f.name)
+            for f in dataclasses.fields(LoopedTransformerConfig) if f.name.startswith("looped_")}
+    keys.update({k: (RLObjective, v) for k, v in OBJECTIVE_FLAGS.items()})
+    return keys
+
+
+def test_every_looped_field_and_objective_field_is_a_key():
+    looped = {f.name for f in dataclasses.fields(LoopedTransformerConfig)
+              if f.name.startswith("looped_")}
+    # the app's own loop options (pretrained retrofit, loop curriculum) are not model fields
+    app_only = {"looped_retrofit", "looped_loops_warmup_iters"}
+    assert looped == {k for k in KEYS if k.startswith("looped_")} - app_only == set(LOOPED_FLAGS)
+    assert "looped_initial_state" in looped  # the field the app had left out
+    # every RLObjective field has a key: a new field without one fails here
+    assert sorted(OBJECTIVE_FLAGS.values()) == sorted(
+        f.name for f in dataclasses.fields(RLObjective))
+    assert set(OBJECTIVE_FLAGS) <= set(KEYS)
+
+
+def test_library_keys_have_the_library_type_default_and_doc():
+    for key, (cls, name) in _library_keys().items():
+        if key == "rl_max_response_length":  # the app's own key, fed to constant_length
+            continue
+        section = getattr(RunConfig(), KEYS[key][0])
+        lib_field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        assert KEYS[key][1] == typing.get_type_hints(cls)[name], key
+        assert getattr(section, key) == lib_field.default, key
+        assert field_docs(type(section))[key], key
+    rl_docs = field_docs(type(RunConfig().rl))
+    assert rl_docs["rl_clip_low"] == "PPO ratio clip below: ratio >= 1 - rl_clip_low."
+
+
+def test_every_literal_library_field_is_a_choice_key():
+    literal = {k: typing.get_args(typing.get_type_hints(cls)[name])
+               for k, (cls, name) in _library_keys().items()
+               if typing.get_origin(typing.get_type_hints(cls)[name]) is Literal}
+    assert set(literal) >= {"looped_injection", "looped_initial_state", "looped_prefix_attention",
+                            "rl_loss_normalization", "rl_loop_weights"}
+    assert {k: CHOICES[k] for k in literal} == literal
+    assert CHOICES["rl_advantage"] == ADVANTAGE_MODES
+    assert CHOICES["normalization"] == ("LayerNorm", "RMSNorm")  # MCore's Literal
+
+
+@dataclass
+class _Library:
+    """A library dataclass."""
+
+    size: int = 3
+    """How many (``size`` >= 1); at most max_extra."""
+    mode: Literal["a", "b"] = "a"
+    """Which mode."""
+    cap: Optional[float] = None
+    """An optional cap."""
+    max_extra: int = 0
+    """Set by the app from its own key."""
+
+
+def test_a_new_library_field_becomes_a_key_with_its_type_default_doc_and_choices():
+    flags = {"x_size": "size", "x_mode": "mode", "x_cap": "cap", "x_own": "max_extra"}
+
+    @with_library_fields(_Library, flags)
+    @dataclass
+    class Section:
+        """An app section."""
+
+        x_own: int = 7
+        """Declared by the app (also the library's ``max_extra``)."""
+
+    assert [f.name for f in dataclasses.fields(Section)] == ["x_own", "x_size", "x_mode", "x_cap"]
+    assert Section() == Section(x_own=7, x_size=3, x_mode="a", x_cap=None)
+    assert field_docs(Section) == {
+        "x_own": "Declared by the app (also the library's ``max_extra``).",
+        "x_size": "How many (``x_size`` >= 1); at most x_own.", "x_mode": "Which mode.",
+        "x_cap": "An optional cap."}
+    hints = typing.get_type_hints(Section)
+    assert hints["x_mode"] == Literal["a", "b"] and hints["x_cap"] == Optional[float]
+    assert [s[0] for s in library_fields(_Library, {"y": "mode"})] == ["y"]
+
+
+def test_values_reach_the_library_objects():
+    cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--rl-kl-coef", "0.05",
+                      "--looped-initial-state", "zeros", "--shared-prefix-checkpoint-waves",
+                      "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
+    kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
+    assert set(kwargs) == set(LOOPED_FLAGS) | {
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+        "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias"}
+    config = model_config(cfg, "cpu")
+    for key in kwargs:
+        if flat[key] is not None:  # None: MCore's default (kv_channels = hidden / heads)
+            assert getattr(config, key) == flat[key], key
+    assert (config.looped_initial_state, config.num_query_groups) == ("zeros", 4)
+    objective = objective_from(cfg)
+    for key, name in OBJECTIVE_FLAGS.items():
+        assert getattr(objective, name) == flat[key], key
+    assert objective.normalization == "constant" and objective.kl_coef == 0.05
+    schedule = schedule_from(cfg)
+    assert (schedule.wave_size, schedule.checkpoint_waves, schedule.max_response_length) == (
+        8, True, 12)
+    assert sorted(SCHEDULE_FLAGS) == ["rl_max_response_length", "shared_prefix_checkpoint_waves",
+                                      "shared_prefix_wave_size"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--looped-injection", "add"],
+     r"looped_injection must be one of \('none', 'linear_concat'\), got 'add'"),
+    (["--rl-loss-normalization", "sum"], "rl_loss_normalization must be one of"),
+    (["--rl-advantage", "ppo"], "rl_advantage must be one of"),
+    (["--normalization", "L2Norm"], r"normalization must be one of \('LayerNorm', 'RMSNorm'\)"),
+])
+def test_bad_choice_names_the_key_and_the_choices(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_values_set_in_python_are_checked_too():
+    cfg = parse_args([])
+    cfg.rl.rl_advantage, cfg.model.looped_injection, cfg.training.lr = "ppo", "add", "fast"
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1)
+    assert "rl_advantage must be one of ('grpo', 'dr_grpo', 'none'), got 'ppo'" in str(e.value)
+    assert "looped_injection must be one of" in str(e.value)
+    assert "key 'lr' expects float, got 'fast'" in str(e.value)
+
+
+def test_library_errors_name_the_key_not_the_library_field():
+    with pytest.raises(ConfigError) as e:
+        validate(parse_args(["--rl-clip-high", "0", "--shared-prefix-wave-size", "0"]), 1)
+    lines = str(e.value).splitlines()[1:]
+    assert [line.strip() for line in lines] == [
+        "rl_clip_low and rl_clip_high must be > 0", "shared_prefix_wave_size must be >= 1, got 0"]
 
 
 def test_help_lists_every_flag(capsys):
@@ -173,23 +380,27 @@ def test_help_lists_every_flag(capsys):
 
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--clip-grad", "--config",
-    "--ddp-bucket-size", "--ffn-hidden-size", "--fp16", "--global-batch-size", "--help",
-    "--hidden-size", "--load", "--log-interval", "--looped-injection",
-    "--looped-num-coda-layers", "--looped-num-loops", "--looped-num-prelude-layers",
-    "--looped-prefix-attention", "--lr", "--lr-warmup-iters", "--make-vocab-size-divisible-by",
-    "--max-position-embeddings",
-    "--micro-batch-size", "--min-lr", "--no-plot", "--normalization",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
+    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--ffn-hidden-size", "--finetune",
+    "--fp16", "--global-batch-size", "--help", "--hidden-size", "--kv-channels", "--load",
+    "--log-interval", "--looped-cascade-kernel", "--looped-initial-state", "--looped-injection",
+    "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
+    "--looped-num-prelude-layers", "--looped-prefix-attention", "--looped-retrofit", "--lr",
+    "--lr-warmup-iters", "--make-vocab-size-divisible-by", "--max-position-embeddings",
+    "--micro-batch-size", "--min-lr", "--no-load-optim", "--no-load-rng", "--no-plot",
+    "--norm-epsilon", "--normalization",
     "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
-    "--pipeline-model-parallel-size", "--position-embedding-type", "--rl-advantage",
-    "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
+    "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
+    "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
     "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-partial-credit", "--rl-ppo-epochs", "--rl-task",
+    "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
+    "--rl-rollout", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
-    "--run-dir", "--save", "--save-interval", "--seed", "--shared-prefix-checkpoint-waves",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--tensor-model-parallel-size",
-    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--weight-decay",
+    "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
+    "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",
+    "--swiglu", "--tensor-model-parallel-size", "--train-iters", "--transformer-impl",
+    "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
+    "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size", "--weight-decay",
 ]
 
 

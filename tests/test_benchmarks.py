@@ -124,3 +124,57 @@ def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
     result = json.loads(out.read_text())["A"]
     assert set(result["schedules"]) == set(SCHEDULES)
     assert result["naive_over_joint"]["flops"] > 1
+
+
+# ---- the whole RL step (benchmarks/rl_step.py) ---------------------------------------------
+
+TINY_RL = {  # the long-prompt config made tiny
+    "num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "looped_num_loops": 2,
+    "max_position_embeddings": 32,
+    "rl_task_options": "{num_pairs: 4, key_len: 2, value_len: 1}", "rl_group_size": 4,
+    "global_batch_size": 8, "micro_batch_size": 4, "rl_max_response_length": 4,
+    "shared_prefix_wave_size": 2, "rl_eval_every": 0,
+}
+
+
+def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
+    from benchmarks.rl_step import kv_cache_bytes, merge_into, run_rl_step
+    from benchmarks.run import _write
+
+    result = run_rl_step(steps=1, warmup=0, overrides=TINY_RL, log=lambda *a, **k: None)
+    for key in ("naive_over_joint", "naive_over_joint_rollout_logprobs"):
+        assert set(result[key]) == {"wall", "rollout", "score", "train"}
+        assert all(isinstance(result[key][p], float) and result[key][p] > 0
+                   for p in ("wall", "rollout", "train")), result[key]
+    variants = result["variants"]
+    assert set(variants) == {"naive", "joint", "joint_rollout_logprobs"}
+    assert variants["joint_rollout_logprobs"]["score_s"] < variants["joint"]["score_s"]
+    for v in variants.values():
+        assert v["rollout_logprob_max_diff"] <= 1e-5
+        assert v["step_s"] >= v["rollout_s"] + v["score_s"] + v["train_s"]
+    ro = result["rollouts"]
+    assert ro["same_samples"] and ro["max_logprob_diff"] <= 1e-5
+    # 2 prompts of 1 + 4 * 5 + 3 = 24 tokens, G = 4, 4 new tokens; K/V of 2 loops, 4 heads of 8
+    per_token = 2 * 2 * 4 * 8 * 4
+    assert ro["per_row"]["kv_cache_bytes"] == per_token * 8 * (24 + 4)
+    assert ro["prompt_once"]["kv_cache_bytes"] == per_token * (2 * 24 + 8 * 4)
+    config = type("C", (), {"num_query_groups": None, "num_attention_heads": 4,
+                            "looped_num_depths": 2, "kv_channels": 8})
+    assert kv_cache_bytes(config, 2, 4, 24, 4, 4)["per_row"] == per_token * 8 * 28
+    assert ro["per_row"]["peak_tensor_bytes"] > ro["prompt_once"]["peak_tensor_bytes"] > 0
+    assert _write(str(tmp_path), {}, 1.0, {"rl_step": result}) == 0
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    assert doc["rl_step"]["naive_over_joint"] == result["naive_over_joint"]
+    assert [t["workload"] for t in doc["meta"]["targets"]] == ["rl_step"]
+    assert "## Whole RL step (rl_step)" in (tmp_path / "cpu.md").read_text()
+    # run alone, it joins the results already there (twice: its section is replaced)
+    (tmp_path / "cpu.json").write_text(json.dumps({"meta": {"targets": [{"workload": "A"}]},
+                                                   "A": {"x": 1}}))
+    (tmp_path / "cpu.md").write_text("# bench\n\nA table\n")
+    merge_into(str(tmp_path), result)
+    merge_into(str(tmp_path), result)
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    assert doc["A"] == {"x": 1} and doc["rl_step"]["rollouts"] == result["rollouts"]
+    assert [t["workload"] for t in doc["meta"]["targets"]] == ["A", "rl_step"]
+    md = (tmp_path / "cpu.md").read_text()
+    assert md.startswith("# bench\n\nA table\n") and md.count("## Whole RL step") == 1

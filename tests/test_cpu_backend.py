@@ -1,18 +1,27 @@
-"""The opt-in CPU backend: explicit, idempotent, version-checked, and each patch works."""
+"""The opt-in CPU backend: explicit, idempotent, all or nothing, version-checked, and each
+patch works. The MCore workarounds outside it: ledgered, registered and version-guarded."""
 
+import ast
+import importlib
+import inspect
 import json
 import logging
+import os
+import pkgutil
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import megatron.core
 import pytest
 import torch
 
-from scalerlt_mcore import cpu_backend
+import scalerlt_mcore
+from scalerlt_mcore import cpu_backend, mcore_compat
 from scalerlt_mcore.cpu_backend import cpu_backend_enabled, enable_cpu_backend
+from scalerlt_mcore.mcore_compat import resolve
 
 LEDGER = Path(__file__).resolve().parents[1] / "patches" / "README.md"
 
@@ -62,12 +71,12 @@ def test_not_applied_at_import_and_every_target_patched_when_enabled():
 
 def test_enable_twice_is_a_noop():
     assert enable_cpu_backend() is True
-    patched = {t: getattr(*cpu_backend._resolve(t)) for t in _targets()}
+    patched = {t: getattr(*resolve(t)) for t in _targets()}
     applied = list(cpu_backend.APPLIED)
     assert enable_cpu_backend() is True
     assert cpu_backend_enabled()
     assert cpu_backend.APPLIED == applied
-    assert all(getattr(*cpu_backend._resolve(t)) is obj for t, obj in patched.items())
+    assert all(getattr(*resolve(t)) is obj for t, obj in patched.items())
 
 
 def test_wrong_mcore_version_is_refused(monkeypatch):
@@ -86,6 +95,149 @@ def test_ledger_lists_every_patch():
     enable_cpu_backend()
     rows = re.findall(r"^\| \d+ \| `([^`]+)` \|", LEDGER.read_text(), flags=re.M)
     assert sorted(rows) == sorted(cpu_backend.APPLIED)
+
+
+def _import_all() -> list[str]:
+    """Import every scalerlt_mcore module (registering every workaround); the registry."""
+    for info in pkgutil.walk_packages(scalerlt_mcore.__path__, "scalerlt_mcore."):
+        importlib.import_module(info.name)
+    return list(mcore_compat.WORKAROUNDS)
+
+
+def test_ledger_lists_every_workaround():
+    """patches/README.md has one W row per registered workaround, numbered W1.., every cell
+    (behaviour, what it does, tests, when it can go) filled."""
+    rows = re.findall(r"^\| (W\d+) \| `([^`]+)` \|(.*)\|$", LEDGER.read_text(), flags=re.M)
+    assert [row[0] for row in rows] == [f"W{i + 1}" for i in range(len(rows))]
+    assert sorted(row[1] for row in rows) == sorted(_import_all())
+    for number, target, rest in rows:
+        cells = [cell.strip() for cell in rest.split(" | ")]
+        assert len(cells) == 4 and all(cells), (number, target, cells)
+
+
+def test_every_workaround_refuses_another_mcore_version(monkeypatch):
+    """Each registered workaround raises naming itself and the found version; the guard runs
+    before the arguments are looked at."""
+    targets = _import_all()
+    assert len(targets) == 4, targets
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    for target in targets:
+        with pytest.raises(RuntimeError, match=re.escape(target) + r".*0\.16\.1.*found "
+                           r"megatron-core 0\.17\.0"):
+            getattr(*resolve(target))()
+
+
+# Runs in a fresh interpreter (the tests' own process has the backend enabled): a patch table
+# with a bad target in the middle, then the real table; each builder records what it wrapped.
+_ROLLBACK_PROBE = """
+import json, logging
+from scalerlt_mcore import cpu_backend
+from scalerlt_mcore.mcore_compat import resolve
+BAD = "megatron.core.optimizer.optimizer:NoSuchOptimizer.__init__"
+table = cpu_backend._patch_table
+targets = [t for t, _ in table()]
+logger = logging.getLogger("megatron.core.tensor_parallel.random")
+built = {}  # target -> [(original, replacement)] per build
+def current():
+    return [getattr(*resolve(t)) for t in targets]
+def owned():
+    return [name in vars(owner) for owner, name in map(resolve, targets)]
+def filters():
+    return sum(isinstance(f, cpu_backend._DropRngForkWarning) for f in logger.filters)
+def recording(target, build):
+    def record(original):
+        built.setdefault(target, []).append((original, build(original)))
+        return built[target][-1][1]
+    return record
+def table_with(bad_at=None):
+    rows = [(t, recording(t, b)) for t, b in table()]
+    if bad_at is not None:
+        rows.insert(bad_at, (BAD, lambda original: original))
+    return rows
+def state():
+    return {"marker": cpu_backend.cpu_backend_enabled(), "applied": list(cpu_backend.APPLIED),
+            "filters": filters(), "built": {t: len(b) for t, b in built.items()}}
+stock, stock_owned = current(), owned()
+cpu_backend._patch_table = lambda: table_with(len(targets) // 2)
+try:
+    cpu_backend.enable_cpu_backend()
+    error = None
+except AttributeError as err:
+    error = str(err)
+failed = {**state(), "error": error, "owned": owned() == stock_owned,
+          "stock": [a is b for a, b in zip(current(), stock)]}
+built.clear()
+cpu_backend._patch_table = table_with
+enabled = cpu_backend.enable_cpu_backend()
+retry = {**state(), "enabled": enabled,
+         "from_stock": [built[t][0][0] is s for t, s in zip(targets, stock)],
+         "installed": [built[t][0][1] is c for t, c in zip(targets, current())]}
+print(json.dumps({"targets": targets, "failed": failed, "retry": retry}))
+"""
+
+
+def test_failed_patch_restores_everything_and_retry_applies_once():
+    """A patch failing halfway restores every patch applied before it (marker unset, APPLIED
+    empty, no logging filter); the retry then wraps each stock target exactly once."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _ROLLBACK_PROBE], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    targets, failed, retry = probe["targets"], probe["failed"], probe["retry"]
+    assert "NoSuchOptimizer" in failed["error"]
+    assert failed["built"] == {t: 1 for t in targets[: len(targets) // 2]}  # failed mid-table
+    assert all(failed["stock"]) and failed["owned"]
+    assert (failed["marker"], failed["applied"], failed["filters"]) == (False, [], 0)
+    assert retry["enabled"] and retry["marker"] and retry["filters"] == 1
+    assert retry["built"] == {t: 1 for t in targets}
+    assert all(retry["from_stock"]) and all(retry["installed"])
+    assert retry["applied"] == [*targets, "megatron.core.tensor_parallel.random:logger (filter)"]
+
+
+def _is_context(node) -> bool:
+    """`inference_context`, `kwargs['inference_context']` or `kwargs.get('inference_context')`."""
+    if isinstance(node, ast.Name):
+        return node.id == "inference_context"
+    key = node.slice if isinstance(node, ast.Subscript) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        key = node.args[0] if node.func.attr == "get" and node.args else None
+    return isinstance(key, ast.Constant) and key.value == "inference_context"
+
+
+def _context_reads(cls) -> set:
+    """Attributes read of an inference context in the source of `cls`'s MCore classes."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("megatron."):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+            names |= {node.attr for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and _is_context(node.value)}
+    return names
+
+
+def test_loopkv_answers_what_mcore_asks():
+    """LoopKV (ledger W1) answers exactly what MCore's TransformerLayer reads of an inference
+    context, and MCore's Attention never sees it: LoopedSelfAttention overrides forward and
+    calls no MCore method that takes an inference context."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from scalerlt_mcore.model.attention import LoopedSelfAttention
+    from scalerlt_mcore.model.kv import LoopKV
+
+    assert _context_reads(TransformerLayer) == set(LoopKV.MCORE_METHODS)
+    ctx = LoopKV()
+    assert [getattr(ctx, m)() for m in LoopKV.MCORE_METHODS] == [False, True, False]
+    takes_context = {name for base in LoopedSelfAttention.__mro__[1:]
+                     if base.__module__.startswith("megatron.")
+                     for name, fn in vars(base).items() if inspect.isfunction(fn)
+                     and "inference_context" in inspect.signature(fn).parameters}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(LoopedSelfAttention)))
+    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == "self"}
+    assert "forward" in takes_context and "forward" in vars(LoopedSelfAttention)
+    assert called and not called & takes_context, called & takes_context
 
 
 def test_rng_tracker_uses_cpu_generator(mcore_single, caplog):

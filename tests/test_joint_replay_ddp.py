@@ -464,7 +464,7 @@ def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce):
     for r in ranks:  # MCore sets bucket_size = None (one bucket) without overlap_grad_reduce
         assert len(set(r["buckets"])) == 1
         assert (r["buckets"][0] > 1) if overlap_grad_reduce else (r["buckets"][0] == 1)
-    waves = [w for r in ranks for step in r["waves"] for w in step]
+    waves = [int(w) for r in ranks for step in r["waves"] for w in step]
     assert len(set(waves)) >= 4, "the plan must exercise different wave counts"
     assert r0["err_ac"] == r1["err_ac"], "reduced grads are the same on both ranks"
     for step, (ac, loss) in enumerate(zip(r0["err_ac"], r0["loss_err"])):

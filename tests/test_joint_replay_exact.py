@@ -257,3 +257,17 @@ def test_grad_scale_func_applied_like_stock(mcore_single):
     unscaled = grads(model)
     assert max(rel_errors(got, ref).values()) <= 1e-12
     assert max(rel_errors({n: g / 1024.0 for n, g in got.items()}, unscaled).values()) <= 1e-12
+
+
+def test_result_values_average_like_megatron_lm(mcore_single):
+    """Megatron-LM's train_step averages every value of the returned loss dicts with
+    ``torch.cat([x[key].view(-1) for x in losses]).mean()``: every value must be a floating
+    tensor (an integer num_waves would make ``mean`` raise)."""
+    model = build_model(R=2).double()
+    groups = [make_group(5, 6, 3, 2, seed=21, group_id=0), make_group(3, 6, 3, 2, seed=22)]
+    out = joint_step(model, groups, LossSpec(), 2)
+    for key in out[0]:
+        values = torch.cat([o[key].view(-1) for o in out])
+        assert values.is_floating_point(), key
+        values.mean()
+    assert [float(o["num_waves"]) for o in out] == [3.0, 2.0]

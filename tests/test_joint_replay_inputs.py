@@ -6,6 +6,12 @@
 - With checkpointed waves, a mutation made during a wave's backward is caught before that
   wave's recompute.
 - A malformed group is rejected before any compute: no phase callback, grads untouched.
+- Every field the replay reads is guarded: prompt_length, group_id, and an optional tensor
+  that was None when fingerprinted and is set later.
+- Checked up front against the model and the loss: token ids and labels in the vocabulary,
+  labels the tokens shifted by one where the loss reads them (inside responses and at P - 1),
+  sequences within the position table, reference log-probs when the KL is on, no dropout.
+- A step refused after waves ran says that their gradients remain and must be discarded.
 """
 
 import math
@@ -211,12 +217,17 @@ BAD = {
 }
 
 
+def _reject_corrupted(model, corruption, message: str) -> None:
+    """A group corrupted by ``corruption`` is refused before compute with ``message``."""
+    group = _group()
+    corruption(group)
+    _reject(model, group, ValueError, message)
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_rejected_with_clear_error(model, case):
-    group = _group()
     corrupt, pattern = BAD[case]
-    corrupt(group)
-    _reject(model, group, ValueError, rf"group {GID}: .*{pattern}")
+    _reject_corrupted(model, corrupt, rf"group {GID}: .*{pattern}")
 
 
 def test_response_longer_than_max_rejected(model):
@@ -254,3 +265,210 @@ def test_later_group_changed_while_earlier_group_trains_is_caught(model):
     now = grads(model)
     for n, g in after_first.items():
         assert torch.equal(now[n], g), f"{n} changed by the refused group"
+
+
+# ---- every field the replay reads is guarded ----------------------------------------------
+
+
+SCALAR_MUTATIONS = {
+    "prompt_length": lambda g: setattr(g, "prompt_length", g.prompt_length - 1),
+    "group_id": lambda g: setattr(g, "group_id", g.group_id + 1),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALAR_MUTATIONS))
+def test_scalar_field_changed_after_waves_is_caught_before_replay(model, name):
+    group = _group()
+    rec = Recorder(model, at_wave=2, action=SCALAR_MUTATIONS[name])
+    with pytest.raises(ReplayInputError) as info:
+        joint_step(model, [group], LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    msg = str(info.value)
+    assert f"group {GID}: replay input '{name}' changed" in msg and "joint replay" in msg, msg
+    assert rec.calls == ["prompt_producer", "wave", "wave"], rec.calls
+
+
+def test_prompt_length_of_later_group_changed_while_earlier_trains_is_caught(model):
+    """A later group's prompt_length changed while the first group trains would train it on
+    wrong positions (its tokens still pass every check): refused before it runs."""
+    first = make_group(4, 5, 3, R, seed=8, kl=True, group_id=GID)
+    second = _group()
+    second.group_id = GID + 1
+    calls = []
+
+    def callback(phase, group):
+        calls.append((phase, group.group_id))
+        if (phase, group) == ("wave", first):
+            second.prompt_length = P - 2
+
+    with pytest.raises(ReplayInputError,
+                       match=rf"group {GID + 1}: replay input 'prompt_length' changed .*{P} -> "
+                             rf"{P - 2}"):
+        joint_step(model, [first, second], LossSpec(kl_coef=0.1), W, phase_callback=callback)
+    assert ("joint_replay", GID) in calls and ("prompt_producer", GID + 1) not in calls, calls
+
+
+def test_optional_field_set_after_first_use_is_caught(model):
+    """A field that was None when fingerprinted and is set later is a ReplayInputError naming
+    it (the replay would read it), not a bare KeyError."""
+    group = make_group(G, P, S, R, seed=4, kl=False, group_id=GID)
+    ref = torch.full((R, G, P + S), -3.0, dtype=torch.float64)
+    rec = Recorder(model, at_wave=2, action=lambda g: setattr(g, "ref_logprobs", ref))
+    with pytest.raises(ReplayInputError,
+                       match=rf"group {GID}: replay input 'ref_logprobs' changed .*None -> "):
+        joint_step(model, [group], LossSpec(), W, phase_callback=rec)
+    assert rec.calls == ["prompt_producer", "wave", "wave"], rec.calls
+
+
+# ---- inputs checked up front against the model and the loss --------------------------------
+
+
+def _set(name, index, value):
+    def f(g):
+        getattr(g, name)[index] = value
+    return f
+
+
+def _bump(name, index):
+    def f(g):
+        _bump_token(getattr(g, name), index)
+    return f
+
+
+def _no_ref(g):
+    g.ref_logprobs = None
+
+
+LAST = G - 1  # its response has length S // 2 = 2: positions P+1 .. T-2 are padding
+BAD_FOR_MODEL = {
+    "label_in_response_not_next_token": (
+        _bump("labels", (0, P + 1)), rf"labels\[0, {P + 1}\] = \d+ is not the next token "
+                                     rf"tokens\[0, {P + 2}\]"),
+    "label_at_last_prompt_position_not_next_token": (
+        _bump("labels", (2, P - 1)), rf"labels\[2, {P - 1}\] = \d+ is not the next token "
+                                     rf"tokens\[2, {P}\]"),
+    "response_token_outside_vocab": (
+        _set("tokens", (3, P + 1), VOCAB), rf"tokens\[3, {P + 1}\] = {VOCAB} lies outside the "
+                                           rf"vocabulary \[0, {VOCAB}\)"),
+    "prompt_token_outside_vocab": (
+        _set("tokens", (slice(None), 2), VOCAB + 5), rf"tokens\[0, 2\] = {VOCAB + 5} lies "
+                                                     rf"outside the vocabulary"),
+    "negative_token": (_set("tokens", (0, P + 2), -1), rf"tokens\[0, {P + 2}\] = -1 lies outside"),
+    "label_on_padding_outside_vocab": (
+        _set("labels", (LAST, P + 2), VOCAB + 1), rf"labels\[{LAST}, {P + 2}\] = {VOCAB + 1} "
+                                                  rf"lies outside the vocabulary"),
+    "kl_without_ref_logprobs": (_no_ref, r"kl_coef = 0.1 > 0 needs ref_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOR_MODEL))
+def test_input_the_model_or_loss_cannot_use_rejected_before_compute(model, case):
+    corrupt, pattern = BAD_FOR_MODEL[case]
+    _reject_corrupted(model, corrupt, rf"group {GID}: {pattern}")
+
+
+def test_sequence_longer_than_position_table_rejected_before_compute(model):
+    """Learned absolute positions: a sequence past max_sequence_length has no position
+    embedding for its last positions (without the check: an IndexError mid-step)."""
+    table = model.max_sequence_length
+    long_group = make_group(3, table - 2, 3, R, seed=5, kl=True, group_id=GID)  # T = table + 1
+    _reject(model, long_group, ValueError,
+            rf"group {GID}: sequence length {table + 1} \(prompt {table - 2} \+ response 3\) "
+            rf"exceeds the model's position table \(max_sequence_length {table}\)")
+    fits = make_group(3, table - 3, 3, R, seed=5, kl=True, group_id=GID)  # T = table
+    rec = Recorder(model)
+    joint_step(model, [fits], LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    assert rec.calls[-1] == "joint_replay"
+
+
+# ---- dropout is rejected: the replay would draw other masks than the prompt producer ---------
+
+
+def _config_dropout(name):
+    def f(model):
+        setattr(model.config, name, 0.1)
+    return f
+
+
+def _extra_dropout(model):
+    model.decoder.layers[0].mlp.add_module("noise", torch.nn.Dropout(0.2))
+
+
+DROPOUT = {
+    "hidden_dropout_set_after_build": (_config_dropout("hidden_dropout"),
+                                       r"config.hidden_dropout = 0.1 \(flag --hidden-dropout\)"),
+    "attention_dropout_set_after_build": (
+        _config_dropout("attention_dropout"),
+        r"config.attention_dropout = 0.1 \(flag --attention-dropout\)"),
+    "dropout_module": (_extra_dropout,
+                       r"module 'decoder.layers.0.mlp.noise' \(Dropout\) drops with p = 0.2 "
+                       r"in training mode"),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPOUT))
+def test_dropout_rejected_before_compute(model, case):
+    add_dropout, pattern = DROPOUT[case]
+    add_dropout(model)
+    _reject(model, _group(), ValueError, rf"joint replay does not support dropout: {pattern}")
+
+
+def test_model_built_with_hidden_dropout_rejected_before_compute(mcore_single):
+    """Layers keep their own copy of hidden_dropout: resetting the config does not help."""
+    model = build_model(R=R, arch=True, hidden_dropout=0.1).double()
+    model.config.hidden_dropout = 0.0
+    _reject(model, _group(), ValueError,
+            r"does not support dropout: module '\S+' \(\w+\) (drops with p|applies "
+            r"hidden_dropout) = 0.1 in training mode")
+
+
+def test_dropout_scoring_in_eval_mode_accepted(model):
+    """In eval mode dropout is off: forward_only scoring runs; in training mode it is refused."""
+    model.config.hidden_dropout = 0.1
+    _reject(model, _group(), ValueError, r"config.hidden_dropout = 0.1", forward_only=True)
+    model.eval()
+    rec = Recorder(model)
+    out = joint_step(model, [_group()], LossSpec(kl_coef=0.1), W, forward_only=True,
+                     phase_callback=rec)
+    assert out[0]["logprobs"].shape == (R, G, P + S)
+
+
+def test_label_off_the_loss_mask_need_not_be_next_token(model):
+    """Labels the loss does not weigh (loss_mask 0, e.g. padding) are only checked against the
+    vocabulary: a padding label that is another valid id is accepted."""
+    group = _group()
+    assert group.loss_mask[LAST, P + 2] == 0
+    _bump_token(group.labels, (LAST, P + 2))
+    rec = Recorder(model)
+    joint_step(model, [group], LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    assert rec.calls[-1] == "joint_replay"
+
+
+# ---- a refused step: the contract ------------------------------------------------------------
+
+
+def test_refused_step_says_its_partial_grads_must_be_discarded(model):
+    """Refused after two waves ran: their gradients stay (the schedule never restores grads),
+    and the error tells the caller to discard them and not to step (tests/test_refused_step.py:
+    the trainer does)."""
+    rec = Recorder(model, at_wave=2, action=MUTATIONS["advantages"])
+    with pytest.raises(ReplayInputError) as info:
+        joint_step(model, [_group()], LossSpec(kl_coef=0.1), W, phase_callback=rec)
+    msg = str(info.value)
+    assert "refused after compute began" in msg and "discard them" in msg, msg
+    assert "do not step the optimizer" in msg, msg
+    assert any(p.grad is not None and p.grad.any() for p in model.parameters())
+
+
+def test_naive_step_checks_the_loss_needs_up_front(model):
+    """The naive schedule asks the loss's check_group too: KL without reference log-probs is
+    refused before any compute, not in the middle of the step."""
+    group = _group()
+    group.ref_logprobs = None
+    for p in model.parameters():
+        p.grad = None
+    from scalerlt_mcore.rl.objective import rl_forward_step
+    from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
+
+    with pytest.raises(ValueError, match=rf"group {GID}: kl_coef = 0.1 > 0 needs ref_logprobs"):
+        library_naive_step(model, [group], rl_forward_step(LossSpec(kl_coef=0.1).objective()), 2)
+    assert all(p.grad is None for p in model.parameters())

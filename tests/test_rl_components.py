@@ -1,6 +1,9 @@
 """Tokenizer, tasks and advantage / loss functions of ``scalerlt_mcore.rl``."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from scalerlt_mcore.rl import (
     group_advantages,
     kl_k3,
     ppo_clipped_objective,
+    tasks,
 )
 from scalerlt_mcore.rl.tasks import TASKS
 
@@ -58,12 +62,16 @@ def test_task_deterministic_from_seed_not_global_rng(name):
     assert task.supervised_pairs(5, 3) == [(p.prompt, p.answer) for p in first[:3]]
 
 
+LONG_PROMPT_TASKS = {"kv_retrieval"}  # prompts of hundreds of characters on purpose
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_task_problems_fit_tokenizer_and_limits(name):
     task, tok = get_task(name), CharTokenizer()
+    limit = task.max_prompt_chars if name in LONG_PROMPT_TASKS else 12
     for p in task.sample(seed=1, n=200):
         tok.encode(p.prompt + p.answer)
-        assert len(p.prompt) <= min(task.max_prompt_chars, 12)
+        assert len(p.prompt) <= min(task.max_prompt_chars, limit)
         assert 1 <= len(p.answer) <= task.max_answer_chars
         assert task.reward(p, p.answer) == 1.0
 
@@ -88,6 +96,69 @@ def test_reverse_and_sort_answers():
         assert p.prompt.endswith("|") and p.answer == "".join(sorted(p.prompt[:-1]))
 
 
+def _parse_kv(prompt: str) -> tuple:
+    """(dict of the context's pairs, the list of keys in order, the queried key)."""
+    context, query = prompt.split("|")
+    pairs = [pair.split(":") for pair in context.split(",")]
+    assert query.endswith("=")
+    return dict(pairs), [k for k, _ in pairs], query[:-1]
+
+
+def test_kv_retrieval_default_is_a_512_token_prompt_with_a_retrievable_answer():
+    task, tok = get_task("kv_retrieval"), CharTokenizer()
+    problems = task.sample(seed=3, n=50)
+    for p in problems:
+        assert len(tok.encode(p.prompt, bos=True)) == 512 == 1 + task.max_prompt_chars
+        table, keys, query = _parse_kv(p.prompt)
+        assert len(keys) == len(table) == 42  # distinct keys
+        assert all(len(k) == 6 and k.isalpha() for k in keys)
+        assert all(len(v) == 4 and v.isdigit() for v in table.values())
+        assert p.answer == table[query]
+        assert task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer[:-1]) == 0.0
+    # the queried pair sits anywhere in the context
+    positions = {_parse_kv(p.prompt)[1].index(_parse_kv(p.prompt)[2]) for p in problems}
+    assert len(positions) > 20
+
+
+def test_kv_retrieval_options_and_errors():
+    task = get_task("kv_retrieval", num_pairs=5, key_len=2, value_len=3)
+    for p in task.sample(seed=0, n=30):
+        table, keys, query = _parse_kv(p.prompt)
+        assert len(keys) == len(table) == 5 and len(p.answer) == 3 == task.max_answer_chars
+        assert len(p.prompt) == task.max_prompt_chars == 5 * 7 + 3
+    with pytest.raises(ValueError, match="num_pairs must be >= 1"):
+        get_task("kv_retrieval", num_pairs=0)
+    with pytest.raises(ValueError, match="too few distinct keys"):
+        get_task("kv_retrieval", num_pairs=14, key_len=1)
+    with pytest.raises(ValueError, match="value_len must be >= 1"):
+        get_task("kv_retrieval", value_len=0)
+
+
+def test_kv_retrieval_draw_does_not_depend_on_the_hash_seed():
+    """Problems derive from the seed alone: the same in every process (ranks, resumed runs),
+    whatever PYTHONHASHSEED randomises (set and dict order of strings). The subprocesses load
+    tasks.py alone (standard library only)."""
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('t', sys.argv[1]); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            "print([(p.prompt, p.answer) for p in "
+            "m.get_task('kv_retrieval', num_pairs=30, key_len=2).sample(seed=4, n=3)])")
+    outs = {subprocess.run([sys.executable, "-c", code, tasks.__file__], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": str(h)},
+                           check=True).stdout.strip() for h in (1, 2, 3)}
+    here = get_task("kv_retrieval", num_pairs=30, key_len=2).sample(seed=4, n=3)
+    assert outs == {repr([(p.prompt, p.answer) for p in here])}
+
+
+def test_kv_retrieval_training_and_evaluation_prompts_differ():
+    """Training draws (one seed per step) and evaluation draws (another seed) share no prompt:
+    the context of N random pairs makes the prompt space large."""
+    task = get_task("kv_retrieval", num_pairs=8, key_len=3, value_len=2)
+    train = {p.prompt for seed in range(50) for p in task.sample(seed, 8)}
+    evals = {p.prompt for p in task.sample(10**6, 64)}
+    assert len(train) == 400 and len(evals) == 64
+    assert not train & evals
+
+
 def test_reward_exact_wrong_and_partial():
     task = get_task("reverse")
     p = Problem("abcd>", "dcba")
@@ -101,7 +172,8 @@ def test_reward_exact_wrong_and_partial():
 
 
 def test_get_task_errors():
-    with pytest.raises(ValueError, match="known tasks: modular_arithmetic, reverse, sort"):
+    with pytest.raises(ValueError,
+                       match="known tasks: kv_retrieval, modular_arithmetic, reverse, sort"):
         get_task("revers")
     with pytest.raises(ValueError, match="no option 'modulos'"):
         get_task("modular_arithmetic", modulos=7)

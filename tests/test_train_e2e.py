@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from scalerlt_mcore.app.arguments import ConfigError, load_config, parse_args, to_dict, validate
+from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import _free_port, model_parallel_context, run_distributed
 
 TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
@@ -81,13 +82,13 @@ def _records(run_dir) -> list:
 def _trainer(argv: list):
     """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
     from scalerlt_mcore.app import runtime
+    from scalerlt_mcore.app.pretrained import run_vocab_size
     from scalerlt_mcore.app.trainer import RLTrainer
-    from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
     cfg = parse_args(argv)
     validate(cfg, torch.distributed.get_world_size())
     config = runtime.model_config(cfg, "cpu")
-    model = runtime.build_model(cfg, config, CharTokenizer().vocab_size, "cpu")
+    model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
     return RLTrainer(cfg, model, *runtime.wrap_for_training(cfg, config, model))
 
 
@@ -195,8 +196,8 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, two_rank_job):
     r0, steps = two_rank_job[0], [r for r in records if r["kind"] != "eval"]
     assert len(steps) == len(r0["metrics"])
     for record, m in zip(steps, r0["metrics"]):
-        assert {k: v for k, v in record.items() if k not in ("kind", "step", "tokens_per_s")} \
-            == {k: v for k, v in m.items() if k != "tokens_per_s"}
+        assert {k: v for k, v in record.items() if k not in ("kind", "step", *TIMED_METRICS)} \
+            == {k: v for k, v in m.items() if k not in TIMED_METRICS}
     saved = _load(_flags(train_iters=TWO_RANK_ITERS), ckpt)
     assert saved["step"] == TWO_RANK_ITERS
     assert torch.equal(saved["params"], r0["params"])
@@ -340,6 +341,66 @@ def test_joint_replay_and_naive_training_agree(mcore_single):
     assert diff.max() > 0, "the trajectories differ by rounding: the bound is exercised"
 
 
+# Old log-probs from the rollout vs from the scoring pass, at equal parameters: the same
+# per-token log-probs computed by decoding (prompt once, one token at a time) and by the
+# shared-prefix forward, fp32 rounding through ~10 layer applications (as the decode tests).
+ROLLOUT_LOGPROB_ATOL = 1e-5
+
+
+def test_rollout_modes_and_rollout_logprobs_as_old_logprobs(mcore_single):
+    """The main job's RL step with prompt-once rollouts (the default), per-row rollouts, and the
+    rollout's own log-probs as old log-probs (no scoring pass), from one seed: the same
+    responses; old log-probs and gradients equal to rounding; the rollout-vs-training
+    difference logged at rounding level."""
+    flags = {"score": {}, "per_row": {"rl_rollout": "per_row"},
+             "rollout": {"rl_old_logprobs": "rollout"}}
+    seen, metrics = {}, {}
+    for name, extra in flags.items():
+        torch.manual_seed(7)
+        tr = _trainer(_flags(rl_ppo_epochs=1, **extra))
+        seen[name] = rec = {"rollouts": [], "grads": [], "groups": [], "scored": []}
+        _record_rollouts(tr, rec["rollouts"])
+        _record_grads(tr, rec["grads"])
+        _record_calls(tr, "_forward_backward", rec["groups"])
+        _record_calls(tr, "score", rec["scored"])
+        metrics[name] = [_step(tr, step) for step in range(SFT + 1)][-1]
+        # scoring: policy and KL reference, or the reference alone with rollout log-probs
+        want = [(tr.ref,)] if name == "rollout" else [(tr.ddp,), (tr.ref,)]
+        assert [args[:1] for args in rec["scored"]] == want, name
+    ro = {name: rec["rollouts"][0] for name, rec in seen.items()}
+    for name in ("per_row", "rollout"):
+        assert torch.equal(ro[name].responses, ro["score"].responses), name
+        assert torch.equal(ro[name].lengths, ro["score"].lengths), name
+    old_diff = 0.0
+    [(groups_score,)], [(groups_ro,)] = seen["score"]["groups"], seen["rollout"]["groups"]
+    for g_score, g_ro in zip(groups_score, groups_ro):
+        assert torch.equal(g_score.loss_mask, g_ro.loss_mask)
+        trained = (g_ro.loss_mask != 0)[None].expand_as(g_ro.old_logprobs)  # [R, G, T]
+        assert (g_ro.old_logprobs[trained] < 0).all() and (g_ro.old_logprobs[~trained] == 0).all()
+        diff = (g_ro.old_logprobs - g_score.old_logprobs.float())[trained].abs().max().item()
+        old_diff = max(old_diff, diff)
+    assert old_diff <= ROLLOUT_LOGPROB_ATOL
+    for name in flags:
+        assert metrics[name]["rollout_logprob_max_diff"] <= ROLLOUT_LOGPROB_ATOL, name
+        for key in TIMED_METRICS:
+            assert metrics[name][key] > 0, (name, key)
+        phases = sum(metrics[name][f"time_{p}_s"] for p in ("rollout", "score", "train"))
+        assert phases <= metrics[name]["time_step_s"]
+    g_score, g_ro = seen["score"]["grads"][-1], seen["rollout"]["grads"][-1]
+    assert (g_ro - g_score).abs().max() <= GRAD_RTOL * g_score.abs().max()
+
+
+def _record_calls(trainer, method: str, log: list) -> None:
+    """Append the positional arguments of every call of ``trainer.<method>`` to ``log``."""
+    inner = getattr(trainer, method)
+
+    def record(*args):
+        log.append(args)
+        return inner(*args)
+
+    setattr(trainer, method, record)
+
+
 def _record_rollouts(trainer, log: list) -> None:
     rollout = trainer.rollout
 
@@ -416,7 +477,7 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path):
     # metrics: every record of the uninterrupted run, timings aside, is the cut or resumed one
     a = _records(tmp_path / "a_run")
     b = _records(tmp_path / "b_run1") + _records(tmp_path / "b_run2")
-    untimed = [[{key: v for key, v in r.items() if key != "tokens_per_s"} for r in records]
+    untimed = [[{key: v for key, v in r.items() if key not in TIMED_METRICS} for r in records]
                for records in (a, b)]
     assert untimed[0] == untimed[1]
     # final checkpoints: parameters, Adam moments and counters, LR schedule: bitwise
@@ -496,15 +557,38 @@ def test_cli_unknown_flag_exits_with_message(tmp_path):
     (["--config", "missing.yaml"], r"config file not found: missing.yaml"),
     (["--config", "bad_key.yaml"], r"unknown key 'lr_decay' in bad_key.yaml"),
     (["--config", "bad_type.yaml"], r"key 'num_layers' expects int, got 2.5"),
+    (["--tensor-model-parallel-size", "3"],  # the project's message, not MCore's assertion
+     r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
+    (["--pipeline-model-parallel-size", "2"], r"pipeline_model_parallel_size must be 1"),
 ])
 def test_main_rejects_bad_config(tmp_path, monkeypatch, argv, message):
     from scalerlt_mcore.app.train import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "bad_key.yaml").write_text("num_layers: 2\nlr_decay: cosine\n")
     (tmp_path / "bad_type.yaml").write_text("num_layers: 2.5\n")
     with pytest.raises(ConfigError, match=message):  # a run that starts anyway is short
         main(["--train-iters", "1"] + argv)
+
+
+def test_bad_config_rejected_before_any_process_group(monkeypatch):
+    from megatron.core import parallel_state
+
+    from scalerlt_mcore.app import train
+
+    seen = []
+
+    def spy(cfg, world_size):
+        seen.append((world_size, torch.distributed.is_initialized(),
+                     parallel_state.model_parallel_is_initialized()))
+        raise ConfigError("rejected")
+
+    monkeypatch.setattr(train, "validate", spy)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it
+    with pytest.raises(ConfigError, match="rejected"):
+        train.main(["--train-iters", "1"])
+    assert seen == [(4, False, False)]
 
 
 def test_global_batch_not_divisible_by_dp_times_group(tmp_path):

@@ -8,8 +8,15 @@ same names as the command-line flags (``--num-layers 2``). Keys are unique acros
 sections of ``RunConfig`` (``model``, ``training``, ``shared_prefix``, ``rl``, ``logging``),
 which exist only in Python; a grouped file (``model: {num_layers: 2}``) is rejected.
 
+The library's dataclasses are the source of truth: the ``looped_*`` keys are the fields of
+``LoopedTransformerConfig`` and the RL loss keys those of ``RLObjective`` (``OBJECTIVE_FLAGS``),
+with their types, defaults and docstrings; a choice is a ``Literal`` written once in the
+library. Values go back through one builder per library object (``model_config``,
+``objective_from``, ``schedule_from``, ``task_from``), and ``validate`` builds those objects,
+so each check lives in the library and reaches the user as a ``ConfigError`` naming the key.
+
     cfg = parse_args(["--config", "configs/cpu_2rank.yaml", "--lr", "1e-3"])
-    validate(cfg, world_size)          # every cross-field check, once
+    validate(cfg, world_size)          # every check, once, before any process group exists
     save_resolved(cfg, run_dir)        # run_dir/config.yaml, re-loadable with --config
 """
 
@@ -17,25 +24,135 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import sys
 import textwrap
 import time
+import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args, get_origin
 
+import torch
+import torch.nn.functional as F
 import yaml
+
+from ..model.config import LoopedTransformerConfig, Normalization, PositionEmbeddingType
+from ..rl.advantages import AdvantageMode
+from ..rl.objective import RLObjective
+from ..rl.tasks import get_task
+from ..shared_prefix import get_shared_prefix_forward_backward_func
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be read or does not make sense; the message names the key."""
 
 
+# ----------------------------------------------------------------------- fields from the library
+def field_docs(cls: type) -> dict[str, str]:
+    """Help text of each field of dataclass ``cls`` that has one: the attribute docstring (the
+    string under the field in the source of ``cls`` or a base class), or the ``doc`` metadata
+    of a field taken from a library dataclass."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(_source_docs(klass))
+    docs.update({f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata})
+    return {f.name: docs[f.name] for f in dataclasses.fields(cls) if f.name in docs}
+
+
+def _source_docs(cls: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # builtins, classes made at run time
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _rename(text: str, flags: dict[str, str]) -> str:
+    """``text`` with the library names of ``{flag: name}`` turned into their flags: a
+    snake_case name anywhere, a one-word name only in ``code`` quotes (else it is a word)."""
+    names = {name: flag for flag, name in flags.items() if name != flag}
+    if not names:
+        return text
+    alt = "|".join(map(re.escape, names))
+
+    def sub(m: re.Match) -> str:
+        quoted, bare = m.group(1), m.group(2)
+        if bare and "_" not in bare:
+            return bare
+        return f"``{names[quoted]}``" if quoted else names[bare]
+
+    return re.sub(rf"``({alt})``|\b({alt})\b", sub, text)
+
+
+def library_fields(library: type, flags: dict[str, str]) -> list[tuple]:
+    """``make_dataclass`` specs of the flags ``{flag: field of library}``: each has the field's
+    type and default, and its docstring (field names turned into flags) as metadata ``doc``."""
+    hints, docs = typing.get_type_hints(library), field_docs(library)
+    fields = {f.name: f for f in dataclasses.fields(library)}
+    specs = []
+    for flag, name in flags.items():
+        f = fields[name]
+        meta = {"doc": _rename(docs[name], flags)} if name in docs else {}
+        specs.append((flag, hints[name], field(default=f.default,
+                                               default_factory=f.default_factory, metadata=meta)))
+    return specs
+
+
+def with_library_fields(library: type, flags: dict[str, str]) -> Callable[[type], type]:
+    """Class decorator: dataclass ``cls`` plus a field for each flag of ``{flag: field of
+    library}`` that ``cls`` does not declare itself (``library_fields``)."""
+
+    def extend(cls: type) -> type:
+        own = {f.name for f in dataclasses.fields(cls)}
+        specs = [s for s in library_fields(library, flags) if s[0] not in own]
+        new = dataclasses.make_dataclass(cls.__name__, specs, bases=(cls,))
+        new.__module__, new.__qualname__, new.__doc__ = (
+            cls.__module__, cls.__qualname__, cls.__doc__)
+        return new
+
+    return extend
+
+
+LOOPED_FLAGS = {f.name: f.name for f in dataclasses.fields(LoopedTransformerConfig)
+                if f.name.startswith("looped_")}
+"""The model section's ``looped_*`` keys: every ``looped_*`` field of LoopedTransformerConfig."""
+
+OBJECTIVE_FLAGS = {
+    "rl_loss_normalization": "normalization",
+    "rl_clip_low": "clip_low",
+    "rl_clip_high": "clip_high",
+    "rl_kl_coef": "kl_coef",
+    "rl_loop_weights": "loop_weights",
+    "rl_max_response_length": "constant_length",
+}
+"""Key -> ``RLObjective`` field, one entry per field. Each key is that field, except
+``rl_max_response_length``, which ``RLArgs`` declares (the rollout length) and which is also
+the length of the ``constant`` normalisation."""
+
+SCHEDULE_FLAGS = {
+    "shared_prefix_wave_size": "wave_size",
+    "shared_prefix_checkpoint_waves": "checkpoint_waves",
+    "rl_max_response_length": "max_response_length",
+}
+"""Key -> argument of ``get_shared_prefix_forward_backward_func``."""
+
+
+# ----------------------------------------------------------------------- sections
+@with_library_fields(LoopedTransformerConfig, LOOPED_FLAGS)
 @dataclass
 class ModelArgs:
-    """The looped GPT (Megatron names where Megatron has them)."""
+    """The looped GPT (Megatron names where Megatron has them; ``looped_*``: the fields of
+    ``LoopedTransformerConfig``)."""
 
     num_layers: int = 2
     """Core layers (L_core): the block applied ``looped_num_loops`` times with shared weights."""
@@ -49,14 +166,15 @@ class ModelArgs:
     """MLP hidden size; None: 4 * hidden_size."""
     max_position_embeddings: int = 32
     """Longest sequence (bos + prompt + response)."""
-    position_embedding_type: str = "learned_absolute"
-    """``learned_absolute`` or ``rope``."""
-    normalization: str = "LayerNorm"
-    """``LayerNorm`` or ``RMSNorm``."""
+    position_embedding_type: PositionEmbeddingType = "learned_absolute"
+    """Position embeddings: learned (``learned_absolute``) or rotary (``rope``)."""
+    normalization: Normalization = "LayerNorm"
+    """Norm layers: ``LayerNorm`` or ``RMSNorm``."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of the embedding's."""
-    transformer_impl: str = "local"
-    """Layer backend: ``local`` (PyTorch, runs on CPU) or ``transformer_engine`` (GPU)."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer backend: ``local`` (PyTorch, runs on CPU) or ``transformer_engine`` (GPU); also
+    MCore's ``TransformerConfig.transformer_impl``."""
     bf16: bool = False
     """Train in bfloat16 mixed precision."""
     fp16: bool = False
@@ -65,20 +183,40 @@ class ModelArgs:
     """Tensor-parallel size: each layer's heads and MLP, and the vocabulary, split over this
     many ranks (the data-parallel size is the world size divided by it)."""
     make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size (as Megatron);
-    padding ids are never sampled and never labels."""
+    """Pad the tokenizer's vocabulary to a multiple of this times tensor_model_parallel_size (as
+    Megatron) when vocab_size is unset; padding ids are never sampled and never labels."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size; the looped GPT supports only 1."""
-    looped_num_loops: int = 2
-    """R: how many times the core block is applied."""
-    looped_num_prelude_layers: int = 0
-    """Layers run once on the embedded input before the first loop."""
-    looped_num_coda_layers: int = 0
-    """Head layers applied after every loop, before the shared readout."""
-    looped_injection: str = "none"
-    """How the embedded input re-enters every loop: ``none`` or ``linear_concat``."""
-    looped_prefix_attention: str = "cascade"
-    """Attention of responses to the shared prompt K/V: ``cascade`` or ``concat``."""
+    """Pipeline-parallel size (the looped GPT rejects any other than 1)."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding table (as set: not padded; divisible by
+    tensor_model_parallel_size); None: the tokenizer's, padded by make_vocab_size_divisible_by.
+    A pretrained model's may be larger: ids past the tokenizer's are never sampled."""
+    kv_channels: Optional[int] = None
+    """Attention head dimension; None: hidden_size / num_attention_heads."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated linear unit, silu), as in Llama / Qwen2."""
+    disable_bias_linear: bool = False
+    """No biases on the linear layers (Llama / Qwen2)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even with ``disable_bias_linear`` (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    rotary_base: float = 10000.0
+    """RoPE base (Hugging Face ``rope_theta``)."""
+    use_rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (MCore's: frequency factors 1 and 4, context 8192)."""
+    rope_scaling_factor: float = 8.0
+    """Factor of ``use_rope_scaling``."""
+    looped_retrofit: Optional[str] = None
+    """Retrofitted recurrence from a pretrained plain stack of N layers: ``prelude,core,coda``
+    (e.g. ``2,4,2``): the first ``prelude`` layers run once, the next ``core`` layers are
+    looped, the last ``coda`` layers run after every loop; the layers between core and coda
+    are dropped (logged). Sets looped_num_prelude_layers, num_layers and
+    looped_num_coda_layers, and looped_injection ``linear_concat`` (initialised to [I | 0]).
+    Needs ``pretrained_checkpoint``."""
+    looped_loops_warmup_iters: int = 0
+    """Loop-count curriculum: over this many steps the loop count rises linearly from 1 to
+    looped_num_loops (step t: 1 + floor((looped_num_loops - 1) * t / this)); 0: off."""
 
 
 @dataclass
@@ -121,7 +259,7 @@ class TrainingArgs:
 class SharedPrefixArgs:
     """The schedule that trains a group of responses sharing one prompt."""
 
-    shared_prefix_schedule: str = "joint_replay"
+    shared_prefix_schedule: Literal["joint_replay", "naive"] = "joint_replay"
     """``joint_replay`` (prompt computed once, one replay backward) or ``naive``."""
     shared_prefix_wave_size: int = 4
     """Responses per wave in joint replay."""
@@ -129,9 +267,11 @@ class SharedPrefixArgs:
     """Recompute each wave in backward instead of keeping its activations."""
 
 
+@with_library_fields(RLObjective, OBJECTIVE_FLAGS)
 @dataclass
 class RLArgs:
-    """Task, sampling and the policy-gradient loss."""
+    """Task, sampling and the policy-gradient loss (``rl_loss_normalization``, ``rl_clip_*``,
+    ``rl_kl_coef``, ``rl_loop_weights``: the fields of ``RLObjective``)."""
 
     rl_task: str = "modular_arithmetic"
     """Task name (``scalerlt_mcore.rl.tasks.TASKS``)."""
@@ -141,27 +281,26 @@ class RLArgs:
     rl_group_size: int = 8
     """G: responses sampled per prompt."""
     rl_max_response_length: int = 4
-    """Most tokens sampled per response (eos included)."""
+    """Most tokens sampled per response (eos included); also the length of the ``constant``
+    loss normalisation."""
     rl_temperature: float = 1.0
     """Sampling temperature."""
     rl_top_p: float = 1.0
     """Nucleus-sampling threshold; 1 disables it."""
-    rl_advantage: str = "grpo"
+    rl_advantage: AdvantageMode = "grpo"
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
-    rl_loss_normalization: str = "token_mean"
-    """Loss reduction over a group: ``token_mean``, ``seq_mean`` or ``constant``
-    (sum / (G * rl_max_response_length))."""
-    rl_clip_low: float = 0.2
-    """PPO clip range below 1: ratio >= 1 - rl_clip_low."""
-    rl_clip_high: float = 0.2
-    """PPO clip range above 1: ratio <= 1 + rl_clip_high."""
-    rl_kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the initial policy; 0 disables it."""
     rl_ppo_epochs: int = 1
     """Optimizer steps per rollout batch."""
-    rl_loop_weights: str = "final"
-    """Which loops' readouts the loss uses: ``final``, ``uniform`` or ``progressive``
-    (weight proportional to the loop index)."""
+    rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
+    """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
+    samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
+    own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    rl_old_logprobs: Literal["score", "rollout"] = "score"
+    """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
+    through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
+    per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
+    forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
+    ``rl_ppo_epochs`` 1."""
     rl_partial_credit: bool = False
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
@@ -188,6 +327,24 @@ class LoggingArgs:
     """Log every this many steps."""
     no_plot: bool = False
     """Do not write the training-curve plot."""
+    pretrained_checkpoint: Optional[str] = None
+    """Start from these weights (weights only: optimizer, LR schedule and step start fresh):
+    a Hugging Face Llama / Qwen2 directory (config.json + *.safetensors), a stock MCore
+    GPTModel distributed checkpoint, or a ``save`` directory of this trainer. When ``load``
+    holds a checkpoint, training resumes from it instead."""
+    use_checkpoint_args: bool = False
+    """Take the architecture (layer shapes, norms, RoPE, vocabulary size) from the pretrained
+    Hugging Face config.json instead of the model flags."""
+    finetune: bool = False
+    """With ``load``: load the model weights only and start at step 0 (fresh optimizer, LR
+    schedule and step)."""
+    no_load_optim: bool = False
+    """With ``load``: do not load the optimizer state (Adam moments start at zero); weights,
+    step and LR schedule are loaded."""
+    no_load_rng: bool = False
+    """With ``load``: do not load RNG state. Checkpoints hold none (each step's data and
+    sampling derive from seed and step), so this is accepted as in Megatron and changes
+    nothing."""
 
 
 @dataclass
@@ -202,18 +359,6 @@ class RunConfig:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
-CHOICES = {
-    "position_embedding_type": ("learned_absolute", "rope"),
-    "normalization": ("LayerNorm", "RMSNorm"),
-    "transformer_impl": ("local", "transformer_engine"),
-    "looped_injection": ("none", "linear_concat"),
-    "looped_prefix_attention": ("cascade", "concat"),
-    "shared_prefix_schedule": ("joint_replay", "naive"),
-    "rl_advantage": ("grpo", "dr_grpo", "none"),
-    "rl_loss_normalization": ("token_mean", "seq_mean", "constant"),
-    "rl_loop_weights": ("final", "uniform", "progressive"),
-}
-"""Allowed values of the string fields that are a choice."""
 
 DEMO_CONFIG = "demo_cpu.yaml"
 """The packaged config used when no ``--config`` is given."""
@@ -233,14 +378,35 @@ def _key_table() -> dict[str, tuple[str, Any]]:
 KEYS = _key_table()
 
 
+def _optional(tp: Any) -> Optional[Any]:
+    """``X`` when ``tp`` is ``Optional[X]``, else None."""
+    if get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp):
+        return next(a for a in get_args(tp) if a is not type(None))
+    return None
+
+
+def choices(tp: Any) -> tuple:
+    """The allowed values of a ``Literal`` (or ``Optional[Literal]``) type; () for other types."""
+    tp = _optional(tp) or tp
+    return get_args(tp) if get_origin(tp) is Literal else ()
+
+
+CHOICES = {k: choices(tp) for k, (_, tp) in KEYS.items() if choices(tp)}
+"""Allowed values of each key that is a choice (a ``Literal`` field)."""
+
+
 # ----------------------------------------------------------------------- reading values
 def _coerce(key: str, value: Any, tp: Any, cli: bool) -> Any:
-    """``value`` as type ``tp``; strings from the command line are parsed."""
-    if typing.get_origin(tp) is typing.Union:
+    """``value`` as type ``tp`` (a ``Literal``: one of its values); strings from the command
+    line are parsed."""
+    if _optional(tp):
         if value is None or (cli and value.lower() in ("none", "null")):
             return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    parsed = _parse(value, tp, cli)
+        tp = _optional(tp)
+    allowed = choices(tp)
+    parsed = _parse(value, type(allowed[0]) if allowed else tp, cli)
+    if allowed and parsed not in allowed:
+        raise ConfigError(f"{key} must be one of {allowed}, got {value!r}")
     if parsed is _INVALID:
         raise ConfigError(f"key {key!r} expects {tp.__name__}, got {value!r}")
     return parsed
@@ -393,42 +559,114 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     return apply_overrides(load_config(config), values, "on the command line", cli=True)
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string under each field) of dataclass ``cls``."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
 def help_text() -> str:
     """Usage and every flag with its type, default and docstring."""
     lines = ["usage: python -m scalerlt_mcore.train [--config FILE.yaml] [--key VALUE ...]", ""]
     for section in dataclasses.fields(RunConfig):
         cls = section.default_factory
-        lines.append(f"{section.name}: {cls.__doc__}")
+        lines.append(f"{section.name}: {' '.join(cls.__doc__.split())}")
         docs, defaults = field_docs(cls), dataclasses.asdict(cls())
         for key in docs:
-            lines.append(f"  {_flag(key)} (default {defaults[key]!r}): {docs[key]}")
+            lines.append(f"  {_flag(key)} {_type_name(KEYS[key][1])} "
+                         f"(default {defaults[key]!r}): {docs[key]}")
     return "\n".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    """``{a,b}`` for a choice, ``INT`` for int, ``INT|null`` for Optional[int], ..."""
+    if choices(tp):
+        name = "{" + ",".join(map(str, choices(tp))) + "}"
+    else:
+        name = (_optional(tp) or tp).__name__.upper()
+    return name + ("|null" if _optional(tp) else "")
+
+
+# ----------------------------------------------------------------------- library objects
+def looped_kwargs(cfg: RunConfig) -> dict:
+    """The model section's values that are ``LoopedTransformerConfig`` fields (MCore's and
+    the ``looped_*`` ones), by name."""
+    names = {f.name for f in dataclasses.fields(LoopedTransformerConfig)}
+    return {k: v for k, v in dataclasses.asdict(cfg.model).items() if k in names}
+
+
+def model_config(cfg: RunConfig, device: str) -> LoopedTransformerConfig:
+    """The MCore ``TransformerConfig`` (with ``looped_*`` fields) of a run; needs no process
+    group, so ``validate`` builds it too."""
+    m = cfg.model
+    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    return LoopedTransformerConfig(**looped_kwargs(cfg), **_megatron_model_kwargs(m),
+                                   params_dtype=dtype, pipeline_dtype=dtype,
+                                   use_cpu_initialization=device == "cpu",
+                                   perform_initialization=True)
+
+
+def _megatron_model_kwargs(m: "ModelArgs") -> dict:
+    """Megatron-LM flags whose TransformerConfig field has another name or form."""
+    return dict(layernorm_epsilon=m.norm_epsilon, gated_linear_unit=m.swiglu,
+                activation_func=F.silu if m.swiglu else F.gelu,
+                add_bias_linear=not m.disable_bias_linear)
+
+
+def library_kwargs(cfg: RunConfig, flags: dict[str, str]) -> dict:
+    """``{library name: value of its key}`` for the keys of ``{key: library name}``."""
+    flat = to_dict(cfg)
+    return {name: flat[key] for key, name in flags.items()}
+
+
+def objective_from(cfg: RunConfig) -> RLObjective:
+    """The run's RL loss (``OBJECTIVE_FLAGS``)."""
+    return RLObjective(**library_kwargs(cfg, OBJECTIVE_FLAGS))
+
+
+def schedule_from(cfg: RunConfig):
+    """The run's shared-prefix schedule (``SCHEDULE_FLAGS``)."""
+    return get_shared_prefix_forward_backward_func(**library_kwargs(cfg, SCHEDULE_FLAGS))
+
+
+def task_from(cfg: RunConfig):
+    """The run's task."""
+    return get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
 
 
 # ----------------------------------------------------------------------- validation
 def validate(cfg: RunConfig, world_size: int) -> None:
-    """Every cross-field check, run once; raises one ConfigError listing all problems."""
-    errors = (_check_choices(cfg) + _check_model(cfg.model, world_size)
-              + _check_batches(cfg, world_size) + _check_training(cfg.training)
-              + _check_rl(cfg))
+    """Every check, run once: each key's type, then the library objects the run builds (their
+    own checks, reported with the keys' names) and the app's cross-field checks. Raises one
+    ConfigError listing all problems. Needs no process group: run it before creating one."""
+    errors = _check_types(cfg)
+    if not errors:
+        errors = (_check_model(cfg, world_size) + _check_batches(cfg, world_size)
+                  + _check_training(cfg.training) + _check_rl(cfg)
+                  + _library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
+                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
+                  + _check_pretrained(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
-def _check_choices(cfg: RunConfig) -> list[str]:
-    flat = to_dict(cfg)
-    return [f"{k} must be one of {allowed}, got {flat[k]!r}"
-            for k, allowed in CHOICES.items() if flat[k] not in allowed]
+def _check_types(cfg: RunConfig) -> list[str]:
+    """Each value has its key's type (a choice: one of its values). ``parse_args`` checked
+    what it read; this catches values set in Python."""
+    errors = []
+    for key, value in to_dict(cfg).items():
+        try:
+            _coerce(key, value, KEYS[key][1], cli=False)
+        except ConfigError as e:
+            errors.append(str(e))
+    return errors
+
+
+_LIBRARY_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)
+
+
+def _library_errors(build: Callable, cfg: RunConfig, flags: dict[str, str]) -> list[str]:
+    """[] when ``build(cfg)`` constructs its library object, else the library's message with
+    its names turned into the keys of ``{key: library name}``."""
+    try:
+        build(cfg)
+    except _LIBRARY_ERRORS as e:
+        return [_rename(str(e), flags)]
+    return []
 
 
 def _positive(section: Any, *keys: str, minimum: float = 1) -> list[str]:
@@ -436,37 +674,40 @@ def _positive(section: Any, *keys: str, minimum: float = 1) -> list[str]:
             for k in keys if getattr(section, k) < minimum]
 
 
-def _check_model(m: ModelArgs, world_size: int) -> list[str]:
+def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
+    """The app's checks of the model section, then ``model_config``'s own (MCore's and the
+    looped GPT's): the sizes it divides by must be >= 1 first."""
+    m = cfg.model
     errors = _positive(m, "num_layers", "hidden_size", "num_attention_heads",
                        "max_position_embeddings", "tensor_model_parallel_size",
-                       "make_vocab_size_divisible_by", "looped_num_loops")
-    errors += _positive(m, "looped_num_prelude_layers", "looped_num_coda_layers", minimum=0)
-    if m.pipeline_model_parallel_size != 1:
-        errors.append(f"pipeline_model_parallel_size must be 1 (the looped GPT has no "
-                      f"pipeline parallelism), got {m.pipeline_model_parallel_size}")
-    if m.bf16 and m.fp16:
-        errors.append("bf16 and fp16 are both set; choose one")
-    if m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+                       "make_vocab_size_divisible_by", "pipeline_model_parallel_size")
+    if errors:
+        return errors
+    if m.hidden_size % m.num_attention_heads:
         errors.append(f"hidden_size ({m.hidden_size}) must be divisible by "
                       f"num_attention_heads ({m.num_attention_heads})")
     groups = m.num_query_groups or m.num_attention_heads
     if groups < 1 or m.num_attention_heads % groups:
         errors.append(f"num_attention_heads ({m.num_attention_heads}) must be divisible by "
                       f"num_query_groups ({groups})")
-    if m.tensor_model_parallel_size >= 1 and world_size % m.tensor_model_parallel_size:
+    if world_size % m.tensor_model_parallel_size:
         errors.append(f"world size ({world_size}) must be divisible by "
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size})")
-    return errors
+    if m.vocab_size is not None and m.vocab_size % m.tensor_model_parallel_size:
+        errors.append(f"vocab_size ({m.vocab_size}) must be divisible by "
+                      f"tensor_model_parallel_size ({m.tensor_model_parallel_size}): the "
+                      f"output layer splits the vocabulary (leave vocab_size unset to pad the "
+                      f"tokenizer's by make_vocab_size_divisible_by)")
+    return errors + _library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
 
 
 def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
     t, group = cfg.training, cfg.rl.rl_group_size
     errors = _positive(t, "micro_batch_size", "global_batch_size")
     errors += _positive(cfg.rl, "rl_group_size")
-    errors += _positive(cfg.shared_prefix, "shared_prefix_wave_size")
-    dp = max(world_size // max(cfg.model.tensor_model_parallel_size, 1), 1)
     if errors:
         return errors
+    dp = max(world_size // max(cfg.model.tensor_model_parallel_size, 1), 1)
     if t.global_batch_size % (dp * group):
         errors.append(f"global_batch_size ({t.global_batch_size}) must be divisible by "
                       f"data-parallel size x rl_group_size ({dp} x {group} = {dp * group})")
@@ -499,11 +740,14 @@ def _check_rl(cfg: RunConfig) -> list[str]:
     errors += _positive(rl, "rl_warmup_sft_steps", "rl_eval_every", "rl_kl_coef", minimum=0)
     errors += _positive(cfg.logging, "save_interval", minimum=0)
     errors += _positive(cfg.logging, "log_interval")
-    for k in ("rl_clip_low", "rl_clip_high", "rl_temperature"):
-        if getattr(rl, k) <= 0:
-            errors.append(f"{k} must be > 0, got {getattr(rl, k)}")
+    if rl.rl_temperature <= 0:
+        errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
     if not 0 < rl.rl_top_p <= 1:
         errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
+    if rl.rl_old_logprobs == "rollout" and rl.rl_ppo_epochs != 1:
+        errors.append(f"rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got "
+                      f"{rl.rl_ppo_epochs} (the rollout's log-probs replace the scoring pass "
+                      f"of a single update)")
     if rl.rl_advantage != "none" and rl.rl_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs rl_group_size >= 2 "
                       "(a group of one has zero advantage)")
@@ -511,10 +755,8 @@ def _check_rl(cfg: RunConfig) -> list[str]:
 
 
 def _check_task(cfg: RunConfig) -> list[str]:
-    from scalerlt_mcore.rl.tasks import get_task
-
     try:
-        task = get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
+        task = task_from(cfg)
     except ValueError as e:
         return [f"rl_task / rl_task_options: {e}"]
     errors = []
@@ -525,4 +767,30 @@ def _check_task(cfg: RunConfig) -> list[str]:
     if cfg.model.max_position_embeddings < needed:
         errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
                       f">= bos + longest prompt + rl_max_response_length ({needed})")
+    return errors
+
+
+def _check_pretrained(cfg: RunConfig) -> list[str]:
+    """Architecture extras, loading flags and retrofitted recurrence."""
+    from scalerlt_mcore.rl.tokenizer import CharTokenizer
+
+    m, lg = cfg.model, cfg.logging
+    errors = _positive(m, "looped_loops_warmup_iters", minimum=0)
+    errors += [f"{k} must be > 0, got {getattr(m, k)}"
+               for k in ("norm_epsilon", "rotary_base", "rope_scaling_factor")
+               if getattr(m, k) <= 0]
+    if m.kv_channels is not None and m.kv_channels < 1:
+        errors.append(f"kv_channels must be >= 1 or null, got {m.kv_channels}")
+    tokens = CharTokenizer().vocab_size
+    if m.vocab_size is not None and m.vocab_size < tokens:
+        errors.append(f"vocab_size ({m.vocab_size}) must be >= the tokenizer's ({tokens})")
+    if m.looped_retrofit is not None and not re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):
+        errors.append(f"looped_retrofit must be 'prelude,core,coda' (e.g. '2,4,2'), got "
+                      f"{m.looped_retrofit!r}")
+    needs = {"looped_retrofit": m.looped_retrofit, "use_checkpoint_args": lg.use_checkpoint_args}
+    errors += [f"{k} needs pretrained_checkpoint" for k, v in needs.items()
+               if v and not lg.pretrained_checkpoint]
+    errors += [f"{k} needs load (the checkpoint it applies to)"
+               for k in ("finetune", "no_load_optim", "no_load_rng")
+               if getattr(lg, k) and not lg.load]
     return errors

@@ -6,8 +6,9 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from ..mcore_compat import mcore_workaround
 from ..model.kv import config_signature
 
 _SIGNATURE_FIELDS = ("prelude layers", "core layers", "coda layers", "loops", "kv groups",
@@ -28,7 +29,9 @@ def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
              if not k.startswith("optimizer.")}
-    mine = {t.key: tuple(t.global_shape) for t in nested_values(model.sharded_state_dict())
+    model_sd = model.sharded_state_dict()
+    apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
             if isinstance(t, ShardedTensor)}
     return [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
@@ -48,10 +51,12 @@ def _torch_adams(optimizer) -> list:
     return [opt for opt in inner if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))]
 
 
+@mcore_workaround
 def _restore_adam_step(optimizer) -> None:
     """Set Adam's step count from the loaded param groups. MCore 0.16's dp_reshardable load
     sets it from them, then copies the loading template's step (0) over it (torch Adam keeps
-    a per-parameter step; Apex/TE Adam does not), which restarts Adam's bias correction."""
+    a per-parameter step; Apex/TE Adam does not), which restarts Adam's bias correction.
+    Ledger row W3."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             for p in group["params"]:
@@ -59,10 +64,12 @@ def _restore_adam_step(optimizer) -> None:
                     adam.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
+@mcore_workaround
 def _init_adam_state(optimizer) -> None:
     """Give a never-stepped torch Adam its state: step 0 and zero moments (the same next update
     as no state). MCore 0.16's DistributedOptimizer.state_dict(), which building the loading
-    state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers)."""
+    state dict calls, asserts on an empty state when Apex/TE are absent (torch optimizers).
+    Ledger row W2."""
     for adam in _torch_adams(optimizer):
         for group in adam.param_groups:
             for p in group["params"]:
@@ -105,5 +112,57 @@ def load_checkpoint(path, model, optimizer, scheduler) -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step(optimizer)
+    scheduler.load_state_dict(meta["scheduler"])
+    return int(meta["step"])
+
+
+# ---- weights only: --pretrained-checkpoint (one of ours), --finetune, --no-load-optim ------
+
+
+def has_checkpoint(path) -> bool:
+    """True when ``path`` is a ``save`` directory holding a checkpoint (``latest``)."""
+    return path is not None and (Path(path) / "latest").is_file()
+
+
+def checkpoint_dir(path) -> Path:
+    """A ``save`` directory -> its latest ``iter_*``; an ``iter_*`` directory -> itself."""
+    root = Path(path)
+    return root / (root / "latest").read_text().strip() if has_checkpoint(root) else root
+
+
+def is_own_checkpoint(path) -> bool:
+    """True for a checkpoint written by ``save_checkpoint`` (its common state has ``meta``)."""
+    ckpt = checkpoint_dir(path)
+    if not (ckpt / "metadata.json").is_file():
+        return False
+    return "meta" in dist_checkpointing.load_common_state_dict(str(ckpt))
+
+
+def load_model_weights(path, model) -> Path:
+    """Only the model weights of a checkpoint of ours (any loop count); returns its
+    directory. Tensors that differ in name or shape are named."""
+    ckpt = checkpoint_dir(path)
+    saved = {k: tuple(t.global_shape) for k, t in
+             dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
+             if not k.startswith("optimizer.")}
+    model_sd = model.sharded_state_dict()
+    apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
+            if isinstance(t, ShardedTensor)}
+    diffs = [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
+             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
+    if diffs:
+        more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
+        raise ValueError(f"checkpoint {ckpt} holds weights of a different model (checkpoint "
+                         f"!= this run): {', '.join(diffs[:4])}{more}")
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    with torch.no_grad():
+        model.load_state_dict(state["model"])
+    return ckpt
+
+
+def load_step_and_schedule(path, scheduler) -> int:
+    """The step and LR schedule of the latest checkpoint under ``path`` (no optimizer)."""
+    meta = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(path)))["meta"]
     scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])

@@ -34,9 +34,10 @@ def plot_rewards(records: list, path) -> Path:
     ax1.set(xlabel="RL step", ylabel="mean reward", ylim=(-0.05, 1.05), title="reward")
     ax1.legend()
     if evals:
-        for loop in range(len(evals[0]["eval_per_loop"])):
-            acc = [r["eval_per_loop"][loop] for r in evals]
-            ax2.plot([r["step"] for r in evals], acc, "o-", label=f"loop {loop + 1}")
+        for loop in range(max(len(r["eval_per_loop"]) for r in evals)):  # grows in a curriculum
+            points = [(r["step"], r["eval_per_loop"][loop]) for r in evals
+                      if loop < len(r["eval_per_loop"])]
+            ax2.plot(*zip(*points), "o-", label=f"loop {loop + 1}")
         ax2.legend()
     ax2.set(xlabel="RL step", ylabel="greedy accuracy", ylim=(-0.05, 1.05),
             title="per-loop readout accuracy")

@@ -18,12 +18,17 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from ..cpu_backend import enable_cpu_backend
-from ..model import LoopedGPTModel, get_looped_gpt_block_spec, padded_vocab_size
+from ..model import LoopedGPTModel, get_looped_gpt_block_spec
 from ..model.config import LoopedTransformerConfig
+from .arguments import model_config
+
+__all__ = ["build_model", "init_distributed", "model_config", "shutdown_distributed",
+           "wrap_for_training"]
 
 
 def init_distributed(cfg) -> str:
-    """Process group (torchrun env or a single process), model parallelism, RNG. -> device."""
+    """Process group (torchrun env or a single process), model parallelism, RNG. -> device.
+    Call ``validate`` first: MCore's own checks here are assertions."""
     cuda = torch.cuda.is_available()
     if not cuda:
         enable_cpu_backend()
@@ -36,7 +41,8 @@ def init_distributed(cfg) -> str:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size)
     model_parallel_cuda_manual_seed(cfg.training.seed)
     return "cuda" if cuda else "cpu"
 
@@ -47,37 +53,18 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def model_config(cfg, device: str) -> LoopedTransformerConfig:
-    """The MCore ``TransformerConfig`` (with ``looped_*`` fields) of a run."""
-    m = cfg.model
-    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    return LoopedTransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
-        bf16=m.bf16, fp16=m.fp16, params_dtype=dtype, pipeline_dtype=dtype,
-        tensor_model_parallel_size=m.tensor_model_parallel_size,
-        use_cpu_initialization=device == "cpu", perform_initialization=True,
-        looped_num_loops=m.looped_num_loops,
-        looped_num_prelude_layers=m.looped_num_prelude_layers,
-        looped_num_coda_layers=m.looped_num_coda_layers,
-        looped_injection=m.looped_injection, looped_prefix_attention=m.looped_prefix_attention,
-    )
-
-
 def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: str):
-    """The bare looped GPT on ``device``; ``vocab_size`` (the tokenizer's) is padded as Megatron
-    pads it (``make_vocab_size_divisible_by`` x ``tensor_model_parallel_size``)."""
+    """The bare looped GPT on ``device`` with ``vocab_size`` embedding rows (the main job's:
+    ``pretrained.run_vocab_size``, the tokenizer's padded as Megatron pads it)."""
     te = cfg.model.transformer_impl == "transformer_engine"
     spec = get_looped_gpt_block_spec(config, use_transformer_engine=te)
-    m = cfg.model
     model = LoopedGPTModel(
-        config, spec,
-        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                     m.tensor_model_parallel_size),
+        config, spec, vocab_size=vocab_size,
         max_sequence_length=cfg.model.max_position_embeddings,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base, rope_scaling=cfg.model.use_rope_scaling,
+        rope_scaling_factor=cfg.model.rope_scaling_factor,
     )
     # As MCore's Float16Module: every parameter (norms too) in the half dtype; the optimizer
     # keeps fp32 main params. Inputs are token ids and log-probs come out in fp32, so the

@@ -5,6 +5,7 @@ data-parallel ranks (MCore DDP + distributed optimizer), each a group of tensor-
 ranks. Without ``--config`` the packaged tiny CPU demo config is used.
 """
 
+import os
 import signal
 import sys
 import time
@@ -14,10 +15,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from ..rl.tokenizer import CharTokenizer
 from .arguments import default_run_dir, parse_args, save_resolved, validate
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .metrics import MetricsLog, plot_rewards
+from .pretrained import load_before_wrap, resolve_pretrained, resume_after_wrap, run_vocab_size
 from .runtime import (
     build_model,
     init_distributed,
@@ -58,22 +59,30 @@ def _line(step: int, m: dict) -> str:
     return (f"step {step:4d} | reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
             f"len {m['response_length']:.2f} | loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"rollout/score/train {m['time_rollout_s']:.2f}/{m['time_score_s']:.2f}/"
+            f"{m['time_train_s']:.2f} s | "
             f"saved {m['peak_saved_bytes'] / 2**20:.2f} MiB | "
             f"rollout-vs-train logp {m['rollout_logprob_max_diff']:.1e}")
 
 
 def run(cfg) -> dict:
-    """Train; returns the final evaluation. The process group and MCore's parallel state are
-    destroyed on return and on error."""
+    """Validate, then train; returns the final evaluation. The process group and MCore's
+    parallel state are destroyed on return and on error."""
+    notes = resolve_pretrained(cfg)  # --use-checkpoint-args, --looped-retrofit
+    validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
     try:
-        return _run(cfg, device)
+        return _run(cfg, device, notes)
     finally:
         shutdown_distributed()
 
 
-def _run(cfg, device: str) -> dict:
-    validate(cfg, dist.get_world_size())
+def _world_size() -> int:
+    """The job's process count: torchrun's WORLD_SIZE, 1 for a plain process."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _run(cfg, device: str, notes: list) -> dict:
     rank0 = dist.get_rank() == 0
     run_dir = _broadcast_run_dir(cfg)
     if rank0:
@@ -84,11 +93,13 @@ def _run(cfg, device: str) -> dict:
               f"{parallel_state.get_tensor_model_parallel_world_size()}, run dir: {run_dir}",
               flush=True)
     config = model_config(cfg, device)
-    model = build_model(cfg, config, CharTokenizer().vocab_size, device)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
+    for line in notes if rank0 else []:
+        print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = load_checkpoint(cfg.logging.load, model, optimizer, scheduler) if cfg.logging.load \
-        else 0
+    start = resume_after_wrap(cfg, model, optimizer, scheduler)
     with _Interrupt() as stop:
         return _loop(cfg, trainer, start, run_dir, rank0, stop)
 
@@ -130,6 +141,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
+    trainer.use_loops_of(step)
     e = trainer.evaluate()
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
@@ -142,6 +154,7 @@ def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
     """Save after ``step`` when forced or at the interval; True when it saved."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
+        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler)
         return True

@@ -2,7 +2,8 @@
 
 Every step's prompts and samples derive from (seed, step, data-parallel rank) alone, so a
 resumed run draws the same data as an uninterrupted one, and the ranks of a tensor-parallel
-group draw the same data.
+group draw the same data. Rollout outputs, rewards and metrics live on the host; groups,
+advantages, log-probs, loop weights and warm-up batches on the model's device.
 """
 
 import contextlib
@@ -15,40 +16,102 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..mcore_compat import mcore_workaround
+from ..model.config import set_num_loops
 from ..rl.advantages import group_advantages
-from ..rl.objective import RLObjective, loop_weights, rl_forward_step
+from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
-from ..rl.tasks import get_task
 from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
     SavedTensorProbe,
     SharedPrefixGroup,
-    get_shared_prefix_forward_backward_func,
     logprobs_forward_step,
     naive_step,
 )
+from .arguments import objective_from, schedule_from, task_from
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
 
 
-def build_groups(prompts: list, responses, lengths, pad_id: int, step: int) -> list:
-    """SharedPrefixGroups (tokens, labels, loss mask) from rollout tensors [N, G, S]."""
-    groups = []
-    for n, prompt in enumerate(prompts):
-        P, S = len(prompt), int(lengths[n].max())
-        G = responses.shape[1]
-        tokens = torch.full((G, P + S), pad_id, dtype=torch.long)
-        tokens[:, :P] = torch.tensor(prompt)
-        tokens[:, P:] = responses[n, :, :S]
-        labels = torch.full_like(tokens, pad_id)
-        labels[:, :-1] = tokens[:, 1:]
-        span = torch.arange(P + S)[None, :]
-        mask = ((span >= P - 1) & (span < P - 1 + lengths[n][:, None])).float()  # [G, T]
-        groups.append(SharedPrefixGroup(tokens=tokens, labels=labels, loss_mask=mask,
-                                        prompt_length=P, group_id=step * 100_000 + n))
-    return groups
+def curriculum_loops(step: int, loops: int, warmup_iters: int) -> int:
+    """Loop count of ``step``: rises linearly from 1 to ``loops`` over ``warmup_iters`` steps."""
+    if warmup_iters <= 0 or step >= warmup_iters:
+        return loops
+    return 1 + (loops - 1) * step // warmup_iters
+
+
+def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
+                 advantages=None) -> list:
+    """SharedPrefixGroups on ``device`` from host rollout tensors [N, G, S] and, when given,
+    their advantages [N, G]."""
+    return [SharedPrefixGroup.from_rollout(
+        prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
+        advantages=None if advantages is None else advantages[n])
+        for n, prompt in enumerate(prompts)]
+
+
+def rollout_drift(group: SharedPrefixGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
+    the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
+    P, S = group.prompt_length, group.response_length
+    train = group.old_logprobs[-1, :, P - 1 : P - 1 + S].float()  # [G, S]
+    rollout = rollout_logprobs[:, :S].to(train.device)  # [G, S]
+    sampled = group.loss_mask[:, P - 1 : P - 1 + S] != 0  # [G, S]
+    return torch.where(sampled, (train - rollout).abs(), 0.0).max()
+
+
+def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
+    """Warm-up batch on ``device``: tokens/labels [N, T] right-padded with ``pad_id``; mask
+    [N, T] on the positions that predict the answer. Built on the host, moved once."""
+    T = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    tokens = torch.full((len(prompts), T), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(prompts), T, device="cpu")
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[i, : len(p) + len(a)] = torch.tensor(p + a, device="cpu")
+        mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
+    labels = torch.full_like(tokens, pad_id)
+    labels[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
+
+
+TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
+                 "time_step_s")
+"""Metrics of an RL step that are wall-clock measurements (they differ between identical
+runs): throughput and the time of each phase, rollout / score / train, and of the whole step."""
+
+
+def rollout_old_logprobs(group: SharedPrefixGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
+    """Old log-probs [R, G, T] in the group's layout (position t holds the log-prob of label t)
+    from the rollout's per-loop log-probs [R, G, S'] of the sampled tokens (0 on padding)."""
+    P, S = group.prompt_length, group.response_length
+    old = torch.zeros((loop_logprobs.shape[0], *group.tokens.shape), dtype=loop_logprobs.dtype,
+                      device=group.tokens.device)
+    old[:, :, P - 1 : P - 1 + S] = loop_logprobs[:, :, :S].to(old.device)  # [R, G, S]
+    return old
+
+
+def recording_drift(forward_step, drift: list):
+    """``forward_step`` whose loss_func also appends max |training - old| final-loop log-prob
+    of the wave's trained tokens to ``drift``: with old log-probs from the rollout and the
+    update's first forward (the rollout's weights), the rollout-vs-training difference."""
+
+    def step(data_iterator, model):
+        wave = next(data_iterator)
+        output, loss_func = forward_step(iter([wave]), model)
+
+        def recorded(logprobs, non_loss_data: bool = False):
+            if not non_loss_data:
+                g = wave.group
+                diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
+                trained = wave.rows(g.loss_mask) != 0  # [W, T]
+                drift.append(torch.where(trained, diff.abs(), 0.0).max())
+            return loss_func(logprobs, non_loss_data=non_loss_data)
+
+        return output, recorded
+
+    return step
 
 
 def summarise(out: list, num_groups: int) -> dict:
@@ -66,29 +129,42 @@ class RLTrainer:
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler):
         self.cfg, self.model, self.ddp = cfg, model, ddp
+        self.device = next(model.parameters()).device
         self.optimizer, self.scheduler = optimizer, scheduler
         # data are drawn per data-parallel rank: identical on the ranks of a TP group
         self.rank = parallel_state.get_data_parallel_rank()
         self.world = parallel_state.get_data_parallel_world_size()
         self.tok = CharTokenizer()
-        self.task = get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
-        rl = cfg.rl
-        self.objective = RLObjective(
-            normalization=rl.rl_loss_normalization, constant_length=rl.rl_max_response_length,
-            clip_low=rl.rl_clip_low, clip_high=rl.rl_clip_high, kl_coef=rl.rl_kl_coef,
-            loop_weights=rl.rl_loop_weights,
-        )
+        self.task = task_from(cfg)
+        self.objective = objective_from(cfg)
         self.forward_step = rl_forward_step(self.objective)
-        self.schedule = get_shared_prefix_forward_backward_func(
-            cfg.shared_prefix.shared_prefix_wave_size,
-            cfg.shared_prefix.shared_prefix_checkpoint_waves, rl.rl_max_response_length)
-        self.ref = self._frozen_copy(model) if rl.rl_kl_coef > 0 else None
-        self.groups_per_rank = cfg.training.global_batch_size // rl.rl_group_size // self.world
+        self.train_drift = []  # rollout-vs-training log-prob differences of the current step
+        if cfg.rl.rl_old_logprobs == "rollout":
+            self.forward_step = recording_drift(self.forward_step, self.train_drift)
+        self.schedule = schedule_from(cfg)
+        self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
+        self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
+        # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
+        # never sample those ids
+        self.banned = (self.tok.pad_id, self.tok.bos_id,
+                       *range(self.tok.vocab_size, model.vocab_size))
+
+    def use_loops_of(self, step: int) -> int:
+        """Set the loop count of ``step`` (``looped_loops_warmup_iters`` curriculum)."""
+        m = self.cfg.model
+        loops = curriculum_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters)
+        set_num_loops(self.model.config, loops)
+        return loops
+
+    def use_configured_loops(self) -> None:
+        """Back to ``looped_num_loops`` (what a checkpoint records and a resumed run builds)."""
+        set_num_loops(self.model.config, self.cfg.model.looped_num_loops)
 
     @staticmethod
+    @mcore_workaround
     def _frozen_copy(model):
         """A frozen copy of the weights. MCore modules hold process groups (which cannot be
-        copied) and the config holds the DDP hooks: the copy shares both."""
+        copied) and the config holds the DDP hooks: the copy shares both (ledger row W4)."""
         memo = {id(model.config): model.config}
         for module in model.modules():
             for value in vars(module).values():  # e.g. tp_group, pg_collection.dp
@@ -107,14 +183,15 @@ class RLTrainer:
         return [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
-        gen = torch.Generator().manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
         self.model.eval()
         out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=(self.tok.pad_id, self.tok.bos_id), loop=loop,
-                       vocab_size=self.tok.vocab_size)
+                       banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
+                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once")
         self.model.train()
         return out
 
@@ -124,7 +201,7 @@ class RLTrainer:
             [self.task.reward(p, self.tok.decode(r.tolist()), partial_credit=partial)
              for r in rollout.responses[n]]
             for n, p in enumerate(problems)
-        ], dtype=torch.float64)
+        ], dtype=torch.float64, device="cpu")
 
     def _run_schedule(self, model, groups: list, forward_step_func,
                       forward_only: bool = False) -> list:
@@ -142,36 +219,48 @@ class RLTrainer:
     # ---- one RL step -----------------------------------------------------------------------
 
     def rl_step(self, step: int) -> dict:
+        """Rollout -> rewards -> scoring (old/ref log-probs) -> ``rl_ppo_epochs`` updates; the
+        wall time of each phase is in the metrics (``TIMED_METRICS``)."""
         t0 = time.perf_counter()
+        loops = self.use_loops_of(step)
         problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
                                     self.groups_per_rank)
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
+        t_rollout = time.perf_counter()
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
-        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step)
-        drift = self._attach_logprobs(groups, advantages, ro)
+        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
+                              self.device, advantages)
+        t_score = time.perf_counter()
+        drift = self._attach_logprobs(groups, ro)
+        t_train = time.perf_counter()
+        self.train_drift.clear()
         train = self.optimize(groups)
+        if self.cfg.rl.rl_old_logprobs == "rollout":
+            drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
+        t_end = time.perf_counter()
         return self._reduce({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
-            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (time.perf_counter() - t0),
+            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (t_end - t0),
+            "time_rollout_s": t_rollout - t0, "time_score_s": t_train - t_score,
+            "time_train_s": t_end - t_train, "time_step_s": t_end - t0, "loops": loops,
         })
 
-    def _attach_logprobs(self, groups, advantages, ro) -> float:
-        """old (and ref) log-probs; returns max |rollout - training forward| log-prob."""
-        old = self.score(self.ddp, groups)
+    def _attach_logprobs(self, groups, ro) -> float:
+        """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
+        ``rl_old_logprobs: rollout`` the old log-probs are the rollout's and the difference is
+        measured in the update instead: 0 here)."""
+        from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
+        old = None if from_rollout else self.score(self.ddp, groups)
         ref = self.score(self.ref, groups) if self.ref is not None else [None] * len(groups)
-        drift = 0.0
         for n, g in enumerate(groups):
-            g.old_logprobs, g.ref_logprobs = old[n].detach(), ref[n]
-            g.advantages = advantages[n]
-            P, lens = g.prompt_length, ro.lengths[n]
-            for i in range(g.group_size):
-                train_lp = g.old_logprobs[-1, i, P - 1 : P - 1 + lens[i]]
-                diff = (train_lp.float() - ro.logprobs[n, i, : lens[i]]).abs().max().item()
-                drift = max(drift, diff)
-        return drift
+            g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
+                              else old[n].detach())
+            g.ref_logprobs = ref[n]
+        return float(torch.stack([rollout_drift(g, ro.logprobs[n])
+                                  for n, g in enumerate(groups)]).max())
 
     def optimize(self, groups: list) -> dict:
         """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
@@ -184,16 +273,25 @@ class RLTrainer:
 
     def _optimizer_step(self, forward_backward, context=None) -> tuple:
         """Zero the grads, run ``forward_backward()`` (inside ``context``), step the optimizer
-        and the LR schedule. -> (its output, grad norm)."""
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        with context or contextlib.nullcontext():
-            out = forward_backward()
+        and the LR schedule. -> (its output, grad norm). A step refused inside
+        ``forward_backward()`` (e.g. a ``ReplayInputError`` after some waves ran) discards the
+        partial gradients and re-raises: parameters and optimizer stay as they were."""
+        self._discard_grads()
+        try:
+            with context or contextlib.nullcontext():
+                out = forward_backward()
+        except Exception:
+            self._discard_grads()
+            raise
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         self.scheduler.step(increment=1)
         return out, float(grad_norm or 0.0)
+
+    def _discard_grads(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     def _forward_backward(self, groups: list) -> list:
         if self.cfg.shared_prefix.shared_prefix_schedule == "naive":
@@ -206,6 +304,7 @@ class RLTrainer:
     def sft_step(self, step: int) -> dict:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
+        loops = self.use_loops_of(step)
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
                                            self.groups_per_rank * self.cfg.rl.rl_group_size)
         batch = self._sft_batch(pairs)
@@ -214,22 +313,12 @@ class RLTrainer:
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
             seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
         return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
-                             "lr": self.optimizer.param_groups[0]["lr"]})
+                             "lr": self.optimizer.param_groups[0]["lr"], "loops": loops})
 
     def _sft_batch(self, pairs: list) -> dict:
-        """tokens/labels [N, T] right-padded; mask on the positions that predict the answer."""
         prompts = self._prompts([p for p, _ in pairs])
         answers = [self.tok.encode(a) + [self.tok.eos_id] for _, a in pairs]
-        T = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        tokens = torch.full((len(pairs), T), self.tok.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(pairs), T)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
-            mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
-        labels = torch.full_like(tokens, self.tok.pad_id)
-        labels[:, :-1] = tokens[:, 1:]
-        device = next(self.model.parameters()).device
-        return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
+        return sft_batch(prompts, answers, self.tok.pad_id, self.device)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -245,7 +334,8 @@ class RLTrainer:
     def _reduce(self, metrics: dict) -> dict:
         """Mean of scalar metrics over data-parallel ranks."""
         keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
+                            device=self.device)  # NCCL reduces device tensors only
         if self.world > 1:
             dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
             vals /= self.world
@@ -254,7 +344,8 @@ class RLTrainer:
 
 def _sft_loss(scheme: str, mask, logprobs):
     """Per-loop-weighted token-mean NLL; logprobs [R, N, T], mask [N, T]."""
-    w = loop_weights(scheme, logprobs.shape[0]).to(logprobs.dtype)[:, None, None]
+    w = loop_weights(scheme, logprobs.shape[0], logprobs.device).to(logprobs.dtype)
+    w = w[:, None, None]  # [R, 1, 1]
     nll = -(w * logprobs * mask.to(logprobs.dtype)).sum() / mask.sum()
     return nll, {"nll": nll.detach()}
 

@@ -1,12 +1,26 @@
 """Configuration of the looped GPT: an MCore ``TransformerConfig`` with ``looped_*`` fields."""
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args, get_origin
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-INJECTIONS = ("none", "linear_concat")
-INITIAL_STATES = ("embed", "zeros")
-PREFIX_ATTENTIONS = ("concat", "cascade")
+# The choices of the model's string options, listed once; the tuples are derived from them.
+Injection = Literal["none", "linear_concat"]
+InitialState = Literal["embed", "zeros"]
+PrefixAttention = Literal["concat", "cascade"]
+CascadeKernel = Literal["auto", "flash", "efficient", "cpu_flash", "matmul"]
+PositionEmbeddingType = Literal["learned_absolute", "rope"]
+"""Position embeddings of ``LoopedGPTModel`` (its ``position_embedding_type`` argument)."""
+Normalization = TransformerConfig.__annotations__["normalization"]
+"""Norm layers: MCore's ``TransformerConfig.normalization`` choices."""
+
+INJECTIONS = get_args(Injection)
+INITIAL_STATES = get_args(InitialState)
+PREFIX_ATTENTIONS = get_args(PrefixAttention)
+CASCADE_KERNELS = get_args(CascadeKernel)
+POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
 @dataclass
@@ -26,17 +40,24 @@ class LoopedTransformerConfig(TransformerConfig):
     looped_num_coda_layers: int = 0
     """Head layers applied after every loop, before the final norm and the shared readout."""
 
-    looped_injection: str = "none"
+    looped_injection: Injection = "none"
     """How the embedded input re-enters every loop: ``none`` (s_r = core(s_{r-1})) or
     ``linear_concat`` (s_r = core(W [s_{r-1}; e]), W initialised to [I | 0])."""
 
-    looped_initial_state: str = "embed"
+    looped_initial_state: InitialState = "embed"
     """Deterministic initial state s_0: ``embed`` (the prelude output e) or ``zeros``."""
 
-    looped_prefix_attention: str = "cascade"
+    looped_prefix_attention: PrefixAttention = "cascade"
     """Attention of a suffix batch to a shared prefix K/V: ``concat`` (expand the prefix per
     sequence and attend once) or ``cascade`` (one batched product against the single prefix,
     merged with each sequence's causal part through the log-sum-exp; reads the prefix once)."""
+
+    looped_cascade_kernel: CascadeKernel = "auto"
+    """Kernel of the ``cascade`` prefix attention: ``auto`` (the fused log-sum-exp kernel of the
+    tensors' device: ``cpu_flash`` on CPU; on CUDA ``flash`` where it supports the dtype and
+    head dim (fp16/bf16), else ``efficient``, else ``matmul``, e.g. for fp64), ``flash`` /
+    ``efficient`` (PyTorch's CUDA flash / memory-efficient SDPA ops), ``cpu_flash`` (PyTorch's
+    CPU flash op), or ``matmul`` (materialises the [*, W*S, P] scores: the reference path)."""
 
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""
@@ -63,16 +84,15 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    choices = {
-        "looped_injection": INJECTIONS,
-        "looped_initial_state": INITIAL_STATES,
-        "looped_prefix_attention": PREFIX_ATTENTIONS,
-    }
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    if cfg.pipeline_model_parallel_size > 1:
-        raise NotImplementedError("looped GPT does not support pipeline parallelism > 1")
+    for f in dataclasses.fields(cfg):
+        if f.name.startswith("looped_") and get_origin(f.type) is Literal:
+            allowed, value = get_args(f.type), getattr(cfg, f.name)
+            if value not in allowed:
+                raise ValueError(f"{f.name} must be one of {allowed}, got {value!r}")
+    if cfg.pipeline_model_parallel_size != 1:
+        raise NotImplementedError(
+            f"pipeline_model_parallel_size must be 1 (the looped GPT has no pipeline "
+            f"parallelism), got {cfg.pipeline_model_parallel_size}")
     if cfg.sequence_parallel:
         raise NotImplementedError("sequence_parallel=True (--sequence-parallel): the looped GPT "
                                   "does not support sequence parallelism")
@@ -80,3 +100,11 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         raise NotImplementedError(f"context_parallel_size={cfg.context_parallel_size} "
                                   f"(--context-parallel-size): the looped GPT does not support "
                                   f"context parallelism")
+
+
+def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:
+    """Change R of built models sharing ``config`` (e.g. a loop-count curriculum): every
+    forward, cache and prefix state reads it from the config; no parameter depends on it."""
+    if not isinstance(loops, int) or loops < 1:
+        raise ValueError(f"looped_num_loops must be an integer >= 1, got {loops!r}")
+    config.looped_num_loops = loops

@@ -11,10 +11,12 @@ Under tensor parallelism every rank holds the K/V of its own query groups
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
+
+from ..mcore_compat import mcore_workaround
 
 
 def config_signature(config) -> tuple:
@@ -79,9 +81,11 @@ class PrefixState:
         depth = (len(tensors) - 1) // 2
         return cls(tensors[:depth], tensors[depth : 2 * depth], tensors[-1], signature)
 
-    def detached_leaves(self) -> "PrefixState":
-        """A copy whose tensors are detached leaves that require grad (they collect adjoints)."""
-        leaves = [t.detach().requires_grad_(True) for t in self.tensors()]
+    def detached_leaves(self, dtype: Optional[torch.dtype] = None) -> "PrefixState":
+        """A copy whose tensors are detached leaves that require grad (they collect adjoints).
+        ``dtype``: each leaf is promoted to at least it (the same numbers, e.g. fp32 leaves of a
+        bf16 state, so that the adjoints they collect are accumulated in fp32)."""
+        leaves = [_promoted(t.detach(), dtype).requires_grad_(True) for t in self.tensors()]
         return PrefixState.from_tensors(leaves, self.signature)
 
     def check_compatible(self, config) -> None:
@@ -116,6 +120,10 @@ class PrefixState:
             )
 
 
+def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+    return t if dtype is None else t.to(torch.promote_types(t.dtype, dtype))
+
+
 class DepthKVCache:
     """Decoding cache: per-depth K/V for a batch with per-sequence lengths.
 
@@ -123,9 +131,15 @@ class DepthKVCache:
     ``lengths[b]`` = tokens of sequence b in the cache.
     A forward with this cache writes its new K/V at positions lengths[b] ... lengths[b]+s-1 and
     attends to every cached position <= the query's own.
+
+    ``prefix`` (prompt-once decoding): a cache holding N prompts (right-padded, its ``lengths``
+    the prompt lengths) that rows n*G ... n*G+G-1 of this cache continue, G = B / N. This cache
+    then holds only the continuations' K/V (slot 0 = the first token after the prompt); every
+    row reads its prompt's K/V from the single copy in ``prefix``.
     """
 
-    def __init__(self, config, batch: int, max_length: int, dtype=None, device=None):
+    def __init__(self, config, batch: int, max_length: int, dtype=None, device=None,
+                 prefix: Optional["DepthKVCache"] = None):
         groups = kv_groups_per_rank(config)
         shape = (config.looped_num_depths, max_length, batch, groups, config.kv_channels)
         dtype = dtype or config.params_dtype
@@ -133,23 +147,58 @@ class DepthKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.signature = state_signature(config)
+        self.prefix = prefix
+        if prefix is not None:
+            _check_prefix_cache(prefix, self)
 
     @property
     def max_length(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[2]
+
+    def offsets(self) -> Tensor:
+        """[B] absolute position of every row's slot 0: its prompt's length in ``prefix``
+        (0 without a prefix)."""
+        if self.prefix is None:
+            return torch.zeros_like(self.lengths)
+        return self.prefix.lengths.repeat_interleave(self.batch // self.prefix.batch)
+
     def positions(self, steps: int) -> Tensor:
         """Absolute positions of the next ``steps`` tokens of every sequence: [B, s]."""
         offsets = torch.arange(steps, device=self.lengths.device)
-        return self.lengths[:, None] + offsets[None, :]
+        start = self.lengths if self.prefix is None else self.lengths + self.offsets()
+        return start[:, None] + offsets[None, :]
 
 
+def _check_prefix_cache(prefix: DepthKVCache, cache: DepthKVCache) -> None:
+    """A prompt-once cache's prefix: same model structure, one prompt per G rows, no nesting."""
+    if prefix.signature != cache.signature:
+        raise ValueError("the prefix cache was built for a different model config")
+    if prefix.prefix is not None:
+        raise ValueError("a prefix cache cannot itself continue a prefix")
+    if cache.batch % prefix.batch:
+        raise ValueError(f"a prompt-once cache of batch {cache.batch} cannot continue "
+                         f"{prefix.batch} prompts: its batch must be a multiple (G rows per "
+                         f"prompt)")
+    if (prefix.keys.dtype, prefix.keys.device) != (cache.keys.dtype, cache.keys.device):
+        raise ValueError(f"the prefix cache is {prefix.keys.dtype} on {prefix.keys.device}, the "
+                         f"continuation cache {cache.keys.dtype} on {cache.keys.device}")
+
+
+@mcore_workaround
 @dataclass
 class LoopKV:
     """Per-forward routing of K/V by virtual depth, passed to layers as ``inference_context``.
 
     The block sets ``depth`` before running each layer application. Attention then either
     records its new K/V (``record``), attends to a prefix state, or reads and writes a cache.
+
+    MCore's TransformerLayer passes ``inference_context`` on to self-attention and asks it the
+    ``MCORE_METHODS`` below; MCore's own contexts key K/V by ``layer_number``, which a layer
+    reused across loops shares, so LoopKV stands in for one (ledger row W1).
     """
 
     prefix: Optional[PrefixState] = None
@@ -160,12 +209,20 @@ class LoopKV:
     depth: int = 0
     recorded: dict = field(default_factory=dict)
 
-    # MCore's TransformerLayer asks these of an inference context.
+    # Exactly what MCore 0.16.1's TransformerLayer asks of an inference context.
+    MCORE_METHODS: ClassVar[tuple] = (
+        "is_decode_only", "is_static_batching", "using_cuda_graph_this_step",
+    )
+
     def is_decode_only(self) -> bool:
+        """No: a forward may carry many tokens per sequence (MCore's prefill case), so MCore
+        picks no decode CUDA graph for it."""
         return False
 
     def is_static_batching(self) -> bool:
+        """Yes: one fixed batch per forward (MCore then asks no dynamic-batching question)."""
         return True
 
-    def is_dynamic_batching(self) -> bool:
+    def using_cuda_graph_this_step(self) -> bool:
+        """No: looped forwards are not CUDA-graph captured (asked of dynamic contexts only)."""
         return False

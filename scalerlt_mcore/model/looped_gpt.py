@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
+from .config import POSITION_EMBEDDING_TYPES
 from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
@@ -40,6 +41,8 @@ class LoopedGPTModel(LanguageModule):
 
     ``transformer_layer_spec``: a block spec (``get_looped_gpt_block_spec``), or, as MCore's
     ``GPTModel`` accepts, one layer spec used for every layer (local final norm).
+    ``rope_scaling`` / ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling, as in MCore's
+    ``GPTModel`` (low/high frequency factors 1 and 4, original context 8192).
 
     Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
     multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
@@ -49,14 +52,15 @@ class LoopedGPTModel(LanguageModule):
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, pg_collection=None):
+                 rotary_base: int = 10000, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
         self._check_tensor_parallel(config, vocab_size)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
-        if position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"position_embedding_type must be learned_absolute or rope, "
-                             f"got {position_embedding_type!r}")
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type must be one of "
+                             f"{POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}")
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
@@ -71,6 +75,7 @@ class LoopedGPTModel(LanguageModule):
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels, rotary_percent=rotary_percent,
                 rotary_interleaved=config.rotary_interleaved, rotary_base=rotary_base,
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
         block_spec = (transformer_layer_spec if is_block_spec(transformer_layer_spec)
@@ -166,10 +171,14 @@ class LoopedGPTModel(LanguageModule):
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def new_kv_cache(self, batch: int, max_length: int) -> DepthKVCache:
-        """An empty depth-indexed cache in the model's dtype and device."""
+    def new_kv_cache(self, batch: int, max_length: int,
+                     prefix: Optional[DepthKVCache] = None) -> DepthKVCache:
+        """An empty depth-indexed cache in the model's dtype and device. ``prefix``: a cache
+        of N prefilled prompts that this cache's ``batch`` = N * G rows continue (prompt-once
+        decoding: ``max_length`` then counts only the tokens after the prompt)."""
         p = next(self.parameters())
-        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device)
+        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device,
+                            prefix=prefix)
 
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor) -> Tensor:

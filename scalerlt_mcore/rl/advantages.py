@@ -1,12 +1,16 @@
 """Group advantages and per-token policy-gradient losses (pure torch, any float dtype)."""
 
+from typing import Literal, get_args
+
 import torch
 
-ADVANTAGE_MODES = ("grpo", "dr_grpo", "none")
+AdvantageMode = Literal["grpo", "dr_grpo", "none"]
 """``grpo``: (r - mean) / (std + eps); ``dr_grpo``: r - mean; ``none``: r."""
+ADVANTAGE_MODES = get_args(AdvantageMode)
 
 
-def group_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, mode: AdvantageMode = "grpo",
+                     eps: float = 1e-6) -> torch.Tensor:
     """Advantages of ``rewards`` [n_groups, G], each response against its own group.
 
     ``grpo`` divides by the population std of the group (``unbiased=False``), so a group whose

@@ -7,26 +7,30 @@ loss is the same number whatever the wave size.
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from .advantages import kl_k3, ppo_clipped_objective
 
-NORMALIZATIONS = ("token_mean", "seq_mean", "constant")
-LOOP_WEIGHTS = ("final", "uniform", "progressive")
+Normalization = Literal["token_mean", "seq_mean", "constant"]
+LoopWeights = Literal["final", "uniform", "progressive"]
+NORMALIZATIONS = get_args(Normalization)
+LOOP_WEIGHTS = get_args(LoopWeights)
 
 
-def loop_weights(scheme: str, num_loops: int) -> Tensor:
-    """Per-loop credit w_r (sums to 1): final readout only, uniform, or growing with r (RLTT)."""
+def loop_weights(scheme: str, num_loops: int, device=None) -> Tensor:
+    """Per-loop credit w_r [R] in fp64 on ``device`` (sums to 1): final readout only, uniform,
+    or growing with r (RLTT)."""
     if scheme == "final":
-        w = torch.zeros(num_loops, dtype=torch.float64)
+        w = torch.zeros(num_loops, dtype=torch.float64, device=device)
         w[-1] = 1.0
         return w
     if scheme == "uniform":
-        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64)
+        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64, device=device)
     if scheme == "progressive":
-        r = torch.arange(1, num_loops + 1, dtype=torch.float64)
+        r = torch.arange(1, num_loops + 1, dtype=torch.float64, device=device)
         return r / r.sum()
     raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, got {scheme!r}")
 
@@ -35,7 +39,7 @@ def loop_weights(scheme: str, num_loops: int) -> Tensor:
 class RLObjective:
     """PPO-clipped policy loss with optional k3 KL, per-loop credit and group normalisation."""
 
-    normalization: str = "token_mean"
+    normalization: Normalization = "token_mean"
     """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
     token means; constant: / (G * constant_length) (Dr. GRPO)."""
 
@@ -51,7 +55,7 @@ class RLObjective:
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0)."""
 
-    loop_weights: str = "final"
+    loop_weights: LoopWeights = "final"
     """Per-loop credit over all-loop readouts: final | uniform | progressive."""
 
     def __post_init__(self):
@@ -88,11 +92,17 @@ class RLObjective:
                 raise ValueError("kl_coef > 0 needs ref_logprobs")
             kl = kl_k3(logprobs, ref.to(acc)) * mask
             per_token = per_token + self.kl_coef * kl
-        w_loop = loop_weights(self.loop_weights, R).to(acc)[:, None, None]
+        w_loop = loop_weights(self.loop_weights, R, logprobs.device).to(acc)[:, None, None]
         coef = w_loop * weights.to(acc)[None]  # [R, B, T']
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach()}
         return (coef * per_token).sum(), stats
+
+    def check_group(self, group) -> None:
+        """Up-front check of what the loss needs from a group (before any compute)."""
+        if self.kl_coef > 0 and group.ref_logprobs is None:
+            raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
+                             f"ref_logprobs (reference log-probs), got None")
 
     def wave_loss(self, wave, logprobs: Tensor, non_loss_data: bool = False):
         """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
@@ -109,10 +119,13 @@ class RLObjective:
 
 def rl_forward_step(objective: RLObjective):
     """MCore-style ``forward_step_func`` of the RL loss for ``SharedPrefixSchedule`` and
-    ``naive_step``: the wave's log-probs from ``model(wave)``, ``objective.wave_loss``."""
+    ``naive_step``: the wave's log-probs from ``model(wave)``, ``objective.wave_loss``. Its
+    ``check_group`` attribute (``objective.check_group``) lets the shared-prefix schedule reject
+    a group the loss cannot use before any compute."""
 
     def forward_step(data_iterator, model):
         wave = next(data_iterator)
         return model(wave), partial(objective.wave_loss, wave)
 
+    forward_step.check_group = objective.check_group
     return forward_step

@@ -6,6 +6,11 @@ is checked exactly, so a tiny model can learn them and the reward needs no judge
 - ``modular_arithmetic``: ``"17+5%7="`` -> ``"1"``
 - ``reverse``: ``"abc>"`` -> ``"cba"``
 - ``sort``: ``"c3a|"`` -> ``"3ac"``
+
+and one long-prompt task, where a shared prompt dominates the work of an RL step (as in
+agentic and long-context RL): ``kv_retrieval``, the value of one key from a context of N
+key-value pairs, ``"abcdef:1234,...,uvwxyz:9876|abcdef="`` -> ``"1234"`` (511 characters by
+default: 512 tokens with bos).
 """
 
 import dataclasses
@@ -158,7 +163,52 @@ class Sort(_StringTask):
         return "".join(sorted(text))
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort)}
+@dataclass
+class KeyValueRetrieval(Task):
+    """``"k1:v1,k2:v2,...,kN:vN|kq="`` -> ``vq``: N distinct lowercase keys with digit values,
+    then the queried key (one of the N, uniform); the answer is its value, exact match.
+
+    Every prompt has the same length, ``num_pairs * (key_len + value_len + 2) + key_len + 1``
+    characters; the defaults give 511 (512 tokens with bos)."""
+
+    name = "kv_retrieval"
+    num_pairs: int = 42
+    """N, key-value pairs in the context."""
+    key_len: int = 6
+    """Letters per key."""
+    value_len: int = 4
+    """Digits per value (the answer's length)."""
+
+    def __post_init__(self):
+        _require(self.num_pairs >= 1, f"num_pairs must be >= 1, got {self.num_pairs}")
+        _require(self.key_len >= 1, f"key_len must be >= 1, got {self.key_len}")
+        _require(self.value_len >= 1, f"value_len must be >= 1, got {self.value_len}")
+        _require(26**self.key_len >= 2 * self.num_pairs,
+                 f"key_len {self.key_len} gives too few distinct keys for num_pairs "
+                 f"{self.num_pairs} (26 ** key_len must be >= 2 * num_pairs)")
+
+    def _problem(self, rng):
+        keys = []  # distinct, in order of drawing (a list: no hash order enters the draw)
+        while len(keys) < self.num_pairs:
+            key = "".join(rng.choices(string.ascii_lowercase, k=self.key_len))
+            if key not in keys:
+                keys.append(key)
+        values = ["".join(rng.choices(string.digits, k=self.value_len)) for _ in keys]
+        q = rng.randrange(self.num_pairs)
+        context = ",".join(f"{k}:{v}" for k, v in zip(keys, values))
+        return Problem(f"{context}|{keys[q]}=", values[q])
+
+    @property
+    def max_prompt_chars(self):
+        return self.num_pairs * (self.key_len + self.value_len + 2) + self.key_len + 1
+
+    @property
+    def max_answer_chars(self):
+        return self.value_len
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort,
+                                                    KeyValueRetrieval)}
 """Registry of built-in tasks by name."""
 
 

@@ -1,5 +1,6 @@
 """A GRPO group as explicit tensors, its up-front checks, and the replay-input guard."""
 
+import numbers
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -8,6 +9,10 @@ import torch
 from torch import Tensor
 
 GUARDED = ("tokens", "labels", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+"""The tensor fields the replay reads (an optional one that is None stays guarded as None)."""
+
+GUARDED_SCALARS = ("prompt_length", "group_id")
+"""The non-tensor fields the replay reads."""
 
 
 class ReplayInputError(RuntimeError):
@@ -26,6 +31,10 @@ class SharedPrefixGroup:
     old_logprobs: [R, G, T] per-loop log-probs of labels under the behaviour policy (training).
     ref_logprobs: optional [R, G, T] per-loop log-probs under a frozen reference (KL).
     prompt_length: P.
+    group_id:     names the group in errors.
+
+    The replay reads ``labels[:, P-1 : T-1]`` (the labels of the response positions); labels at
+    the prompt positions < P - 1 and at T - 1 are never read.
     """
 
     tokens: Tensor
@@ -36,6 +45,51 @@ class SharedPrefixGroup:
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     group_id: int = 0
+
+    @classmethod
+    def from_rollout(cls, prompt, responses: Tensor, lengths, pad_id: int, *, device=None,
+                     mask_dtype: torch.dtype = torch.float32, group_id: int = 0,
+                     advantages: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
+                     ref_logprobs: Optional[Tensor] = None) -> "SharedPrefixGroup":
+        """The group of one prompt's sampled responses, every tensor on ``device``.
+
+        prompt:    the P prompt token ids (a list or a [P] tensor).
+        responses: [G, S'] right-padded response ids (any device); S = max(lengths) <= S'.
+        lengths:   [G] response lengths >= 1 (host values: a list or a CPU tensor).
+        Builds tokens [G, P + S] (prompt, response, ``pad_id`` padding), labels (tokens
+        shifted by one, ``pad_id`` last) and the loss mask (``mask_dtype``, 1 on the positions
+        P - 1 .. P - 2 + length that predict a response token); the optional per-response
+        tensors are moved to ``device`` as given.
+        """
+        prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)  # [P]
+        lens = _host_lengths(lengths, responses, f"group {group_id}")  # [G] on the host
+        P, S, G = prompt.shape[0], int(lens.max()), responses.shape[0]
+        if P < 1:
+            raise ValueError(f"group {group_id}: the prompt is empty")
+        tokens = torch.full((G, P + S), pad_id, dtype=torch.long, device=device)  # [G, T]
+        tokens[:, :P] = prompt
+        tokens[:, P:] = responses[:, :S].to(device)
+        labels = torch.full_like(tokens, pad_id)
+        labels[:, :-1] = tokens[:, 1:]
+        span = torch.arange(P + S, device=device)[None, :]  # [1, T]
+        ends = (P - 1 + lens).to(device)[:, None]  # [G, 1]
+        mask = ((span >= P - 1) & (span < ends)).to(mask_dtype)  # [G, T]
+        extra = {n: None if t is None else t.to(device) for n, t in (
+            ("advantages", advantages), ("old_logprobs", old_logprobs),
+            ("ref_logprobs", ref_logprobs))}
+        return cls(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
+                   group_id=group_id, **extra)
+
+    def check_device(self, device) -> None:
+        """Raise if a tensor of the group is not on ``device`` (the model's), naming the field
+        and both devices."""
+        device = torch.device(device)
+        for name in GUARDED:
+            t = getattr(self, name)
+            if t is not None and not _same_device(t.device, device):
+                raise ValueError(f"group {self.group_id}: {name} is on {t.device}, the model on "
+                                 f"{device}; build the group on the model's device "
+                                 f"(SharedPrefixGroup.from_rollout(..., device=...))")
 
     @property
     def group_size(self) -> int:
@@ -54,28 +108,72 @@ class SharedPrefixGroup:
         return {n: getattr(self, n) for n in GUARDED if getattr(self, n) is not None}
 
     def check(self, num_loops: int, max_response_length: Optional[int] = None,
-              training: bool = True) -> None:
-        """Reject a malformed group before any compute; errors name the tensor and the group."""
+              training: bool = True, vocab_size: Optional[int] = None,
+              max_positions: Optional[int] = None) -> None:
+        """Reject a malformed group before any compute; errors name the group, the tensor and
+        the position. ``vocab_size``: token ids and read labels must lie in [0, vocab_size);
+        ``max_positions``: the model's position table (sequences must fit it)."""
         tag = f"group {self.group_id}"
         if training and (self.advantages is None or self.old_logprobs is None):
             raise ValueError(f"{tag}: training needs advantages and old_logprobs")
-        G, T = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
-        if G is None:
+        self._check_shapes(tag, num_loops)
+        self._check_prompt_shared(tag)
+        if vocab_size is not None:
+            self._check_ids(tag, vocab_size)
+        self._check_responses(tag, max_response_length)
+        self._check_labels_shifted(tag)
+        if max_positions is not None and self.tokens.shape[1] > max_positions:
+            raise ValueError(
+                f"{tag}: sequence length {self.tokens.shape[1]} (prompt {self.prompt_length} + "
+                f"response {self.response_length}) exceeds the model's position table "
+                f"(max_sequence_length {max_positions}): positions >= {max_positions} have no "
+                f"position embedding")
+        for name, t in self.guarded().items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{tag}: {name} contains NaN or inf")
+
+    def _check_shapes(self, tag: str, num_loops: int) -> None:
+        if self.tokens.dim() != 2:
             raise ValueError(f"{tag}: tokens must be [G, T], got {tuple(self.tokens.shape)}")
+        G, T = self.tokens.shape
         expected = {"labels": (G, T), "loss_mask": (G, T), "advantages": (G,),
                     "old_logprobs": (num_loops, G, T), "ref_logprobs": (num_loops, G, T)}
         for name, shape in expected.items():
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{tag}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        for name in ("tokens", "labels"):
+            t = getattr(self, name)
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"{tag}: {name} must hold integer token ids, got {t.dtype}")
         P = self.prompt_length
-        if not 1 <= P < T:
-            raise ValueError(f"{tag}: prompt_length {P} must be in [1, {T - 1}] (T={T})")
-        self._check_prompt_shared(tag)
-        self._check_responses(tag, max_response_length)
-        for name, t in self.guarded().items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise ValueError(f"{tag}: {name} contains NaN or inf")
+        if not isinstance(P, numbers.Integral) or not 1 <= P < T:
+            raise ValueError(f"{tag}: prompt_length {P!r} must be an integer in [1, {T - 1}] "
+                             f"(T={T})")
+
+    def _check_ids(self, tag: str, vocab_size: int) -> None:
+        """Token ids (all positions) and the read labels (positions P-1 .. T-2) in the vocab."""
+        start = self.prompt_length - 1
+        for name, ids, offset in (("tokens", self.tokens, 0),
+                                  ("labels", self.labels[:, start:-1], start)):
+            outside = (ids < 0) | (ids >= vocab_size)
+            if outside.any():
+                i, t = outside.nonzero()[0].tolist()
+                raise ValueError(f"{tag}: {name}[{i}, {t + offset}] = {int(ids[i, t])} lies "
+                                 f"outside the vocabulary [0, {vocab_size})")
+
+    def _check_labels_shifted(self, tag: str) -> None:
+        """Where the loss reads a label (loss_mask != 0, positions P-1 .. T-2), it must be the
+        next token: labels[:, t] == tokens[:, t + 1]."""
+        start = self.prompt_length - 1
+        labels, following = self.labels[:, start:-1], self.tokens[:, start + 1 :]  # [G, S]
+        wrong = (labels != following) & (self.loss_mask[:, start:-1] != 0)
+        if wrong.any():
+            i, t = wrong.nonzero()[0].tolist()
+            raise ValueError(
+                f"{tag}: labels[{i}, {start + t}] = {int(labels[i, t])} is not the next token "
+                f"tokens[{i}, {start + t + 1}] = {int(following[i, t])} (labels must be the "
+                f"tokens shifted by one wherever loss_mask is non-zero)")
 
     def _check_prompt_shared(self, tag: str) -> None:
         prompt = self.tokens[:, : self.prompt_length]
@@ -104,6 +202,25 @@ class SharedPrefixGroup:
                              f"configured maximum {max_response_length}")
 
 
+def _host_lengths(lengths, responses: Tensor, tag: str) -> Tensor:
+    """Response lengths [G] as a host tensor, checked against ``responses`` [G, S']."""
+    lens = torch.as_tensor(lengths, dtype=torch.long, device="cpu")
+    if responses.dim() != 2:
+        raise ValueError(f"{tag}: responses must be [G, S'], got {tuple(responses.shape)}")
+    G, width = responses.shape
+    if tuple(lens.shape) != (G,):
+        raise ValueError(f"{tag}: lengths must be [G] = [{G}], got shape {tuple(lens.shape)}")
+    if G == 0 or int(lens.min()) < 1 or int(lens.max()) > width:
+        raise ValueError(f"{tag}: response lengths must lie in [1, {width}] (the responses' "
+                         f"width), got {lens.tolist()}")
+    return lens
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one ('cuda' matches 'cuda:0')."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 @dataclass
 class WaveBatch:
     """What a per-wave ``forward_step_func`` receives from the data iterator: a group and the
@@ -122,24 +239,41 @@ class WaveBatch:
         return None if t is None else t.index_select(dim, self.index)
 
 
-def fingerprint(t: Tensor) -> tuple:
-    """(version counter, CRC32 of the bytes): any in-place change alters one of them."""
+def fingerprint(t: Optional[Tensor]) -> Optional[tuple]:
+    """(shape, dtype, version counter, CRC32 of the bytes) of a tensor, None for None: any
+    in-place change alters the version or the checksum."""
+    if t is None:
+        return None
     data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-    return t._version, zlib.crc32(data)
+    return tuple(t.shape), t.dtype, t._version, zlib.crc32(data)
 
 
 class ReplayGuard:
-    """Fingerprints a group's inputs at first use and verifies them before replays."""
+    """Fingerprints every field of a group the replay reads at first use and verifies them
+    before replays: the tensors (``GUARDED``; an optional one that was None must stay None) and
+    ``prompt_length`` and ``group_id``."""
 
     def __init__(self, group: SharedPrefixGroup):
         self.group = group
-        self.prints = {n: fingerprint(t) for n, t in group.guarded().items()}
+        self.group_id = group.group_id
+        self.prints = self._prints()
+
+    def _prints(self) -> dict:
+        prints = {n: getattr(self.group, n) for n in GUARDED_SCALARS}
+        prints.update({n: fingerprint(getattr(self.group, n)) for n in GUARDED})
+        return prints
 
     def verify(self, where: str) -> None:
-        for name, t in self.group.guarded().items():
-            now = fingerprint(t)
-            if now != self.prints[name]:
+        now = self._prints()
+        for name, before in self.prints.items():
+            if now[name] != before:
                 raise ReplayInputError(
-                    f"group {self.group.group_id}: replay input '{name}' changed since first use "
-                    f"(version/checksum {self.prints[name]} -> {now}); refusing the {where}"
+                    f"group {self.group_id}: replay input '{name}' changed since first use "
+                    f"({_describe(before)} -> {_describe(now[name])}); refusing the {where}"
                 )
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple):  # a tensor's fingerprint
+        return f"shape/dtype/version/checksum {value}"
+    return repr(value)

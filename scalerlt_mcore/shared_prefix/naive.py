@@ -46,6 +46,9 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     per microbatch. ``forward_step_func`` is the per-wave one joint replay takes."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
+    check_group = getattr(forward_step_func, "check_group", None)  # the loss's own needs
+    for g in groups if check_group is not None else ():
+        check_group(g)
     batches = naive_microbatches(groups, micro_batch_size)
     # MCore divides every microbatch loss by their number; the step loss is the mean over
     # groups, as in joint replay.

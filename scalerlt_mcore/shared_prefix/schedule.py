@@ -14,6 +14,22 @@ model)`` returns ``(output, loss_func)``; for a group it is called once per wave
 iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose call returns the
 wave's per-loop log-probs. ``loss_func(output)`` returns ``(loss, stats)``: the wave's share of
 the group's loss (normalised over the whole group) and a dict of tensors.
+
+Up-front checks, before any compute (no phase runs, no grad changes when one fails): every
+group's ``SharedPrefixGroup.check`` (shapes, shared prompt, token ids and labels in the model's
+vocabulary, labels the tokens shifted by one, lengths within the position table); stochastic
+layers (dropout) are rejected, since the replay would draw other masks than the prompt producer;
+and, if ``forward_step_func`` has a ``check_group`` attribute, ``forward_step_func.check_group(
+group)`` is called for every group, so a loss can reject what it cannot use (e.g. the RL
+objective: KL without reference log-probs) before any compute.
+
+A refused step: every field the replay reads is fingerprinted after the up-front checks and
+verified before each group's prompt producer, every wave (re)compute and the joint replay
+(``ReplayGuard``). A ``ReplayInputError`` raised once compute
+has begun leaves the gradients of the waves and groups that already ran in the parameters'
+grad buffers (parameters and optimizer are untouched: the schedule never steps). The caller
+must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
+step the optimizer; the error message says so.
 """
 
 import contextlib
@@ -30,9 +46,16 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..model.kv import PrefixState
-from .group import ReplayGuard, SharedPrefixGroup, WaveBatch
+from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 
 PHASES = ("prompt_producer", "wave", "joint_replay")
+
+DROPOUT_FIELDS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
+"""Config dropout fields joint replay rejects when > 0, with their Megatron flags."""
+
+PARTIAL_GRADS = ("the step was refused after compute began: gradients of the waves that already "
+                 "ran remain in the grad buffers; discard them (DDP zero_grad_buffer() and "
+                 "optimizer.zero_grad()) and do not step the optimizer")
 
 
 def get_shared_prefix_forward_backward_func(wave_size: int, checkpoint_waves: bool = False,
@@ -80,6 +103,7 @@ class _GroupRun:
     first_microbatch: bool = False
     collect_non_loss_data: bool = False
     results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
+    state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
 
 
 class SharedPrefixSchedule:
@@ -126,12 +150,15 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
-        self._check_groups(groups, inner.config, forward_only, config)
+        self._check_groups(groups, inner, forward_only, config, forward_step_func)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
                           collect_non_loss_data, first_val_step)
         if forward_only:
             return [self.score_group(run) for run in runs]
-        results = self._train_groups(runs, config)
+        try:
+            results = self._train_groups(runs, config)
+        except ReplayInputError as e:
+            raise ReplayInputError(f"{e}. {PARTIAL_GRADS}") from e
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func([model], None, pg_collection=pg_collection,
                                              force_all_reduce=force_all_reduce)
@@ -139,16 +166,26 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, model_config, forward_only, config) -> None:
+    def _check_groups(self, groups, inner, forward_only, config, forward_step_func) -> None:
+        device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
+        if not forward_only or inner.training:
+            _check_deterministic(inner)
+        learned = getattr(inner, "position_embedding_type", None) == "learned_absolute"
+        limits = dict(vocab_size=getattr(inner, "vocab_size", None),
+                      max_positions=inner.max_sequence_length if learned else None)
+        check_group = getattr(forward_step_func, "check_group", None)
         for g in groups:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
-            g.check(model_config.looped_num_loops, self.max_response_length,
-                    training=not forward_only)
+            g.check_device(device)
+            g.check(inner.config.looped_num_loops, self.max_response_length,
+                    training=not forward_only, **limits)
+            if check_group is not None:
+                check_group(g)
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
               collect_non_loss_data, first_val_step) -> list:
@@ -183,11 +220,14 @@ class SharedPrefixSchedule:
         return _merge(run.results, num_waves=len(waves))
 
     def _produce_prompt(self, run: _GroupRun) -> PrefixState:
-        """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves."""
+        """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves of
+        at least fp32 (the same numbers), so the waves' prefix adjoints accumulate in fp32."""
+        run.guard.verify("prompt producer")
         with torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
-        return state.detached_leaves()
+        run.state_dtype = state.boundary.dtype
+        return state.detached_leaves(torch.float32)
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
@@ -195,17 +235,13 @@ class SharedPrefixSchedule:
                          readout=False).prefix_state
 
     def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
-        """Phase 2: every wave but the last; returns the summed prefix adjoints (>= fp32)."""
-        adjoints = [torch.zeros_like(t, dtype=_acc(t)) for t in leaves.tensors()]
+        """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves'
+        grads (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
         for n, wave in enumerate(waves):
             loss = self._wave_loss(run, leaves, wave, n)
             _scaled(loss, run.config).backward()
-            for adj, leaf in zip(adjoints, leaves.tensors()):
-                if leaf.grad is not None:
-                    adj.add_(leaf.grad)
-                    leaf.grad = None
             self.phase_callback("wave", run.group)
-        return adjoints
+        return [leaf.grad for leaf in leaves.tensors()]
 
     def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints) -> None:
         """Phase 3: recompute the prompt with grad, run the last wave, one backward."""
@@ -215,15 +251,14 @@ class SharedPrefixSchedule:
         total = _scaled(loss, run.config)
         if adjoints is not None:
             total = total + sum((t.to(a.dtype) * a).sum()
-                                for t, a in zip(state.tensors(), adjoints))
+                                for t, a in zip(state.tensors(), adjoints) if a is not None)
         total.backward()
         self.phase_callback("joint_replay", run.group)
 
     def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
         def fn(*state_tensors):
-            return self._wave_objective(run, wave, wave_no,
-                                        PrefixState.from_tensors(list(state_tensors),
-                                                                 state.signature))
+            return self._wave_objective(run, wave, wave_no, _wave_state(
+                list(state_tensors), state.signature, run.state_dtype))
 
         if self.checkpoint_waves:
             return checkpoint(fn, *state.tensors(), use_reentrant=False)
@@ -276,8 +311,9 @@ def _merge(per_wave: dict, **extra) -> object:
     if extra and isinstance(merged, dict):
         ref = next((v for v in merged.values()
                     if isinstance(v, Tensor) and v.is_floating_point()), None)
-        like = dict(dtype=ref.dtype, device=ref.device) if ref is not None else {}
-        merged.update({k: torch.tensor(float(v), **like) for k, v in extra.items()})
+        dtype, device = (ref.dtype, ref.device) if ref is not None else (None, None)
+        merged.update({k: torch.tensor(float(v), dtype=dtype, device=device)
+                       for k, v in extra.items()})
     return merged
 
 
@@ -294,8 +330,35 @@ def _merge_values(items: list):
     return items
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _check_deterministic(inner) -> None:
+    """Reject dropout: the replay recomputes the prompt and the waves, and the prefix adjoints
+    of one dropout mask would meet a recompute drawn with another (masks are not replayed).
+    Checks the config (also a config changed after the model was built) and every module in
+    training mode: an ``nn.Dropout`` with p > 0, or an MCore layer that keeps its own
+    ``hidden_dropout`` > 0 (its bias-dropout-add reads that copy, not the config)."""
+    for name, flag in DROPOUT_FIELDS.items():
+        p = getattr(inner.config, name, 0.0) or 0.0
+        if p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: config."
+                             f"{name} = {p} (flag {flag}); set it to 0")
+    for mname, m in inner.named_modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            what, p = "drops with p", m.p
+        else:
+            what, p = "applies hidden_dropout", getattr(m, "hidden_dropout", None)
+        if m.training and isinstance(p, (int, float)) and p > 0:
+            raise ValueError(f"shared-prefix joint replay does not support dropout: module "
+                             f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
+                             f"(MCore builds its dropouts from --hidden-dropout)")
+
+
+def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
+    """The prefix state a wave attends to. K/V go to the attention as they are: wider adjoint
+    leaves (fp32 in a bf16 model) let its prefix backward return wide gradients. The boundary
+    is cast to the state's own ``dtype``, as the readout's norm runs in the model's dtype."""
+    if dtype is not None:
+        tensors = [*tensors[:-1], tensors[-1].to(dtype)]
+    return PrefixState.from_tensors(tensors, signature)
 
 
 def _scaled(loss, config):

@@ -1,0 +1,182 @@
+"""Starting from weights, the Megatron way.
+
+- ``--pretrained-checkpoint DIR`` (weights only): a Hugging Face Llama / Qwen2 directory, a
+  stock MCore ``GPTModel`` distributed checkpoint or a ``--save`` directory of this trainer,
+  loaded into the freshly built model before MCore DDP and the optimizer copy its parameters.
+  The run's flags describe the architecture; a source that differs is refused, naming what
+  differs (``--use-checkpoint-args`` takes it from a Hugging Face config.json instead).
+- ``--looped-retrofit p,c,d``: the source's layers as prelude / core / coda (the rest dropped).
+- ``--load DIR``: resume when it holds a checkpoint (after the pretrained weights, so the KL
+  reference of a resumed run is the one of the uninterrupted run); ``--finetune`` loads its
+  weights only at step 0, ``--no-load-optim`` everything but the optimizer state.
+"""
+
+import dataclasses
+import re
+from pathlib import Path
+
+from ..model.hf_import import (
+    PretrainedArchitecture,
+    load_hf_state_dict,
+    read_hf_architecture,
+)
+from ..model.mcore_import import is_dist_checkpoint, load_mcore_gpt_state_dict, source_layers
+from ..model.retrofit import LayerMapping, load_converted_state_dict, retrofit_state_dict
+from ..model.vocab_parallel import padded_vocab_size
+from ..rl.tokenizer import CharTokenizer
+from .arguments import ConfigError
+from .checkpoint import (
+    has_checkpoint,
+    is_own_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    load_step_and_schedule,
+)
+
+ARCHITECTURE_KEYS = tuple(f.name for f in dataclasses.fields(PretrainedArchitecture)
+                          if f.name != "num_layers")
+"""Model flags a pretrained source fixes (besides the layer count)."""
+
+
+def run_vocab_size(cfg) -> int:
+    """Embedding rows: ``vocab_size`` as set, else the tokenizer's padded as Megatron pads it
+    (to a multiple of ``make_vocab_size_divisible_by`` x ``tensor_model_parallel_size``)."""
+    m = cfg.model
+    if m.vocab_size is not None:
+        return m.vocab_size
+    return padded_vocab_size(CharTokenizer().vocab_size, m.make_vocab_size_divisible_by,
+                             m.tensor_model_parallel_size)
+
+
+def source_kind(path) -> str:
+    """``hf``, ``own`` (a checkpoint of this trainer) or ``mcore`` (a GPTModel checkpoint)."""
+    root = Path(path)
+    if (root / "config.json").is_file():
+        return "hf"
+    if has_checkpoint(root) or is_own_checkpoint(root):
+        return "own"
+    if is_dist_checkpoint(root):
+        return "mcore"
+    raise FileNotFoundError(
+        f"pretrained checkpoint {path} is neither a Hugging Face directory (config.json), an "
+        f"MCore distributed checkpoint (metadata.json) nor a save directory (latest)")
+
+
+# ---- before validation: flags the source sets ---------------------------------------------
+
+
+def resolve_pretrained(cfg) -> list[str]:
+    """Apply ``--use-checkpoint-args`` and ``--looped-retrofit`` to ``cfg.model`` (in place);
+    returns lines for the log."""
+    m, path = cfg.model, cfg.logging.pretrained_checkpoint
+    if path is None:
+        return []
+    lines = []
+    if cfg.logging.use_checkpoint_args:
+        if source_kind(path) != "hf":
+            raise ConfigError(f"use_checkpoint_args needs a Hugging Face directory "
+                              f"(config.json); {path} has none")
+        arch = read_hf_architecture(path)
+        for key in ARCHITECTURE_KEYS:
+            setattr(m, key, getattr(arch, key))
+        m.num_layers = arch.num_layers - m.looped_num_prelude_layers - m.looped_num_coda_layers
+        lines.append(f"architecture from {Path(path) / 'config.json'}: {arch}")
+    if m.looped_retrofit and re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):  # else: validate
+        prelude, core, coda = (int(x) for x in m.looped_retrofit.split(","))
+        m.looped_num_prelude_layers, m.num_layers, m.looped_num_coda_layers = prelude, core, coda
+        m.looped_injection = "linear_concat"
+    return lines
+
+
+# ---- before DDP: weights -------------------------------------------------------------------
+
+
+def load_before_wrap(cfg, model) -> list[str]:
+    """Pretrained weights, then (``--finetune`` / ``--no-load-optim``) the ``--load``
+    checkpoint's weights; returns lines for the log."""
+    lines = []
+    if cfg.logging.pretrained_checkpoint:
+        lines.append(load_pretrained(cfg, model))
+    lg = cfg.logging
+    if has_checkpoint(lg.load) and (lg.finetune or lg.no_load_optim):
+        lines.append(f"weights from {load_model_weights(lg.load, model)}")
+    return lines
+
+
+def load_pretrained(cfg, model) -> str:
+    """Load ``cfg.logging.pretrained_checkpoint`` into ``model``; a line for the log."""
+    path = cfg.logging.pretrained_checkpoint
+    kind = source_kind(path)
+    if kind == "own":
+        if cfg.model.looped_retrofit:
+            raise ConfigError(f"looped_retrofit maps a plain stack's layers; {path} is already "
+                              f"a looped model")
+        return f"pretrained weights from {load_model_weights(path, model)}"
+    if cfg.model.tensor_model_parallel_size > 1 and kind == "hf":
+        raise ConfigError("a Hugging Face import needs tensor_model_parallel_size 1 (convert to "
+                          "an MCore checkpoint for tensor parallelism)")
+    if kind == "hf":
+        arch = read_hf_architecture(path)
+        _check_architecture(cfg, arch, path)
+        mapping = _mapping(cfg, arch.num_layers, path)
+        weights = load_hf_state_dict(path, arch)
+    else:
+        mapping = _mapping(cfg, source_layers(path), path)
+        weights = load_mcore_gpt_state_dict(path, model)
+    load_converted_state_dict(model, retrofit_state_dict(weights, mapping))
+    return (f"pretrained weights from {path} ({'Hugging Face' if kind == 'hf' else 'MCore'}, "
+            f"vocabulary {model.vocab_size}): {mapping.describe()}")
+
+
+def run_architecture(cfg) -> dict:
+    """The run's values of ``ARCHITECTURE_KEYS``, defaults resolved as the model builds them."""
+    m = cfg.model
+    values = {k: getattr(m, k) for k in ARCHITECTURE_KEYS}
+    values.update(
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        vocab_size=run_vocab_size(cfg),
+    )
+    return values
+
+
+def _check_architecture(cfg, arch: PretrainedArchitecture, path) -> None:
+    run = run_architecture(cfg)
+    keys = [k for k in ARCHITECTURE_KEYS if k != "rope_scaling_factor" or arch.use_rope_scaling]
+    diffs = [f"{k}: checkpoint {getattr(arch, k)!r} != run {run[k]!r}" for k in keys
+             if getattr(arch, k) != run[k]]
+    if diffs:
+        raise ConfigError(f"pretrained checkpoint {path} has another architecture than this run "
+                          f"({'; '.join(diffs)}): set those flags, or pass "
+                          f"--use-checkpoint-args to take them from its config.json")
+
+
+def _mapping(cfg, layers: int, path) -> LayerMapping:
+    m = cfg.model
+    used = m.looped_num_prelude_layers + m.num_layers + m.looped_num_coda_layers
+    if not m.looped_retrofit and used != layers:
+        raise ConfigError(
+            f"num_layers: pretrained checkpoint {path} has {layers} layers, this run "
+            f"{used} (prelude {m.looped_num_prelude_layers} + core {m.num_layers} + coda "
+            f"{m.looped_num_coda_layers}); set the layer counts or --looped-retrofit")
+    try:
+        return LayerMapping.of_config(m, layers)  # ModelArgs has the config's field names
+    except ValueError as e:
+        raise ConfigError(f"looped_retrofit {m.looped_retrofit}: {e}") from e
+
+
+# ---- after DDP: resume ---------------------------------------------------------------------
+
+
+def resume_after_wrap(cfg, model, optimizer, scheduler) -> int:
+    """The step to start from: 0, or the ``--load`` checkpoint's (with its optimizer state
+    unless ``--no-load-optim``; ``--finetune`` starts at 0)."""
+    lg = cfg.logging
+    if not lg.load or (lg.pretrained_checkpoint and not has_checkpoint(lg.load)):
+        return 0  # Megatron: a --load without a checkpoint starts from the pretrained weights
+    if lg.finetune and has_checkpoint(lg.load):
+        return 0
+    if lg.no_load_optim and has_checkpoint(lg.load):
+        return load_step_and_schedule(lg.load, scheduler)
+    return load_checkpoint(lg.load, model, optimizer, scheduler)  # names a missing checkpoint

@@ -1,0 +1,68 @@
+"""The Megatron-Core version this project is written for, and its MCore workarounds.
+
+Every deviation from stock MCore is listed in patches/README.md. The CPU backend
+(`cpu_backend.py`) replaces MCore attributes; the workarounds registered here are project code
+that compensates for an MCore 0.16.1 behaviour without patching MCore. Both refuse another
+MCore version through `require_mcore`, so an upgrade stops at the first workaround it reaches
+with a message naming it, instead of running on an assumption nobody re-checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+MCORE_VERSION = "0.16.1"
+
+# "module:qualname" of every @mcore_workaround, in import order: the ledger's W rows.
+WORKAROUNDS: list[str] = []
+
+
+def found_mcore_version() -> str:
+    """The installed megatron-core version ('unknown' when it does not say)."""
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "unknown")
+
+
+def require_mcore(what: str) -> None:
+    """Raise RuntimeError naming `what` and the found version unless MCore is 0.16.1."""
+    found = found_mcore_version()
+    if found != MCORE_VERSION:
+        raise RuntimeError(
+            f"{what} is written for megatron-core {MCORE_VERSION}; found megatron-core "
+            f"{found}. Re-check it (patches/README.md) against that version before using it."
+        )
+
+
+def resolve(target: str):
+    """Split 'pkg.module:Class.attr' into (owner object, attribute name)."""
+    module_name, _, attr_path = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *owners, name = attr_path.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _guarded(func, target: str):
+    """`func` that first checks the MCore version it was written for."""
+
+    @functools.wraps(func)
+    def guarded(*args, **kwargs):
+        require_mcore(f"MCore workaround {target}")
+        return func(*args, **kwargs)
+
+    return guarded
+
+
+def mcore_workaround(obj):
+    """Register a function or class as an MCore workaround (a W row of patches/README.md) and
+    guard it: each call (for a class, each construction) refuses another MCore version."""
+    target = f"{obj.__module__}:{obj.__qualname__}"
+    if target not in WORKAROUNDS:
+        WORKAROUNDS.append(target)
+    if isinstance(obj, type):
+        obj.__init__ = _guarded(obj.__init__, target)
+        return obj
+    return _guarded(obj, target)

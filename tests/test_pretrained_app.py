@@ -1,0 +1,286 @@
+"""The main job started from pretrained weights (``--pretrained-checkpoint``, ``--looped-retrofit``,
+``--use-checkpoint-args``, ``--finetune``, ``--no-load-optim``, the loop-count curriculum), built
+in process exactly as ``train._run`` builds it.
+
+The source is the tiny random Llama of examples/make_tiny_hf_model.py (8 layers, vocabulary 64,
+of which the character tokenizer uses 49), run through configs/retrofit_tiny_llama.yaml (prelude
+2 / core 4 / coda 2, R = 3, curriculum) at a smaller batch.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import patch_hf_rms_norm, randomize
+from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
+
+from scalerlt_mcore.app import runtime
+from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
+from scalerlt_mcore.app.checkpoint import save_checkpoint
+from scalerlt_mcore.app.pretrained import (
+    load_before_wrap,
+    resolve_pretrained,
+    resume_after_wrap,
+    run_vocab_size,
+)
+from scalerlt_mcore.app.trainer import RLTrainer, curriculum_loops
+from scalerlt_mcore.model.mcore_import import stock_gpt_model
+from scalerlt_mcore.rl.tokenizer import CharTokenizer
+from scalerlt_mcore.testing import model_parallel_context
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "retrofit_tiny_llama.yaml"
+SMALL = dict(global_batch_size=8, micro_batch_size=4, rl_group_size=4, shared_prefix_wave_size=2,
+             train_iters=4, rl_warmup_sft_steps=1, rl_kl_coef=0.05, looped_loops_warmup_iters=3,
+             rl_eval_prompts=4, lr_warmup_iters=0, seed=3)
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_model",
+                                                  ROOT / "examples" / "make_tiny_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = _example().tiny_model("llama", layers=8, seed=0)
+    randomize(model, seed=1)  # weights of O(0.1), so that the model is not near-uniform
+    model.save_pretrained(path)
+    return path
+
+
+def _argv(pretrained, **overrides) -> list:
+    out = ["--config", str(CONFIG)]
+    if pretrained is not None:
+        out += ["--pretrained-checkpoint", str(pretrained)]
+    for key, value in {**SMALL, **overrides}.items():
+        out += ["--" + key.replace("_", "-"), str(value).lower() if isinstance(value, bool)
+                else str(value)]
+    return out
+
+
+def build(argv: list):
+    """(trainer, start step, log lines): what ``train._run`` builds, on the current state."""
+    cfg = parse_args(argv)
+    notes = resolve_pretrained(cfg)
+    validate(cfg, torch.distributed.get_world_size())
+    config = runtime.model_config(cfg, "cpu")
+    model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
+    notes += load_before_wrap(cfg, model)
+    ddp, optimizer, scheduler = runtime.wrap_for_training(cfg, config, model)
+    trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
+    return trainer, resume_after_wrap(cfg, model, optimizer, scheduler), notes
+
+
+def _step(trainer, step: int) -> dict:
+    sft = trainer.cfg.rl.rl_warmup_sft_steps
+    return trainer.sft_step(step) if step < sft else trainer.rl_step(step)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _adam_moments(optimizer) -> torch.Tensor:
+    (inner,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [inner.optimizer.state[s] for g in inner.shard_fp32_groups for s in g]
+    return torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
+                      for s in states])
+
+
+def _adam_state_empty(optimizer) -> bool:
+    (inner,) = getattr(optimizer, "chained_optimizers", [optimizer])
+    return not any(inner.optimizer.state[s] for g in inner.shard_fp32_groups for s in g)
+
+
+# ---- import through the app ----------------------------------------------------------------
+
+
+def test_retrofit_at_one_loop_is_the_hf_model(tiny_llama, monkeypatch):
+    """Through the app's flags (retrofit 2,4,2, all 8 layers kept), R = 1 gives the HF logits
+    (fp64; the reference's RMSNorm in fp64, tests/hf_helpers.py)."""
+    from transformers import LlamaForCausalLM
+
+    with model_parallel_context(3):
+        trainer, start, notes = build(_argv(tiny_llama, looped_num_loops=1))
+        model = trainer.model.double().eval()
+        assert start == 0
+        assert notes == [f"pretrained weights from {tiny_llama} (Hugging Face, vocabulary 64): "
+                         "8 source layers: layers 0-1 -> prelude, layers 2-5 -> core (looped), "
+                         "layers 6-7 -> coda; dropped: none"]
+        tokens = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            got = model(tokens).logits[0]
+        patch_hf_rms_norm(monkeypatch)
+        hf = LlamaForCausalLM.from_pretrained(tiny_llama).double().eval()
+        with torch.no_grad():
+            want = hf(input_ids=tokens).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-10
+
+
+def test_use_checkpoint_args_takes_the_architecture(tiny_llama):
+    """From the demo's default architecture flags (no config file) the config.json's."""
+    cfg = parse_args(["--pretrained-checkpoint", str(tiny_llama), "--use-checkpoint-args",
+                      "--looped-retrofit", "3,2,1"])
+    resolve_pretrained(cfg)
+    m = cfg.model
+    assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
+            m.vocab_size, m.normalization, m.swiglu, m.disable_bias_linear,
+            m.position_embedding_type, m.untie_embeddings_and_output_weights) == (
+        64, 4, 2, 128, 64, "RMSNorm", True, True, "rope", True)
+    assert (m.looped_num_prelude_layers, m.num_layers, m.looped_num_coda_layers,
+            m.looped_injection) == (3, 2, 1, "linear_concat")
+
+
+def test_mismatched_architecture_names_what_differs(tiny_llama):
+    with model_parallel_context(3), pytest.raises(ConfigError) as err:
+        build(_argv(tiny_llama, hidden_size=32, num_attention_heads=2, norm_epsilon=1e-5))
+    message = str(err.value)
+    for part in ("hidden_size: checkpoint 64 != run 32", "num_attention_heads: checkpoint 4 != "
+                 "run 2", "norm_epsilon: checkpoint 1e-06 != run 1e-05", "--use-checkpoint-args"):
+        assert part in message, message
+    assert "ffn_hidden_size" not in message
+
+
+def test_layer_count_mismatch_without_retrofit_is_named(tiny_llama):
+    argv = _argv(tiny_llama, num_layers=6) + ["--looped-retrofit", "null"]
+    with model_parallel_context(3), pytest.raises(ConfigError, match=(
+            r"num_layers: pretrained checkpoint \S+ has 8 layers, this run 6 \(prelude 0 \+ "
+            r"core 6 \+ coda 0\)")):
+        build(argv)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--looped-retrofit", "2,4,2"], "looped_retrofit needs pretrained_checkpoint"),
+    (["--finetune"], "finetune needs load"),
+    (["--vocab-size", "40"], r"vocab_size \(40\) must be >= the tokenizer's \(49\)"),
+])
+def test_loading_flags_are_validated(flags, message):
+    cfg = parse_args(flags)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 1)
+
+
+def test_curriculum_loops():
+    assert [curriculum_loops(t, 3, 4) for t in range(6)] == [1, 1, 2, 2, 3, 3]
+    assert [curriculum_loops(t, 3, 0) for t in range(2)] == [3, 3]
+
+
+# ---- training from the retrofit ------------------------------------------------------------
+
+
+def test_rollouts_never_sample_past_the_tokenizer(tiny_llama):
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama))
+        assert trainer.model.vocab_size == 64 and CharTokenizer().vocab_size == 49
+        problems = trainer.task.sample(0, 4)
+        ro = trainer.rollout(0, problems, 8, temperature=1.0)
+    assert ro.responses.max() < 49
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
+    """4 steps (1 warm-up + 3 RL; loops 1, 1, 2, 3 by the curriculum; KL to the pretrained
+    policy) in one go vs 2 steps, a checkpoint, and a resumed run: the same parameters and Adam
+    moments, bit for bit."""
+    with model_parallel_context(3):
+        full, _, _ = build(_argv(tiny_llama, save=str(tmp_path / "ckpt")))
+        loops = []
+        for step in range(4):
+            loops.append(_step(full, step)["loops"])
+            if step == 1:  # as train._maybe_save
+                full.use_configured_loops()
+                save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler)
+        want = _flat(full.model), _adam_moments(full.optimizer)
+    assert loops == [1, 1, 2, 3]
+    with model_parallel_context(3):
+        resumed, start, _ = build(_argv(tiny_llama, load=str(tmp_path / "ckpt")))
+        assert start == 2
+        for step in range(start, 4):
+            _step(resumed, step)
+        got = _flat(resumed.model), _adam_moments(resumed.optimizer)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (want[0] - _initial(tiny_llama)).abs().max() > 1e-4, "training must move weights"
+
+
+def _initial(tiny_llama) -> torch.Tensor:
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama))
+        return _flat(trainer.model)
+
+
+def test_finetune_and_no_load_optim(tmp_path, tiny_llama):
+    """--finetune: the checkpoint's weights at step 0 with a fresh optimizer; --no-load-optim:
+    its weights and step, Adam moments zero. Our checkpoint as --pretrained-checkpoint: its
+    weights, at another loop count."""
+    ckpt = tmp_path / "ckpt"
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama))
+        for step in range(2):
+            _step(trainer, step)
+        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler)
+        saved = _flat(trainer.model)
+    runs = {"finetune": (["--finetune"], 0), "no_load_optim": (["--no-load-optim"], 2)}
+    for name, (flag, step) in runs.items():
+        with model_parallel_context(3):
+            tr, start, notes = build(_argv(tiny_llama, load=str(ckpt)) + flag)
+            assert start == step, name
+            assert torch.equal(_flat(tr.model), saved), name
+            assert notes[-1] == f"weights from {ckpt / 'iter_0000002'}"
+            assert _adam_state_empty(tr.optimizer), name  # a full load would fill it
+    with model_parallel_context(3):
+        tr, start, _ = build(_argv(ckpt, looped_num_loops=5, looped_retrofit="null",
+                                   looped_num_prelude_layers=2, num_layers=4,
+                                   looped_num_coda_layers=2, looped_injection="linear_concat"))
+        assert start == 0 and torch.equal(_flat(tr.model), saved)
+        assert tr.model.config.looped_num_loops == 5
+
+
+@pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
+def test_load_flags_without_a_checkpoint_are_an_error(tmp_path, flag):
+    """Without --pretrained-checkpoint, --load must hold a checkpoint (no silent fresh start)."""
+    with model_parallel_context(3), pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        build(_argv(None, load=str(tmp_path), looped_retrofit="null", **{flag: True}))
+
+
+def test_own_checkpoint_of_another_model_names_the_tensors(tmp_path, tiny_llama):
+    ckpt = tmp_path / "ckpt"
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama))
+        _step(trainer, 0)  # MCore's distributed optimizer saves only a stepped Adam
+        save_checkpoint(ckpt, 1, trainer.model, trainer.optimizer, trainer.scheduler)
+    with model_parallel_context(3), pytest.raises(ValueError, match=(
+            r"holds weights of a different model \(checkpoint != this run\): "
+            r"decoder.coda.1.\S+ \(\d+,( \d+)?\) != absent")):
+        build(_argv(ckpt, looped_retrofit="null", looped_num_prelude_layers=2, num_layers=4,
+                    looped_num_coda_layers=1, looped_injection="linear_concat"))
+
+
+def test_mcore_checkpoint_through_the_app(tmp_path, tiny_llama):
+    """A stock GPTModel checkpoint (the tiny Llama's architecture, random weights) retrofitted
+    by the app: the looped model holds its layers 0-1 / 2-5 / 6-7; a wrong shape is named."""
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama))
+        gpt: GPTModel = stock_gpt_model(trainer.model, num_layers=8)
+        randomize(gpt, seed=4)
+        (tmp_path / "gpt").mkdir()
+        dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp_path / "gpt"))
+        want = gpt.state_dict()
+    with model_parallel_context(3):
+        tr, _, notes = build(_argv(tmp_path / "gpt"))
+        got = tr.model.state_dict()
+    assert "(MCore, vocabulary 64): 8 source layers" in notes[0]
+    for mine, theirs in [("decoder.prelude.1", "decoder.layers.1"),
+                         ("decoder.layers.0", "decoder.layers.2"),
+                         ("decoder.coda.1", "decoder.layers.7")]:
+        key = ".self_attention.linear_qkv.weight"
+        assert torch.equal(got[mine + key], want[theirs + key])
+    assert torch.equal(got["output_layer.weight"], want["output_layer.weight"])
+    with model_parallel_context(3), pytest.raises(ValueError, match=(
+            r"does not fit this model's architecture: decoder.layers.mlp.linear_fc1.weight: "
+            r"checkpoint \(8, 256, 64\) != model \(8, 192, 64\)")):
+        build(_argv(tmp_path / "gpt", ffn_hidden_size=96))
