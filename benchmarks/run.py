@@ -1,4 +1,5 @@
-"""CPU benchmark: naive vs packed tree mask vs joint replay, one process, same model and data.
+"""CPU benchmark: naive (one microbatch of G; G microbatches of one) vs packed tree mask vs
+joint replay, one process, same model and data.
 
 ``python -m benchmarks.run [--only A,B,rl_step] [--no-sweep] [--no-rl-step] [--out ...]``
 Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
@@ -48,19 +49,24 @@ NOTES = [
     "schedule's response tokens, and naive also reads out every prompt position G times.",
     "Loss: PPO-clipped, token-mean over the whole group, progressive loop credit (all R "
     "readouts train); old log-probs = current policy + N(0, 0.05) noise.",
+    "Naive baselines: `naive` runs all G full sequences in one microbatch; `naive_mb1` runs "
+    "them as G microbatches of one (MCore's usual gradient accumulation): the same FLOPs, "
+    "one sequence's activations held at a time.",
     "FLOPs: torch.utils.flop_counter.FlopCounterMode over one step (forward + backward), "
     "the no-grad prompt forward of joint replay included. PyTorch has no formula for the CPU "
-    "SDPA kernel (it would count that attention as zero); the benchmark registers one with "
-    "PyTorch's convention for its other SDPA kernels, the full score square, causal or not "
-    "(`flops`). `flops_causal` (in brackets) counts only the causal triangle of is_causal "
-    "calls, the work a causal kernel needs. The cost table counts token-layer (linear) work "
-    "only; every response token's attention to all P prompt keys (G*S*P pairs) is the same in "
-    "every schedule, so with the causal count attention narrows the naive/joint gap below the "
-    "table's ratio, with the full-square count it widens it.",
+    "SDPA kernel (it would count that attention as zero); the benchmark registers one. The "
+    "primary figure, `flops_causal`, counts only the causal triangle of is_causal calls: the "
+    "work a causal kernel does. `flops` (in brackets) is PyTorch's convention for its other "
+    "SDPA kernels, the full score square, causal or not; targets are checked against the "
+    "causal count. The tree mask is an explicit mask, counted in full by both. The cost table "
+    "counts token-layer (linear) work only; every response token's attention to all P prompt "
+    "keys (G*S*P pairs) is the same in every schedule, so with the causal count attention "
+    "narrows the naive/joint gap below the table's ratio.",
     "Saved bytes: SavedTensorProbe peak (autograd-saved tensors, parameters excluded). The "
     "probe does not see activations recomputed in backward, so joint_ckpt's figure is a lower "
-    "bound; joint replay's prefix adjoints (gradients, not saved tensors) are reported apart "
-    "as joint_prefix_adjoint_bytes.",
+    "bound (its true peak adds one wave's recomputed activations); joint replay's prefix "
+    "adjoints (gradients, not saved tensors) are reported apart as "
+    "joint_prefix_adjoint_bytes.",
     "Wall: median of the timed repetitions after one warm-up; all schedules of a workload "
     "interleaved round-robin in one process, default torch threads. The host is shared: other "
     "jobs inflate single repetitions (wall_all_s holds them all; `wall_min` ratios, from the "
@@ -71,8 +77,8 @@ NOTES = [
     "cost dominates and its wall time can trail naive's even "
     "where its FLOPs are several times lower.",
     "Theory: DESIGN.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
-    "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), tree "
-    "P+GS, joint P+WS (prompt replay + one wave).",
+    "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), "
+    "naive_mb1 P+S, tree P+GS, joint P+WS (prompt replay + one wave).",
 ]
 
 

@@ -3,6 +3,8 @@ GRPO group that leaves the parameter gradients in ``p.grad`` and returns the gro
 
 - ``naive``: every response a full prompt+response sequence, all G in one microbatch through
   stock MCore ``get_forward_backward_func()``;
+- ``naive_mb1``: the same with one response per microbatch (G microbatches: MCore's usual
+  gradient accumulation, which holds one sequence's activations at a time);
 - ``tree``: prompt + G responses packed into one sequence of P + G*S tokens with a prefix-tree
   attention mask and position ids restarting at P for every response (verl / OpenPipe ART);
 - ``joint`` / ``joint_ckpt`` / ``joint_concat``: shared-prefix joint replay with cascade prefix
@@ -23,17 +25,19 @@ from scalerlt_mcore.shared_prefix import (
 )
 from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
 
-SCHEDULES = ("naive", "tree", "joint", "joint_ckpt", "joint_concat")
+SCHEDULES = ("naive", "naive_mb1", "tree", "joint", "joint_ckpt", "joint_concat")
 
 
 # ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
 
-def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int):
-    """All G full sequences in one microbatch through stock MCore's schedule (the library's
-    ``naive_step``); token weights come from the whole group, so the loss equals joint's."""
+def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
+               micro_batch_size: int | None = None):
+    """Full sequences through stock MCore's schedule (the library's ``naive_step``), all G in
+    one microbatch unless ``micro_batch_size`` says otherwise; token weights come from the whole
+    group, so the loss (the sum of the microbatches' parts) equals joint's."""
     out = library_naive_step([model], [group], rl_forward_step(objective),
-                             micro_batch_size=group.group_size)
-    return out[0]["loss"]
+                             micro_batch_size=micro_batch_size or group.group_size)
+    return sum(o["loss"] for o in out)
 
 
 # ---- packed tree mask: one sequence, prefix once, each response sees prompt + itself --------
@@ -107,6 +111,7 @@ def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
     packed = tree_inputs(group)
     raw = {
         "naive": partial(naive_step, model, group, objective, wave_size),
+        "naive_mb1": partial(naive_step, model, group, objective, wave_size, micro_batch_size=1),
         "tree": partial(tree_step, model, group, objective, wave_size, packed=packed),
         "joint": partial(joint_step, model, group, objective, wave_size),
         "joint_ckpt": partial(joint_step, model, group, objective, wave_size,

@@ -93,8 +93,8 @@ def test_writers_produce_required_keys(mcore_single, tmp_path):
     assert loaded.keys() == doc.keys() == {"meta", "A", "sweep_G4_r2"}
     for name in ("A", "sweep_G4_r2"):
         r = loaded[name]
-        for key in ("naive_over_joint", "tree_over_joint"):
-            for fig in ("flops", "saved_bytes", "wall"):
+        for key in ("naive_over_joint", "naive_mb1_over_joint", "tree_over_joint"):
+            for fig in ("flops", "flops_causal", "saved_bytes", "wall"):
                 assert isinstance(r[key][fig], float) and r[key][fig] > 0, (name, key, fig)
         assert set(r["schedules"]) == set(SCHEDULES)
         for s in r["schedules"].values():
@@ -124,6 +124,64 @@ def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
     result = json.loads(out.read_text())["A"]
     assert set(result["schedules"]) == set(SCHEDULES)
     assert result["naive_over_joint"]["flops"] > 1
+
+
+def test_naive_one_response_per_microbatch_baseline(mcore_single, monkeypatch):
+    """naive_mb1 is MCore's usual gradient accumulation: G microbatches of one full sequence,
+    the loss and gradients of naive training, about one sequence's activations held."""
+    import megatron.core.pipeline_parallel.schedules as mcore_schedules
+
+    from benchmarks.measure import peak_saved_bytes, theory
+
+    model, steps = _steps()
+    stock, calls = mcore_schedules.forward_backward_no_pipelining, []
+
+    def counting(**kwargs):
+        calls.append(kwargs["num_microbatches"])
+        return stock(**kwargs)
+
+    monkeypatch.setattr(mcore_schedules, "forward_backward_no_pipelining", counting)
+    errors = check_agreement({"naive": steps["naive"], "naive_mb1": steps["naive_mb1"]}, model)
+    assert calls == [1, TINY.group_size]
+    assert errors["naive_mb1"]["loss"] <= 1e-5 and errors["naive_mb1"]["grad"] <= 1e-5
+    assert theory(TINY)["held_tokens"]["naive_mb1"] == TINY.prompt_length + TINY.response_length
+    ratio = peak_saved_bytes(steps["naive"], model) / peak_saved_bytes(steps["naive_mb1"], model)
+    assert ratio > TINY.group_size / 2, ratio  # one sequence's activations, not G
+
+
+def test_targets_are_checked_against_the_causal_flop_count():
+    """A FLOPs target is met or missed by the causal count; the all-scores count (PyTorch's
+    convention for SDPA kernels) is reported beside it but judges nothing."""
+    def fake(dense, causal):
+        ratio = {"flops": dense, "flops_causal": causal, "saved_bytes": 10.0, "wall": 10.0}
+        return {"naive_over_joint": ratio, "joint_over_tree_flops": 0.5,
+                "joint_over_tree_flops_causal": 2.0}
+
+    rows = check_targets({"A": fake(dense=3.1, causal=2.8), "B": fake(dense=5.5, causal=5.0)})
+    flops_rows = [r for r in rows if "flops" in r["figure"]]
+    assert flops_rows and all("flops_causal" in r["figure"] for r in flops_rows), flops_rows
+    assert [(r["workload"], r["measured"], r["ok"]) for r in flops_rows] == [
+        ("A", 2.8, False), ("B", 5.0, False), ("A", 2.0, False), ("B", 2.0, False)]
+
+
+def test_loss_agreement_is_relative_to_the_size_of_its_terms(mcore_single):
+    """A loss whose terms cancel to near 0 is compared at the terms' size (loss_scale): fp32
+    rounding of a sum of 16 terms of ~0.06 (seen: 2.8e-8 on a loss of 6.4e-4) passes, an
+    error of 1e-4 of the terms' size does not."""
+    from benchmarks.measure import relative_error
+
+    loss, rounded = torch.tensor(6.359e-4, dtype=torch.float64), 6.359e-4 + 2.8e-8
+    assert relative_error(torch.tensor(rounded), loss) > 1e-5  # against the mean: ill-posed
+    assert relative_error(torch.tensor(rounded), loss, scale=0.985) < 1e-7
+    model, steps = _steps()
+    naive = steps["naive"]
+    scale = 0.5
+
+    def off():
+        return naive() + 1e-4 * scale
+
+    with pytest.raises(AgreementError, match="off disagrees with naive: loss rel err 0.0001"):
+        check_agreement({"naive": naive, "off": off}, model, loss_scale=scale)
 
 
 # ---- the whole RL step (benchmarks/rl_step.py) ---------------------------------------------

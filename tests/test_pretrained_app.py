@@ -18,11 +18,12 @@ from megatron.core.models.gpt import GPTModel
 
 from scalerlt_mcore.app import runtime
 from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
-from scalerlt_mcore.app.checkpoint import save_checkpoint
+from scalerlt_mcore.app.checkpoint import CheckpointError, save_checkpoint
 from scalerlt_mcore.app.pretrained import (
     load_before_wrap,
     resolve_pretrained,
     resume_after_wrap,
+    resume_checkpoint,
     run_vocab_size,
 )
 from scalerlt_mcore.app.trainer import RLTrainer, curriculum_loops
@@ -69,12 +70,13 @@ def build(argv: list):
     cfg = parse_args(argv)
     notes = resolve_pretrained(cfg)
     validate(cfg, torch.distributed.get_world_size())
+    resume = resume_checkpoint(cfg)
     config = runtime.model_config(cfg, "cpu")
     model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
     notes += load_before_wrap(cfg, model)
     ddp, optimizer, scheduler = runtime.wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    return trainer, resume_after_wrap(cfg, model, optimizer, scheduler), notes
+    return trainer, resume_after_wrap(cfg, trainer, resume), notes
 
 
 def _step(trainer, step: int) -> dict:
@@ -184,9 +186,9 @@ def test_rollouts_never_sample_past_the_tokenizer(tiny_llama):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
-    """4 steps (1 warm-up + 3 RL; loops 1, 1, 2, 3 by the curriculum; KL to the pretrained
-    policy) in one go vs 2 steps, a checkpoint, and a resumed run: the same parameters and Adam
-    moments, bit for bit."""
+    """4 steps (1 warm-up + 3 RL; loops 1, 1, 2, 3 by the curriculum; KL to the policy at the
+    start of RL, saved with the checkpoint) in one go vs 2 steps, a checkpoint, and a resumed
+    run: the same parameters and Adam moments, bit for bit."""
     with model_parallel_context(3):
         full, _, _ = build(_argv(tiny_llama, save=str(tmp_path / "ckpt")))
         loops = []
@@ -194,7 +196,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
             loops.append(_step(full, step)["loops"])
             if step == 1:  # as train._maybe_save
                 full.use_configured_loops()
-                save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler)
+                save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler,
+                                reference=full.ref)
         want = _flat(full.model), _adam_moments(full.optimizer)
     assert loops == [1, 1, 2, 3]
     with model_parallel_context(3):
@@ -222,7 +225,8 @@ def test_finetune_and_no_load_optim(tmp_path, tiny_llama):
         trainer, _, _ = build(_argv(tiny_llama))
         for step in range(2):
             _step(trainer, step)
-        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler)
+        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                        reference=trainer.ref)
         saved = _flat(trainer.model)
     runs = {"finetune": (["--finetune"], 0), "no_load_optim": (["--no-load-optim"], 2)}
     for name, (flag, step) in runs.items():
@@ -243,7 +247,7 @@ def test_finetune_and_no_load_optim(tmp_path, tiny_llama):
 @pytest.mark.parametrize("flag", ["finetune", "no_load_optim"])
 def test_load_flags_without_a_checkpoint_are_an_error(tmp_path, flag):
     """Without --pretrained-checkpoint, --load must hold a checkpoint (no silent fresh start)."""
-    with model_parallel_context(3), pytest.raises(FileNotFoundError, match="no checkpoint under"):
+    with model_parallel_context(3), pytest.raises(CheckpointError, match="no checkpoint to load"):
         build(_argv(None, load=str(tmp_path), looped_retrofit="null", **{flag: True}))
 
 

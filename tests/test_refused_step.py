@@ -7,6 +7,7 @@ are those from before the step. The trainer is built as ``scalerlt_mcore.train``
 (MCore DDP + distributed Adam), from tests/configs/e2e_tiny.yaml.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,20 @@ def _poison_after_first_wave(tr):
     return done
 
 
+def _first_training_step(tr, tries: int = 8) -> int:
+    """RL steps from the first until one has a non-zero gradient (the untrained model's groups
+    can all score 0, and then train nothing); returns that step."""
+    first = tr.cfg.rl.rl_warmup_sft_steps
+    for step in range(first, first + tries):
+        if tr.rl_step(step)["grad_norm"] > 0:
+            return step
+    raise AssertionError(f"no RL step of {first}..{first + tries - 1} had a gradient")
+
+
 def test_trainer_discards_grads_of_a_refused_step(mcore_single):
     tr = _trainer()
     assert tr.cfg.rl.rl_group_size > tr.cfg.shared_prefix.shared_prefix_wave_size  # 2+ waves
-    step = tr.cfg.rl.rl_warmup_sft_steps
-    tr.rl_step(step)  # Adam state exists
+    step = _first_training_step(tr)  # Adam state with non-zero moments exists
     before = _state(tr)
     schedule = tr.schedule
     poisoned = _poison_after_first_wave(tr)
@@ -79,6 +89,8 @@ def test_trainer_discards_grads_of_a_refused_step(mcore_single):
     for key in ("params", "exp_avg", "exp_avg_sq", "adam_steps", "scheduler_steps", "lr"):
         assert torch.equal(before[key], after[key]), key
     tr.schedule = schedule  # the trainer is still usable: the same step now trains
-    assert tr.rl_step(step + 1)["grad_norm"] > 0
-    assert not torch.equal(_state(tr)["params"], before["params"])
+    assert math.isfinite(tr.rl_step(step + 1)["grad_norm"])
+    trained = _state(tr)
+    assert bool((trained["adam_steps"] > before["adam_steps"]).all())  # the optimizer stepped
+    assert not torch.equal(trained["params"], before["params"])
 

@@ -17,7 +17,7 @@ from scalerlt_mcore.rl import (
     ppo_clipped_objective,
     tasks,
 )
-from scalerlt_mcore.rl.tasks import TASKS
+from scalerlt_mcore.rl.tasks import TASKS, split_of
 
 # ----------------------------------------------------------------------- tokenizer
 
@@ -74,6 +74,35 @@ def test_task_problems_fit_tokenizer_and_limits(name):
         assert len(p.prompt) <= min(task.max_prompt_chars, limit)
         assert 1 <= len(p.answer) <= task.max_answer_chars
         assert task.reward(p, p.answer) == 1.0
+
+
+@pytest.mark.parametrize("name, options", [
+    ("modular_arithmetic", {}), ("reverse", {}), ("sort", {}),
+    ("reverse", {"min_len": 2, "max_len": 3, "alphabet": "abcd"}),  # the demo's task
+    ("reverse", {"min_len": 2, "max_len": 3, "alphabet": "ab"}),  # the e2e tests' (12 prompts)
+    ("kv_retrieval", {"num_pairs": 4, "key_len": 2, "value_len": 1}),  # the long-prompt task
+])
+def test_evaluation_prompts_are_disjoint_from_training_prompts(name, options):
+    """Over many draws, no prompt drawn for training (RL or warm-up) is ever drawn for
+    evaluation: the split is a property of the prompt text."""
+    task = get_task(name, **options)
+    train = {p.prompt for seed in range(300) for p in task.sample(seed, 16)}
+    train |= {prompt for seed in range(300) for prompt, _ in task.supervised_pairs(seed, 16)}
+    evals = {p.prompt for seed in range(300) for p in task.sample(seed, 16, split="eval")}
+    assert train and evals and not train & evals, sorted(train & evals)[:5]
+    assert {split_of(p) for p in train} == {"train"} and {split_of(p) for p in evals} == {"eval"}
+    if options.get("alphabet") in ("ab", "abcd"):  # small spaces: every prompt is drawn
+        n = sum(len(options["alphabet"]) ** k for k in range(2, 4))
+        assert len(train) + len(evals) == n, (len(train), len(evals), n)
+
+
+def test_split_errors():
+    with pytest.raises(ValueError, match=r"split must be one of \('train', 'eval'\), got 'test'"):
+        get_task("reverse").sample(0, 1, split="test")
+    lone = get_task("reverse", min_len=1, max_len=1, alphabet="a")  # one prompt: 'a>'
+    other = "train" if split_of("a>") == "eval" else "eval"
+    with pytest.raises(ValueError, match=f"task 'reverse' drew no {other} prompt"):
+        lone.sample(0, 1, split=other)
 
 
 def test_modular_arithmetic_answers_and_options():

@@ -10,7 +10,9 @@ building blocks (``runtime`` + ``RLTrainer``) in process.
   step, and final parameters within a bound propagated through Adam from the measured
   gradient differences (see ``_AdamBound``).
 - SIGTERM mid-run saves a checkpoint; resuming from it reaches bitwise the parameters, Adam
-  moments, metrics and final reward of an uninterrupted run.
+  moments, KL reference, metrics and final reward of an uninterrupted run.
+- The KL reference is the policy at the start of RL (after the warm-up): KL 0 at the first RL
+  step.
 - Bad input fails with a message naming the problem, and a rejected step changes nothing.
 
 Every run uses tests/configs/e2e_tiny.yaml (every key, so the packaged demo does not matter),
@@ -118,14 +120,15 @@ def _adam_state(optimizer, model) -> dict:
 
 
 def _load(argv: list, ckpt) -> dict:
-    """Parameters, Adam state and schedule of checkpoint ``ckpt``, loaded on one process by
-    the trainer's own loader into a model built from ``argv``."""
+    """Parameters, Adam state, schedule and KL reference of checkpoint ``ckpt``, loaded on one
+    process by the trainer's own loader into a model built from ``argv``."""
     from scalerlt_mcore.app.checkpoint import load_checkpoint
 
     with model_parallel_context(TINY["seed"]):
         tr = _trainer(argv)
-        step = load_checkpoint(ckpt, tr.model, tr.optimizer, tr.scheduler)
+        step = load_checkpoint(ckpt, tr.model, tr.optimizer, tr.scheduler, reference=tr.ref)
         return {"step": step, "params": _flat(tr.model), "num_steps": tr.scheduler.num_steps,
+                "ref": _flat(tr.ref.module), "ref_taken_at": tr.ref.taken_at,
                 **_adam_state(tr.optimizer, tr.model)}
 
 
@@ -365,7 +368,7 @@ def test_rollout_modes_and_rollout_logprobs_as_old_logprobs(mcore_single):
         _record_calls(tr, "score", rec["scored"])
         metrics[name] = [_step(tr, step) for step in range(SFT + 1)][-1]
         # scoring: policy and KL reference, or the reference alone with rollout log-probs
-        want = [(tr.ref,)] if name == "rollout" else [(tr.ddp,), (tr.ref,)]
+        want = [(tr.ref.module,)] if name == "rollout" else [(tr.ddp,), (tr.ref.module,)]
         assert [args[:1] for args in rec["scored"]] == want, name
     ro = {name: rec["rollouts"][0] for name, rec in seen.items()}
     for name in ("per_row", "rollout"):
@@ -486,8 +489,42 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path):
     adam_steps = SFT + (RESUME_ITERS - SFT) * TINY["rl_ppo_epochs"]  # warm-up: one each
     assert sa["steps"] == sb["steps"] == [float(adam_steps)]
     assert sa["num_steps"] == sb["num_steps"]
-    for key in ("params", "exp_avg", "exp_avg_sq"):
+    assert TINY["rl_kl_coef"] > 0 and sa["ref_taken_at"] == sb["ref_taken_at"] == SFT
+    for key in ("params", "exp_avg", "exp_avg_sq", "ref"):
         assert torch.equal(sa[key], sb[key]), f"{key}: max diff {(sa[key] - sb[key]).abs().max()}"
+
+
+def test_kl_reference_is_the_policy_at_the_start_of_rl(mcore_single):
+    """The KL penalty's reference is the policy after the supervised warm-up, not the initial
+    weights: at the first RL step (one PPO epoch: its forward runs at the reference's weights)
+    the KL is 0 up to rounding; the step after, the penalty is active."""
+    tr = _trainer(_flags(rl_ppo_epochs=1))
+    assert tr.cfg.rl.rl_kl_coef > 0 and SFT > 0
+    initial = _flat(tr.model)
+    for step in range(SFT):
+        _step(tr, step)
+    warmed = _flat(tr.model)
+    first = tr.rl_step(SFT)
+    reference = _flat(getattr(tr.ref, "module", tr.ref))
+    assert torch.equal(reference, warmed) and not torch.equal(reference, initial)
+    second = tr.rl_step(SFT + 1)
+    print(f"KL at the first RL step {first['kl']:.3e}, at the second {second['kl']:.3e}")
+    # k3 is quadratic in the log-prob difference: fp32 rounding (~1e-7) gives ~1e-14
+    assert first["kl"] <= 1e-10, first["kl"]
+    assert second["kl"] > 1e-6, second["kl"]
+
+
+def test_evaluation_prompts_are_held_out(mcore_single):
+    """The trainer's evaluation prompts are never drawn for RL steps or the warm-up."""
+    from scalerlt_mcore.app.trainer import step_seed
+
+    tr = _trainer(_flags())
+    evals = {p.prompt for p in tr.eval_problems()}
+    rl = {p.prompt for step in range(500) for p in tr.train_problems(step)}
+    warm_up = {prompt for step in range(500) for prompt, _ in
+               tr.task.supervised_pairs(step_seed(TINY["seed"], step, 0, 3), 16)}
+    assert len(evals) >= 2 and rl and warm_up
+    assert not evals & (rl | warm_up), sorted(evals & (rl | warm_up))
 
 
 # ---- 4. tensor parallelism: torchrun, checkpoint, resume -----------------------------------
@@ -513,7 +550,7 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
     resumed = _ok(_run(_torchrun(_free_port()) + common + [
         "--load", "b_ckpt", "--save", "b_ckpt", "--run-dir", "b_run"], tmp_path))
     assert FINAL_LINE.fullmatch(resumed[-1])[1] == FINAL_LINE.fullmatch(full[-1])[1]
-    untimed = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in _records(d)]
+    untimed = [[{k: v for k, v in r.items() if k not in TIMED_METRICS} for r in _records(d)]
                for d in (tmp_path / "a_run", tmp_path / "b_run")]
     assert [(r["kind"], r["step"]) for r in untimed[1]] == [
         ("train", 3), ("train", 4), ("eval", 5)]

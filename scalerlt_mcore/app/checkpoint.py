@@ -1,5 +1,12 @@
 """Checkpoints with MCore distributed checkpointing: model, (distributed) optimizer, LR
-schedule and the step counter, plus the model's structure to refuse a mismatched load."""
+schedule, the step counter and the KL reference, plus the model's structure to refuse a
+mismatched load.
+
+Layout: ``<save>/iter_<step>/`` per checkpoint, ``<save>/latest`` naming the newest. A
+checkpoint is verified before it is loaded: a missing, truncated or unreadable file is refused
+with a ``CheckpointError`` naming the file, the iteration and the newest intact iteration (no
+silent fall-back to an older one: ``--load <save>/iter_<step>`` resumes from a chosen one).
+"""
 
 from pathlib import Path
 
@@ -7,9 +14,19 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from torch.distributed.checkpoint import FileSystemReader
 
 from ..mcore_compat import mcore_workaround
 from ..model.kv import config_signature
+
+REFERENCE_PREFIX = "reference."
+"""Key prefix of the KL reference's tensors in a checkpoint."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged or does not fit this run (a user's error): the
+    message names the checkpoint and what is wrong."""
+
 
 _SIGNATURE_FIELDS = ("prelude layers", "core layers", "coda layers", "loops", "kv groups",
                      "kv channels", "hidden size", "vocab size")
@@ -28,7 +45,7 @@ def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
         return diffs
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
-             if not k.startswith("optimizer.")}
+             if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
     model_sd = model.sharded_state_dict()
     apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
     mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
@@ -78,14 +95,20 @@ def _init_adam_state(optimizer) -> None:
                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
-def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
-    """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer)."""
+def save_checkpoint(path, step: int, model, optimizer, scheduler, reference=None,
+                    extra_meta: dict | None = None) -> Path:
+    """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer).
+    ``reference``: the trainer's ``KLReference``, saved once taken; ``extra_meta``: more
+    entries of the checkpoint's metadata (e.g. the run directory)."""
     root = Path(path)
     ckpt = root / f"iter_{step:07d}"
     ckpt.mkdir(parents=True, exist_ok=True)
     state = _sharded_state(model, optimizer)
     state["meta"] = {"step": step, "scheduler": scheduler.state_dict(),
-                     "signature": _model_signature(model)}
+                     "signature": _model_signature(model), **(extra_meta or {})}
+    if reference is not None and reference.taken_at is not None:
+        state["reference"] = reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)
+        state["meta"]["reference_taken_at"] = reference.taken_at
     dist_checkpointing.save(state, str(ckpt))
     if torch.distributed.get_rank() == 0:
         (root / "latest").write_text(ckpt.name)
@@ -93,41 +116,127 @@ def save_checkpoint(path, step: int, model, optimizer, scheduler) -> Path:
     return ckpt
 
 
-def load_checkpoint(path, model, optimizer, scheduler) -> int:
-    """Restore the latest checkpoint under ``path``; returns the step to continue from."""
-    root = Path(path)
-    pointer = root / "latest"
-    if not pointer.exists():
-        raise FileNotFoundError(f"no checkpoint under {root} (missing {pointer})")
-    ckpt = root / pointer.read_text().strip()
-    meta = dist_checkpointing.load_common_state_dict(str(ckpt))["meta"]
+def load_checkpoint(path, model, optimizer, scheduler, reference=None) -> int:
+    """Restore the checkpoint ``find_checkpoint(path)`` names; returns the step to continue
+    from. ``reference``: the trainer's ``KLReference``, given the checkpoint's reference when
+    it holds one (else left as it is)."""
+    ckpt = find_checkpoint(path)
+    meta = checkpoint_meta(ckpt)
     diffs = _structure_mismatch(ckpt, meta, model)
     if diffs:
         more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
-        raise ValueError(f"checkpoint {ckpt} was saved from a different model config "
-                         f"(checkpoint != this run): {', '.join(diffs[:4])}{more}")
+        raise CheckpointError(f"checkpoint {ckpt} was saved from a different model config "
+                              f"(checkpoint != this run): {', '.join(diffs[:4])}{more}")
     _init_adam_state(optimizer)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(ckpt))
+    request = _sharded_state(model, optimizer, is_loading=True)
+    with_reference = reference is not None and meta.get("reference_taken_at") is not None
+    if with_reference:
+        request["reference"] = reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)
+    state = dist_checkpointing.load(request, str(ckpt))
     with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step(optimizer)
     scheduler.load_state_dict(meta["scheduler"])
+    if with_reference:
+        n = len(REFERENCE_PREFIX)
+        reference.load({k[n:]: v for k, v in state["reference"].items()},
+                       meta["reference_taken_at"])
     return int(meta["step"])
+
+
+# ---- finding and verifying a checkpoint -------------------------------------------------------
+
+
+def find_checkpoint(path) -> Path:
+    """The iteration directory to resume from, verified: ``path`` itself when it is one
+    (``<save>/iter_<step>``), else the one ``path/latest`` names. Raises ``CheckpointError``
+    when there is none, or when it is damaged (naming the file, the iteration and the newest
+    intact iteration beside it)."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        ckpt = path
+    else:
+        pointer = path / "latest"
+        if not pointer.is_file():
+            what = "does not exist" if not path.exists() else f"has no {pointer.name} file"
+            raise CheckpointError(f"no checkpoint to load: {path} {what}")
+        ckpt = path / pointer.read_text().strip()
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise CheckpointError(f"checkpoint iteration {_iteration(ckpt)} ({ckpt}) is damaged: "
+                              f"{problem}; refusing to resume from it. {_intact_hint(ckpt)}")
+    return ckpt
+
+
+def checkpoint_meta(ckpt) -> dict:
+    """The metadata dict saved with iteration directory ``ckpt`` (step, scheduler, ...)."""
+    return dist_checkpointing.load_common_state_dict(str(ckpt))["meta"]
+
+
+def checkpoint_problem(ckpt) -> str | None:
+    """What is wrong with iteration directory ``ckpt`` (the first missing, truncated or
+    unreadable file), or None when every file its index lists is there in full."""
+    ckpt = Path(ckpt)
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not (ckpt / name).is_file():
+            return f"{ckpt / name} is missing"
+    try:
+        checkpoint_meta(ckpt)
+    except Exception as e:  # any failure to read it is the finding
+        return f"{ckpt / 'common.pt'} is unreadable ({type(e).__name__}: {e})"
+    try:
+        storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    except Exception as e:
+        return f"{ckpt / '.metadata'} is unreadable ({type(e).__name__}: {e})"
+    needed = {}  # file -> bytes its index needs
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = ckpt / name
+        if not shard.is_file():
+            return f"{shard} is missing"
+        if shard.stat().st_size < size:
+            return (f"{shard} is truncated ({shard.stat().st_size} bytes; the checkpoint's "
+                    f"index needs {size})")
+    return None
+
+
+def _iteration(ckpt: Path) -> str:
+    """The step of ``iter_<step>``, as written in messages."""
+    digits = ckpt.name.removeprefix("iter_")
+    return str(int(digits)) if digits.isdigit() else ckpt.name
+
+
+def _intact_hint(ckpt: Path) -> str:
+    """Where to resume from instead: the newest intact iteration beside ``ckpt``."""
+    others = sorted((p for p in ckpt.parent.glob("iter_*") if p != ckpt and p.is_dir()),
+                    reverse=True)
+    for other in others:
+        if checkpoint_problem(other) is None:
+            return (f"The newest intact iteration is {_iteration(other)}: resume from it with "
+                    f"--load {other}")
+    return f"No intact iteration under {ckpt.parent}."
 
 
 # ---- weights only: --pretrained-checkpoint (one of ours), --finetune, --no-load-optim ------
 
 
 def has_checkpoint(path) -> bool:
-    """True when ``path`` is a ``save`` directory holding a checkpoint (``latest``)."""
-    return path is not None and (Path(path) / "latest").is_file()
+    """True when ``path`` is a ``save`` directory holding a checkpoint (``latest``) or one of
+    its ``iter_*`` directories (a checkpoint beside a ``latest`` pointer)."""
+    if path is None:
+        return False
+    root = Path(path)
+    return (root / "latest").is_file() or ((root / "metadata.json").is_file()
+                                           and (root.parent / "latest").is_file())
 
 
 def checkpoint_dir(path) -> Path:
-    """A ``save`` directory -> its latest ``iter_*``; an ``iter_*`` directory -> itself."""
-    root = Path(path)
-    return root / (root / "latest").read_text().strip() if has_checkpoint(root) else root
+    """A ``save`` directory -> its latest ``iter_*``, verified (``find_checkpoint``); any other
+    directory -> itself."""
+    return find_checkpoint(path) if has_checkpoint(path) else Path(path)
 
 
 def is_own_checkpoint(path) -> bool:
@@ -144,7 +253,7 @@ def load_model_weights(path, model) -> Path:
     ckpt = checkpoint_dir(path)
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
-             if not k.startswith("optimizer.")}
+             if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
     model_sd = model.sharded_state_dict()
     apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
     mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
@@ -153,7 +262,7 @@ def load_model_weights(path, model) -> Path:
              for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
     if diffs:
         more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
-        raise ValueError(f"checkpoint {ckpt} holds weights of a different model (checkpoint "
+        raise CheckpointError(f"checkpoint {ckpt} holds weights of a different model (checkpoint "
                          f"!= this run): {', '.join(diffs[:4])}{more}")
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
     with torch.no_grad():
@@ -161,8 +270,16 @@ def load_model_weights(path, model) -> Path:
     return ckpt
 
 
-def load_step_and_schedule(path, scheduler) -> int:
-    """The step and LR schedule of the latest checkpoint under ``path`` (no optimizer)."""
-    meta = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(path)))["meta"]
+def load_step_and_schedule(path, scheduler, reference=None) -> int:
+    """The step and LR schedule of the latest checkpoint under ``path`` (no optimizer, no
+    weights), and its KL reference when it holds one and ``reference`` is given."""
+    ckpt = checkpoint_dir(path)
+    meta = checkpoint_meta(ckpt)
     scheduler.load_state_dict(meta["scheduler"])
+    if reference is not None and meta.get("reference_taken_at") is not None:
+        request = {"reference": reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)}
+        state = dist_checkpointing.load(request, str(ckpt))
+        n = len(REFERENCE_PREFIX)
+        reference.load({k[n:]: v for k, v in state["reference"].items()},
+                       meta["reference_taken_at"])
     return int(meta["step"])

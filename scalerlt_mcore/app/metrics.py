@@ -1,22 +1,53 @@
-"""Run metrics: one JSON line per step, and a PNG of the reward curve at the end."""
+"""Run metrics: one JSON line per step in ``metrics.jsonl``, and a PNG of the reward curve at
+the end, drawn from the whole file (a resumed run that continues its run directory plots the
+whole run)."""
 
 import json
 from pathlib import Path
 
 
 class MetricsLog:
-    """Appends step records to ``run_dir/metrics.jsonl`` (rank 0 only writes)."""
+    """Appends step records to ``run_dir/metrics.jsonl`` (rank 0 only writes). A run starting
+    at step ``start`` first drops the file's records from ``start`` on (a fresh run: all of
+    them), which a resumed run writes again; ``dropped`` counts them."""
 
-    def __init__(self, run_dir, enabled: bool = True):
+    def __init__(self, run_dir, enabled: bool = True, start: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.records = []
+        self.dropped = keep_records_before(self.path, start) if enabled else 0
 
     def log(self, record: dict) -> None:
         self.records.append(record)
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def read_records(path) -> list:
+    """The records of a ``metrics.jsonl`` file; none when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _before(record: dict, start: int) -> bool:
+    """Whether ``record`` precedes a checkpoint of step ``start``: steps before it, and the
+    evaluation after its last step (a run from step 0 evaluates step 0 itself)."""
+    if record.get("kind") == "eval":
+        return 0 < start and record["step"] <= start
+    return record["step"] < start
+
+
+def keep_records_before(path, start: int) -> int:
+    """Rewrite ``path`` keeping the records that precede step ``start``; returns how many
+    were dropped."""
+    records = read_records(path)
+    kept = [r for r in records if _before(r, start)]
+    if len(kept) < len(records):
+        Path(path).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return len(records) - len(kept)
 
 
 def plot_rewards(records: list, path) -> Path:

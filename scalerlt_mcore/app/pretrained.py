@@ -6,9 +6,10 @@
   The run's flags describe the architecture; a source that differs is refused, naming what
   differs (``--use-checkpoint-args`` takes it from a Hugging Face config.json instead).
 - ``--looped-retrofit p,c,d``: the source's layers as prelude / core / coda (the rest dropped).
-- ``--load DIR``: resume when it holds a checkpoint (after the pretrained weights, so the KL
-  reference of a resumed run is the one of the uninterrupted run); ``--finetune`` loads its
-  weights only at step 0, ``--no-load-optim`` everything but the optimizer state.
+- ``--load DIR``: resume when it holds a checkpoint (weights, optimizer, LR schedule, step, KL
+  reference, run directory; verified first, a damaged one is refused naming the file);
+  ``--finetune`` loads its weights only at step 0, ``--no-load-optim`` everything but the
+  optimizer state.
 """
 
 import dataclasses
@@ -26,6 +27,8 @@ from ..model.vocab_parallel import padded_vocab_size
 from ..rl.tokenizer import CharTokenizer
 from .arguments import ConfigError
 from .checkpoint import (
+    CheckpointError,
+    find_checkpoint,
     has_checkpoint,
     is_own_checkpoint,
     load_checkpoint,
@@ -169,14 +172,35 @@ def _mapping(cfg, layers: int, path) -> LayerMapping:
 # ---- after DDP: resume ---------------------------------------------------------------------
 
 
-def resume_after_wrap(cfg, model, optimizer, scheduler) -> int:
-    """The step to start from: 0, or the ``--load`` checkpoint's (with its optimizer state
-    unless ``--no-load-optim``; ``--finetune`` starts at 0)."""
+def resume_checkpoint(cfg):
+    """The verified ``--load`` checkpoint this run continues (its step, LR schedule, KL
+    reference and run directory), or None: no ``--load``, ``--finetune`` (weights only, step 0),
+    or a ``--load`` without a checkpoint beside ``--pretrained-checkpoint`` (Megatron: start
+    from the pretrained weights). A missing or damaged checkpoint is a ``CheckpointError``
+    naming it."""
     lg = cfg.logging
     if not lg.load or (lg.pretrained_checkpoint and not has_checkpoint(lg.load)):
-        return 0  # Megatron: a --load without a checkpoint starts from the pretrained weights
+        return None
     if lg.finetune and has_checkpoint(lg.load):
+        return None
+    return find_checkpoint(lg.load)
+
+
+def resume_after_wrap(cfg, trainer, ckpt) -> int:
+    """The step to start from: 0 without ``ckpt``; else the checkpoint's step, LR schedule and
+    KL reference, with its optimizer state unless ``--no-load-optim``. Past the warm-up, a run
+    with a KL penalty needs the checkpoint's reference."""
+    if ckpt is None:
         return 0
-    if lg.no_load_optim and has_checkpoint(lg.load):
-        return load_step_and_schedule(lg.load, scheduler)
-    return load_checkpoint(lg.load, model, optimizer, scheduler)  # names a missing checkpoint
+    if cfg.logging.no_load_optim:
+        start = load_step_and_schedule(ckpt, trainer.scheduler, reference=trainer.ref)
+    else:
+        start = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler,
+                                reference=trainer.ref)
+    if trainer.ref is not None and trainer.ref.taken_at is None \
+            and start > cfg.rl.rl_warmup_sft_steps:
+        raise CheckpointError(
+            f"checkpoint {ckpt} (step {start}, past the warm-up) holds no KL reference (saved "
+            f"with rl_kl_coef 0): the reference must be the policy at the start of RL; resume "
+            f"with --rl-kl-coef 0, or from a checkpoint of a run with a KL penalty")
+    return start

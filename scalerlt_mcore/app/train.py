@@ -3,6 +3,10 @@
 One process, or ``torchrun --nproc-per-node N`` for N ranks: N / tensor_model_parallel_size
 data-parallel ranks (MCore DDP + distributed optimizer), each a group of tensor-parallel
 ranks. Without ``--config`` the packaged tiny CPU demo config is used.
+
+From the command line (``cli``), errors a user causes (flags, config file, ``--load``,
+``--save``, ``--run-dir``) print one line, ``error: ...``, and exit with status 2; any other
+error keeps its traceback.
 """
 
 import os
@@ -15,10 +19,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from .arguments import default_run_dir, parse_args, save_resolved, validate
-from .checkpoint import save_checkpoint
-from .metrics import MetricsLog, plot_rewards
-from .pretrained import load_before_wrap, resolve_pretrained, resume_after_wrap, run_vocab_size
+from .arguments import ConfigError, parse_args, save_resolved, validate
+from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
+from .metrics import MetricsLog, plot_rewards, read_records
+from .pretrained import (
+    load_before_wrap,
+    resolve_pretrained,
+    resume_after_wrap,
+    resume_checkpoint,
+    run_vocab_size,
+)
+from .rundir import check_writable, make_run_dir
 from .runtime import (
     build_model,
     init_distributed,
@@ -27,6 +38,9 @@ from .runtime import (
     wrap_for_training,
 )
 from .trainer import RLTrainer
+
+USER_ERRORS = (ConfigError, CheckpointError)
+"""Errors a user causes: ``cli`` prints their message alone, without a traceback."""
 
 
 class _Interrupt:
@@ -49,9 +63,19 @@ class _Interrupt:
         self.requested = True
 
 
-def _broadcast_run_dir(cfg) -> Path:
-    holder = [cfg.logging.run_dir or default_run_dir()]
+def _broadcast_run_dir(cfg, resume) -> Path:
+    """Rank 0 creates the run directory (``make_run_dir``; resuming: the checkpoint's) and
+    sends its path, or its error, to every rank."""
+    holder = [None]
+    if dist.get_rank() == 0:
+        previous = checkpoint_meta(resume).get("run_dir") if resume else None
+        try:
+            holder = [str(make_run_dir(cfg.logging.run_dir, previous))]
+        except ConfigError as e:
+            holder = [e]
     dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], ConfigError):
+        raise holder[0]
     return Path(holder[0])
 
 
@@ -84,9 +108,11 @@ def _world_size() -> int:
 
 def _run(cfg, device: str, notes: list) -> dict:
     rank0 = dist.get_rank() == 0
-    run_dir = _broadcast_run_dir(cfg)
+    resume = resume_checkpoint(cfg)  # verified before anything is built
+    if cfg.logging.save:
+        check_writable(cfg.logging.save, "save")
+    run_dir = _broadcast_run_dir(cfg, resume)
     if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, run_dir)
         print(f"device: {device} ({dist.get_backend()}), data-parallel ranks: "
               f"{parallel_state.get_data_parallel_world_size()}, tensor-parallel ranks: "
@@ -99,13 +125,16 @@ def _run(cfg, device: str, notes: list) -> dict:
         print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    start = resume_after_wrap(cfg, model, optimizer, scheduler)
+    start = resume_after_wrap(cfg, trainer, resume)
     with _Interrupt() as stop:
         return _loop(cfg, trainer, start, run_dir, rank0, stop)
 
 
 def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt) -> dict:
-    log = MetricsLog(run_dir, enabled=rank0)
+    log = MetricsLog(run_dir, enabled=rank0, start=start)
+    if log.dropped:
+        print(f"{log.path}: dropped {log.dropped} records from step {start} on (written again "
+              f"by this run)", flush=True)
     t0, total = time.perf_counter(), cfg.training.train_iters
     sft = cfg.rl.rl_warmup_sft_steps
     step, saved = start, None
@@ -125,7 +154,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
                 tqdm.write(_line(step, m))
         if cfg.rl.rl_eval_every and (step + 1) % cfg.rl.rl_eval_every == 0 and step + 1 < total:
             _eval(trainer, log, step + 1, rank0)
-        if _maybe_save(cfg, trainer, step + 1, stop.requested):
+        if _maybe_save(cfg, trainer, step + 1, stop.requested, run_dir):
             saved = step + 1
         if stop.requested:
             if rank0:
@@ -134,7 +163,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
             return {}
     final = _eval(trainer, log, total, rank0)
     if saved != total:  # not again: rewriting it would expose a complete checkpoint to a kill
-        _maybe_save(cfg, trainer, total, True)
+        _maybe_save(cfg, trainer, total, True, run_dir)
     if rank0:
         _finish(cfg, log, run_dir, final, total - start, time.perf_counter() - t0)
     return final
@@ -150,29 +179,46 @@ def _eval(trainer, log, step: int, rank0: bool) -> dict:
     return e
 
 
-def _maybe_save(cfg, trainer, step: int, force: bool) -> bool:
-    """Save after ``step`` when forced or at the interval; True when it saved."""
+def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path) -> bool:
+    """Save after ``step`` when forced or at the interval; True when it saved. The checkpoint
+    records the run directory, which a resumed run continues by default."""
     every = cfg.logging.save_interval
     if cfg.logging.save and (force or (every and step % every == 0)):
         trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
-                        trainer.scheduler)
+                        trainer.scheduler, reference=trainer.ref,
+                        extra_meta={"run_dir": str(run_dir.resolve())})
         return True
     return False
 
 
 def _finish(cfg, log, run_dir, final, steps: int, seconds: float) -> None:
     if not cfg.logging.no_plot:
-        png = plot_rewards(log.records, run_dir / "reward_curve.png")
-        print(f"reward curve: {png}")
+        records = read_records(log.path)  # the whole run, steps before a resume included
+        png = plot_rewards(records, run_dir / "reward_curve.png")
+        span = [r["step"] for r in records]
+        print(f"reward curve: {png} (steps {min(span)}-{max(span)} of {log.path.name})")
     print(f"metrics: {run_dir / 'metrics.jsonl'}")
     print(f"final mean reward {final['eval_reward']:.3f} after {steps} steps in {seconds:.0f} s",
           flush=True)
 
 
 def main(argv=None) -> None:
+    """Parse the flags and train; every error propagates (see ``cli``)."""
     run(parse_args(argv))
 
 
+def cli(argv=None) -> None:
+    """``main`` for the command line: a user's error (``USER_ERRORS``) prints ``error: ...``
+    on stderr, without a traceback, and exits with status 2."""
+    try:
+        main(argv)
+    except USER_ERRORS as e:
+        rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None
+        print(f"error: {'' if rank is None else f'rank {rank}: '}{e}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

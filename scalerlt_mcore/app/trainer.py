@@ -124,6 +124,28 @@ def summarise(out: list, num_groups: int) -> dict:
     return {"loss": loss, "clip_fraction": clip, "kl": kl}
 
 
+class KLReference:
+    """The frozen policy of the KL penalty: the policy at the start of RL (after the supervised
+    warm-up), taken by ``take``, or the one a checkpoint saved, given by ``load``."""
+
+    def __init__(self, module):
+        self.module = module
+        self.taken_at = None
+        """The step at whose start it was taken; None: not yet (still the initial weights)."""
+
+    @torch.no_grad()
+    def take(self, model, step: int) -> None:
+        """Copy ``model``'s weights (bit for bit) into the reference."""
+        self.module.load_state_dict(model.state_dict())
+        self.taken_at = step
+
+    def load(self, state_dict: dict, taken_at: int) -> None:
+        """Weights saved with a checkpoint (keys without their checkpoint prefix)."""
+        with torch.no_grad():
+            self.module.load_state_dict(state_dict)
+        self.taken_at = taken_at
+
+
 class RLTrainer:
     """GRPO/PPO over all-loop readouts of a looped GPT on MCore DDP + distributed Adam."""
 
@@ -142,7 +164,8 @@ class RLTrainer:
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
         self.schedule = schedule_from(cfg)
-        self.ref = self._frozen_copy(model) if self.objective.kl_coef > 0 else None
+        # the weights are replaced by the policy's at the first RL step (``_take_reference``)
+        self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
         # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
         # never sample those ids
@@ -218,13 +241,29 @@ class RLTrainer:
 
     # ---- one RL step -----------------------------------------------------------------------
 
+    def train_problems(self, step: int) -> list:
+        """This rank's problems of RL step ``step``, from the task's training split."""
+        return self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
+                                self.groups_per_rank)
+
+    def eval_problems(self) -> list:
+        """The fixed evaluation problems, from the task's evaluation split: no training draw
+        (RL or warm-up) produces one of their prompts."""
+        return self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
+                                self.cfg.rl.rl_eval_prompts, split="eval")
+
+    def _take_reference(self, step: int) -> None:
+        """At the first RL step (not taken, not loaded): the KL reference becomes the policy."""
+        if self.ref is not None and self.ref.taken_at is None:
+            self.ref.take(self.model, step)
+
     def rl_step(self, step: int) -> dict:
         """Rollout -> rewards -> scoring (old/ref log-probs) -> ``rl_ppo_epochs`` updates; the
         wall time of each phase is in the metrics (``TIMED_METRICS``)."""
         t0 = time.perf_counter()
         loops = self.use_loops_of(step)
-        problems = self.task.sample(step_seed(self.cfg.training.seed, step, self.rank),
-                                    self.groups_per_rank)
+        self._take_reference(step)
+        problems = self.train_problems(step)
         ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
         t_rollout = time.perf_counter()
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
@@ -254,7 +293,7 @@ class RLTrainer:
         measured in the update instead: 0 here)."""
         from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
         old = None if from_rollout else self.score(self.ddp, groups)
-        ref = self.score(self.ref, groups) if self.ref is not None else [None] * len(groups)
+        ref = self.score(self.ref.module, groups) if self.ref is not None else [None] * len(groups)
         for n, g in enumerate(groups):
             g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
                               else old[n].detach())
@@ -322,9 +361,9 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy exact-match accuracy on fixed held-out prompts, from every loop's readout."""
-        problems = self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
-                                    self.cfg.rl.rl_eval_prompts)
+        """Greedy exact-match accuracy on fixed held-out prompts (``eval_problems``), from
+        every loop's readout."""
+        problems = self.eval_problems()
         per_loop = []
         for loop in range(self.model.config.looped_num_loops):
             ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop)

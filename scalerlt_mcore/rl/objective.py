@@ -53,7 +53,9 @@ class RLObjective:
     """PPO ratio clip above: ratio <= 1 + clip_high."""
 
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0)."""
+    """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0). The main job's
+    reference is the policy at the start of RL (after the supervised warm-up), saved with
+    checkpoints."""
 
     loop_weights: LoopWeights = "final"
     """Per-loop credit over all-loop readouts: final | uniform | progressive."""

@@ -11,12 +11,27 @@ and one long-prompt task, where a shared prompt dominates the work of an RL step
 agentic and long-context RL): ``kv_retrieval``, the value of one key from a context of N
 key-value pairs, ``"abcdef:1234,...,uvwxyz:9876|abcdef="`` -> ``"1234"`` (511 characters by
 default: 512 tokens with bos).
+
+Every prompt belongs to one split, fixed by a hash of its text (``split_of``): training draws
+(``sample(..., split="train")``, ``supervised_pairs``) never produce an evaluation prompt and
+evaluation draws (``split="eval"``) never produce a training prompt.
 """
 
 import dataclasses
 import random
 import string
+import zlib
 from dataclasses import dataclass
+
+SPLITS = ("train", "eval")
+EVAL_BUCKETS = 4
+"""One prompt in ``EVAL_BUCKETS`` (by the hash of its text) belongs to the evaluation split."""
+
+
+def split_of(prompt: str) -> str:
+    """``"eval"`` or ``"train"``: the split of ``prompt``, from a stable hash of its text (the
+    same in every process and Python version)."""
+    return "eval" if zlib.crc32(prompt.encode()) % EVAL_BUCKETS == 0 else "train"
 
 
 @dataclass(frozen=True)
@@ -32,14 +47,25 @@ class Task:
 
     name = "task"
 
-    def sample(self, seed: int, n: int) -> list[Problem]:
-        """``n`` problems drawn from ``random.Random(seed)``: the same seed gives the same list,
-        whatever the global RNG state."""
+    def sample(self, seed: int, n: int, split: str = "train") -> list[Problem]:
+        """``n`` problems of ``split`` drawn from ``random.Random(seed)`` (draws of the other
+        split are rejected): the same seed gives the same list, whatever the global RNG state."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         rng = random.Random(seed)
-        return [self._problem(rng) for _ in range(n)]
+        return [self._draw(rng, split) for _ in range(n)]
+
+    def _draw(self, rng: random.Random, split: str, attempts: int = 10_000) -> Problem:
+        for _ in range(attempts):
+            problem = self._problem(rng)
+            if split_of(problem.prompt) == split:
+                return problem
+        raise ValueError(f"task {self.name!r} drew no {split} prompt in {attempts} draws: its "
+                         f"prompts are too few to split into training and evaluation")
 
     def supervised_pairs(self, seed: int, n: int) -> list[tuple[str, str]]:
-        """``(prompt, answer)`` pairs for an optional supervised warm-up."""
+        """``(prompt, answer)`` pairs of the training split for an optional supervised
+        warm-up."""
         return [(p.prompt, p.answer) for p in self.sample(seed, n)]
 
     def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
