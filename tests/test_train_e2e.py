@@ -530,6 +530,7 @@ def test_evaluation_prompts_are_held_out(mcore_single):
 # ---- 4. tensor parallelism: torchrun, checkpoint, resume -----------------------------------
 
 TP_ITERS, TP_CUT = 5, 3  # 2 warm-up + 3 RL steps; the resumed run restarts after step 3
+TP_TIMEOUT = 600  # a hang guard: a shared 2-core host took 260 s for the job (40 s in steps)
 
 
 def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
@@ -540,7 +541,8 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
     common = _flags(train_iters=TP_ITERS, tensor_model_parallel_size=2,
                     make_vocab_size_divisible_by=128, no_plot=True)
     full = _ok(_run(_torchrun(_free_port()) + common + [
-        "--save", "a_ckpt", "--save-interval", str(TP_CUT), "--run-dir", "a_run"], tmp_path))
+        "--save", "a_ckpt", "--save-interval", str(TP_CUT), "--run-dir", "a_run"], tmp_path,
+        timeout=TP_TIMEOUT))
     assert "data-parallel ranks: 1, tensor-parallel ranks: 2" in full[0]
     assert FINAL_LINE.fullmatch(full[-1]), full[-1]
     cut = tmp_path / "b_ckpt"
@@ -548,7 +550,8 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
     (tmp_path / "a_ckpt" / f"iter_{TP_CUT:07d}").rename(cut / f"iter_{TP_CUT:07d}")
     (cut / "latest").write_text(f"iter_{TP_CUT:07d}")
     resumed = _ok(_run(_torchrun(_free_port()) + common + [
-        "--load", "b_ckpt", "--save", "b_ckpt", "--run-dir", "b_run"], tmp_path))
+        "--load", "b_ckpt", "--save", "b_ckpt", "--run-dir", "b_run"], tmp_path,
+        timeout=TP_TIMEOUT))
     assert FINAL_LINE.fullmatch(resumed[-1])[1] == FINAL_LINE.fullmatch(full[-1])[1]
     untimed = [[{k: v for k, v in r.items() if k not in TIMED_METRICS} for r in _records(d)]
                for d in (tmp_path / "a_run", tmp_path / "b_run")]
