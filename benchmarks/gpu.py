@@ -154,7 +154,7 @@ def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> d
         result["schedules"][name].update(peak_memory_bytes=peak, peak_memory_above_base_bytes=above)
     for key, num in (("naive_over_joint", "naive"), ("naive_mb1_over_joint", "naive_mb1"),
                      ("tree_over_joint", "tree")):
-        above = [memory[n][1] for n in (num, "joint")]
+        above = [memory[n][1] for n in (num, result["joint_variant"])]
         result[key]["memory"] = None if None in above else above[0] / above[1]
     result["bench_seconds"] = time.perf_counter() - t0
     log(f"[{wl.name}] {result['bench_seconds']:.0f}s naive/joint "

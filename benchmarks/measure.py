@@ -165,7 +165,8 @@ def theory(wl) -> dict:
     G, P, S, W = wl.group_size, wl.prompt_length, wl.response_length, wl.wave_size
     joint = 4 * P + 3 * G * S
     work = {"naive": 3 * G * (P + S), "naive_mb1": 3 * G * (P + S), "tree": 3 * P + 3 * G * S,
-            "joint": joint, "joint_ckpt": joint + G * S, "joint_concat": joint}
+            "joint": joint, "joint_ckpt": joint + G * S, "joint_concat": joint,
+            "joint_retain": joint - P}
     held = {"naive": G * (P + S), "naive_mb1": P + S, "tree": P + G * S, "joint": P + W * S,
-            "joint_ckpt": P + W * S, "joint_concat": P + W * S}
+            "joint_ckpt": P + W * S, "joint_concat": P + W * S, "joint_retain": P + W * S}
     return {"work": work, "held_tokens": held}

@@ -1,7 +1,8 @@
 """CPU benchmark: naive (one microbatch of G; G microbatches of one) vs packed tree mask vs
 joint replay, one process, same model and data.
 
-``python -m benchmarks.run [--only A,B,rl_step] [--no-sweep] [--no-rl-step] [--out ...]``
+``python -m benchmarks.run [--only A,B,rl_step] [--no-sweep] [--no-prompt-sweep] [--no-rl-step]
+[--out ...]``
 Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
 schedule's loss or gradients differ from naive training's by more than 1e-5 (fp32, relative
 to each tensor's max). ``rl_step`` (benchmarks/rl_step.py): the main job's whole RL step,
@@ -25,6 +26,10 @@ HEADLINE = (
     Workload("B", group_size=16, prompt_length=512, response_length=64, wave_size=4,
              repetitions=7),
 )
+# The shipped demo config's model and a group like its rollouts (bos + 2-3 letters, answers of
+# <= 4 tokens, 16 responses, waves of 8): ``auto`` must not be slower than naive there.
+DEMO = Workload("demo", group_size=16, prompt_length=4, response_length=4, wave_size=8,
+                num_loops=2, core_layers=2, hidden=64, heads=2, repetitions=15)
 SWEEP_RESPONSE, SWEEP_HIDDEN, SWEEP_REPS = 32, 128, 3
 
 
@@ -36,7 +41,8 @@ def sweep_workloads() -> list:
             out.append(Workload(f"sweep_G{G}_r{ratio}", group_size=G,
                                 prompt_length=ratio * SWEEP_RESPONSE,
                                 response_length=SWEEP_RESPONSE, wave_size=max(1, G // 4),
-                                hidden=SWEEP_HIDDEN, heads=2, repetitions=SWEEP_REPS))
+                                hidden=SWEEP_HIDDEN, heads=2, repetitions=SWEEP_REPS,
+                                variants=False))
     return out
 
 
@@ -79,6 +85,18 @@ NOTES = [
     "Theory: DESIGN.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
     "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), "
     "naive_mb1 P+S, tree P+GS, joint P+WS (prompt replay + one wave).",
+    "joint_retain: the prompt producer keeps its graph and the joint replay backpropagates "
+    "through it (3P+3GS, the tree mask's FLOP limit). naive_over_joint compares naive with the "
+    "joint-replay variant of lowest median wall time (`joint_variant`); "
+    "naive_over_joint_recompute keeps the recomputed-prompt figures. `auto`: the planner picks "
+    "joint replay (retain) or naive (all G in one microbatch) per group from a cost model "
+    "calibrated on the model at the start (fixed cost per layer call + cost per FLOP); "
+    "auto_over_fastest_wall is its wall time over the faster of naive and the best joint "
+    "variant. Wall ratios are noisy on this shared host.",
+    "Prompt-length sweep: G=8, S=32, W=4, hidden 128, 2 heads, 2 core layers x 4 loops; "
+    "recompute vs retain (saved bytes measured, planner prediction in brackets) and the plan "
+    "(largest wave, retain unless only recompute fits) per memory budget (activations + "
+    "prefix adjoints).",
 ]
 
 
@@ -86,6 +104,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated workload names")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-prompt-sweep", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rl-step", action="store_true",
@@ -98,14 +117,15 @@ def main(argv=None) -> int:
 
     from .harness import run_workload
     from .measure import AgreementError
+    from .prompt_sweep import run_sweep
 
-    workloads = list(HEADLINE) + ([] if args.no_sweep else sweep_workloads())
+    workloads = list(HEADLINE) + [DEMO] + ([] if args.no_sweep else sweep_workloads())
     rl_step = not args.no_rl_step
     if args.only:
         keep = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in keep]
         rl_step = rl_step and "rl_step" in keep
-    results, extra = {}, {}
+    results, extra, prompt_sweep = {}, {}, []
     with model_parallel_context(seed=args.seed):
         for wl in workloads:
             try:
@@ -114,21 +134,32 @@ def main(argv=None) -> int:
                 print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
                       file=sys.stderr)
                 return 2
+        if not args.no_prompt_sweep:
+            try:
+                prompt_sweep = run_sweep(seed=args.seed)
+            except AgreementError as err:
+                print(f"ABORT [prompt sweep]: retain disagrees with recompute: {err}",
+                      file=sys.stderr)
+                return 2
         if rl_step:
             from .rl_step import run_rl_step
 
             extra["rl_step"] = run_rl_step(seed=args.seed)
     total = time.perf_counter() - t0
-    return _write(args.out, results, total, extra)
+    return _write(args.out, results, total, extra, prompt_sweep)
 
 
-def _write(out: str, results: dict, total: float, extra: dict = None) -> int:
-    """``extra``: entries beside the workloads (``rl_step``), stored and reported apart."""
+def _write(out: str, results: dict, total: float, extra: dict = None,
+           prompt_sweep: list = ()) -> int:
+    """``extra``: entries beside the workloads (``rl_step``), stored and reported apart;
+    ``prompt_sweep``: the prompt-length sweep's rows (``prompt_sweep`` in cpu.json)."""
     from .measure import TOLERANCE
     from .report import (
         check_targets,
         markdown_table,
         plot,
+        prompt_sweep_table,
+        retain_table,
         targets_table,
         write_json,
         write_markdown,
@@ -142,11 +173,12 @@ def _write(out: str, results: dict, total: float, extra: dict = None) -> int:
     targets = check_targets({**results, **extra})
     meta["targets"] = targets
     os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "cpu.json"), {**results, **extra}, meta)
+    sweep = {"prompt_sweep": list(prompt_sweep)} if prompt_sweep else {}
+    write_json(os.path.join(out, "cpu.json"), {**results, **extra, **sweep}, meta)
     preamble = (f"# CPU benchmark: naive vs packed tree mask vs joint replay\n\n"
                 f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
                 f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in notes))
-    write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble)
+    write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble, prompt_sweep)
     if "rl_step" in extra:
         from .rl_step import MD_HEADING
         from .rl_step import markdown as rl_step_markdown
@@ -155,6 +187,11 @@ def _write(out: str, results: dict, total: float, extra: dict = None) -> int:
             f.write(f"\n{MD_HEADING}\n\n{rl_step_markdown(extra['rl_step'])}\n")
     plot(os.path.join(out, "cpu.png"), results, "CPU: naive / joint replay")
     print(markdown_table(results))
+    print()
+    print(retain_table(results))
+    if prompt_sweep:
+        print()
+        print(prompt_sweep_table(prompt_sweep))
     print()
     print(targets_table(targets))
     print(f"\nwhole benchmark: {total:.0f} s; results in {out}/cpu.{{json,md,png}}")

@@ -9,7 +9,10 @@ GRPO group that leaves the parameter gradients in ``p.grad`` and returns the gro
   attention mask and position ids restarting at P for every response (verl / OpenPipe ART);
 - ``joint`` / ``joint_ckpt`` / ``joint_concat``: shared-prefix joint replay with cascade prefix
   attention, the same with per-wave checkpointing, and with the prefix K/V concatenated per
-  response instead (``looped_prefix_attention='concat'``).
+  response instead (``looped_prefix_attention='concat'``);
+- ``joint_retain``: joint replay whose prompt producer keeps its graph (prompt computed once);
+- ``auto``: the schedule's planner picks joint replay (retain where it fits) or naive (all G in
+  one microbatch) for the group from a cost model calibrated on the model.
 """
 
 import contextlib
@@ -24,8 +27,13 @@ from scalerlt_mcore.shared_prefix import (
     get_shared_prefix_forward_backward_func,
 )
 from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
+from scalerlt_mcore.shared_prefix.planner import CostModel, Planner
 
-SCHEDULES = ("naive", "naive_mb1", "tree", "joint", "joint_ckpt", "joint_concat")
+SCHEDULES = ("naive", "naive_mb1", "tree", "joint", "joint_retain", "joint_ckpt", "joint_concat",
+             "auto")
+JOINT_VARIANTS = ("joint", "joint_retain", "joint_ckpt", "joint_concat")
+VARIANTS = ("joint_retain", "auto")
+"""Issue 14's rows, which a workload may leave out (``Workload.variants``)."""
 
 
 # ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
@@ -94,10 +102,12 @@ def prefix_attention(model, mode: str):
         model.config.looped_prefix_attention = old
 
 
-def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
-               checkpoint_waves: bool = False, attention: str = "cascade"):
-    schedule = get_shared_prefix_forward_backward_func(wave_size,
-                                                       checkpoint_waves=checkpoint_waves)
+def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size,
+               checkpoint_waves: bool = False, attention: str = "cascade",
+               prompt: str = "recompute", chooser=None, memory_budget=None):
+    schedule = get_shared_prefix_forward_backward_func(
+        wave_size, checkpoint_waves=checkpoint_waves, prompt=prompt, chooser=chooser,
+        memory_budget=memory_budget)
     with prefix_attention(model, attention):
         out = schedule(forward_step_func=rl_forward_step(objective),
                        data_iterator=iter([group]), model=model, num_microbatches=1,
@@ -105,15 +115,27 @@ def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_siz
     return out[0]["loss"].detach()
 
 
+def auto_planner(model, group: SharedPrefixGroup, wave_size: int) -> Planner:
+    """``auto``'s chooser: joint replay at ``wave_size`` (retain) or naive with all G in one
+    microbatch (the ``naive`` row), by a cost model calibrated on ``model`` now."""
+    return Planner(wave_size, "auto", schedule="auto", cost_model=CostModel.calibrate(model),
+                   naive_micro_batch_size=group.group_size)
+
+
 def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
-                   wave_size: int) -> dict:
-    """name -> zero-argument callable running one full training step (grads zeroed first)."""
+                   wave_size: int, planner=None, variants: bool = True) -> dict:
+    """name -> zero-argument callable running one full training step (grads zeroed first);
+    without ``variants`` the ``VARIANTS`` are left out."""
     packed = tree_inputs(group)
+    if variants:
+        planner = planner or auto_planner(model, group, wave_size)
     raw = {
         "naive": partial(naive_step, model, group, objective, wave_size),
         "naive_mb1": partial(naive_step, model, group, objective, wave_size, micro_batch_size=1),
         "tree": partial(tree_step, model, group, objective, wave_size, packed=packed),
         "joint": partial(joint_step, model, group, objective, wave_size),
+        "joint_retain": partial(joint_step, model, group, objective, wave_size, prompt="retain"),
+        "auto": partial(joint_step, model, group, objective, wave_size, chooser=planner),
         "joint_ckpt": partial(joint_step, model, group, objective, wave_size,
                               checkpoint_waves=True),
         "joint_concat": partial(joint_step, model, group, objective, wave_size,
@@ -126,4 +148,4 @@ def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
             return fn()
         return step
 
-    return {name: zeroed(raw[name]) for name in SCHEDULES}
+    return {name: zeroed(raw[name]) for name in SCHEDULES if variants or name not in VARIANTS}

@@ -24,6 +24,7 @@ class Workload:
     vocab: int = 64  # small on purpose: the readout must not dominate the layer work
     repetitions: int = 5  # timed repetitions per schedule (after one warm-up)
     full_length: bool = True  # every response exactly S tokens (else random lengths <= S)
+    variants: bool = True  # also joint_retain and auto (off in the G x P:S sweep: bench time)
 
     def describe(self) -> dict:
         return asdict(self)

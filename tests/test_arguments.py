@@ -337,7 +337,9 @@ def test_values_reach_the_library_objects():
     schedule = schedule_from(cfg)
     assert (schedule.wave_size, schedule.checkpoint_waves, schedule.max_response_length) == (
         8, True, 12)
+    assert schedule.prompt == flat["shared_prefix_prompt"]
     assert sorted(SCHEDULE_FLAGS) == ["rl_max_response_length", "shared_prefix_checkpoint_waves",
+                                      "shared_prefix_memory_budget", "shared_prefix_prompt",
                                       "shared_prefix_wave_size"]
 
 
@@ -397,7 +399,8 @@ FROZEN_CLI_FLAGS = [
     "--rl-rollout", "--rl-task",
     "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
     "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
-    "--shared-prefix-checkpoint-waves", "--shared-prefix-schedule", "--shared-prefix-wave-size",
+    "--shared-prefix-checkpoint-waves", "--shared-prefix-memory-budget", "--shared-prefix-prompt",
+    "--shared-prefix-schedule", "--shared-prefix-wave-size",
     "--swiglu", "--tensor-model-parallel-size", "--train-iters", "--transformer-impl",
     "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
     "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size", "--weight-decay",

@@ -126,6 +126,38 @@ def test_gpu_script_imports_helps_and_dry_runs_on_cpu(capsys, tmp_path):
     assert result["naive_over_joint"]["flops"] > 1
 
 
+def test_retain_and_auto_rows(mcore_single):
+    """The best joint variant names the naive/joint figures; recompute vs retain and auto are
+    reported; auto's plan is recorded."""
+    from benchmarks.report import retain_table
+
+    result = run_workload(TINY, log=lambda *a, **k: None)
+    assert result["joint_variant"] in ("joint", "joint_retain", "joint_ckpt", "joint_concat")
+    best = result["schedules"][result["joint_variant"]]
+    assert result["naive_over_joint"]["wall"] == result["schedules"]["naive"]["wall_s"] / (
+        best["wall_s"])
+    assert set(result["recompute_over_retain"]) >= {"flops", "saved_bytes", "wall"}
+    assert result["recompute_over_retain"]["flops"] > 1  # the retained prompt runs once
+    assert result["auto_over_fastest_wall"] > 0 and set(result["auto_plan"]) == {
+        "wave_size", "retain", "naive"}
+    assert "| A |" in retain_table({"A": result})
+
+
+def test_prompt_sweep_point(mcore_single):
+    from benchmarks.prompt_sweep import BUDGETS_MIB, run_point
+    from benchmarks.report import prompt_sweep_table
+
+    wl = dataclasses.replace(TINY, name="prompt_P12", full_length=True)
+    row = run_point(wl)
+    assert set(row["wall_s"]) == set(row["saved_bytes"]) == {"recompute", "retain"}
+    for mode in ("recompute", "retain"):
+        pred, got = row["predicted_saved_bytes"][mode], row["saved_bytes"][mode]
+        assert abs(pred / got - 1) <= 0.10, (mode, pred, got)
+    assert [p["budget_mib"] for p in row["plans"]] == list(BUDGETS_MIB)
+    assert row["plans"][-1]["plan"]["wave_size"] == wl.group_size  # a roomy budget: one wave
+    assert "| 12 |" in prompt_sweep_table([row])
+
+
 def test_naive_one_response_per_microbatch_baseline(mcore_single, monkeypatch):
     """naive_mb1 is MCore's usual gradient accumulation: G microbatches of one full sequence,
     the loss and gradients of naive training, about one sequence's activations held."""
@@ -236,3 +268,20 @@ def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
     assert [t["workload"] for t in doc["meta"]["targets"]] == ["A", "rl_step"]
     md = (tmp_path / "cpu.md").read_text()
     assert md.startswith("# bench\n\nA table\n") and md.count("## Whole RL step") == 1
+
+
+def test_sweep_workloads_leave_out_the_variant_rows(mcore_single):
+    """The G x P:S sweep runs without joint_retain and auto (bench time); the headline and demo
+    workloads keep them. A workload without them still reports every other figure."""
+    from benchmarks.report import retain_table
+    from benchmarks.run import DEMO, HEADLINE, sweep_workloads
+    from benchmarks.schedules import VARIANTS
+
+    assert all(not w.variants for w in sweep_workloads())
+    assert all(w.variants for w in (*HEADLINE, DEMO))
+    result = run_workload(dataclasses.replace(TINY, variants=False), log=lambda *a, **k: None)
+    assert set(result["schedules"]) == set(SCHEDULES) - set(VARIANTS)
+    assert result["joint_variant"] in ("joint", "joint_ckpt", "joint_concat")
+    assert "auto_plan" not in result and "recompute_over_retain" not in result
+    assert retain_table({"x": result}).count("\n") == 1  # the header only
+    assert not [t for t in check_targets({"x": result}) if "auto" in t["figure"]]

@@ -12,7 +12,10 @@ with its own distributed AdamW:
 
 Each step every rank gets its own 1 or 2 groups, and the wave size makes the number of waves
 differ between steps, between groups and between ranks (so the joint replay's sync-enabled
-backward has a different shape on the two ranks). Checks:
+backward has a different shape on the two ranks). The prompt mode alternates between steps
+(``recompute``: the prompt run again in the joint replay; ``retain``: its graph kept from the
+prompt producer), starting with one mode with overlapped reduction and with the other
+without, so both modes meet both DDP settings and several wave counts. Checks:
 - every step, after finalize_model_grads: A's reduced gradients equal C's (same parameters,
   so this is the schedule's exactness, to fp32 rounding), and so do the group losses;
 - B's trajectory drifts from A's by more than rounding: AdamW's first steps are ~lr*sign(g),
@@ -341,13 +344,13 @@ def _shard_grads(shards) -> list:
 # ---- one rank ------------------------------------------------------------------------------
 
 
-def _step_a(model_a, groups, wave_size: int, normalization: str) -> list:
+def _step_a(model_a, groups, wave_size: int, normalization: str, prompt: str) -> list:
     from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
     from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 
     objective = RLObjective(normalization=normalization, loop_weights="progressive",
                             clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF)
-    schedule = get_shared_prefix_forward_backward_func(wave_size)
+    schedule = get_shared_prefix_forward_backward_func(wave_size, prompt=prompt)
     return schedule(forward_step_func=rl_forward_step(objective), data_iterator=iter(groups),
                     model=[model_a], num_microbatches=len(groups), seq_length=MAX_SEQ,
                     micro_batch_size=1)
@@ -380,7 +383,7 @@ def _copy_params(dst, src) -> None:
         d.copy_(s)
 
 
-def _train(rank, world_size, overlap_grad_reduce):
+def _train(rank, world_size, overlap_grad_reduce, prompts):
     """Train A (joint replay) and B (naive) side by side; C (naive) is evaluated at A's
     parameters every step. Returns per-step gradient errors and final state errors."""
     (model_a, opt_a), (model_b, opt_b), (model_c, _) = (_build(overlap_grad_reduce)
@@ -393,7 +396,7 @@ def _train(rank, world_size, overlap_grad_reduce):
     torch_groups = {id(p): g for g in opt_b.optimizer.param_groups for p in g["params"]}
     out = {"buckets": [_num_buckets(m) for m in (model_a, model_b, model_c)],
            "err_ac": [], "err_ac_tensor": [], "err_ab": [], "err_cb": [], "loss_err": [],
-           "waves": []}
+           "waves": [], "retain": []}
     for step, (wave_size, *_) in enumerate(PLAN):
         normalization = NORMALIZATIONS[step % len(NORMALIZATIONS)]
         groups = _groups(step, rank)
@@ -402,10 +405,12 @@ def _train(rank, world_size, overlap_grad_reduce):
         opt_a.zero_grad()
         opt_b.zero_grad()
         _copy_params(model_c, model_a)
-        results_a = _step_a(model_a, groups, wave_size, normalization)
+        prompt = prompts[step % len(prompts)]
+        results_a = _step_a(model_a, groups, wave_size, normalization, prompt)
         _step_naive(model_b, groups, normalization)
         results_c = _step_naive(model_c, groups, normalization)
         out["waves"].append([r["num_waves"] for r in results_a])
+        out["retain"].append([int(r["retain"]) for r in results_a])
         out["loss_err"].append(_loss_error(results_a, results_c, len(groups)))
         grads = [_reduced_grads(m, rank, world_size) for m in (model_a, model_b, model_c)]
         out["err_ac"].append(_global_rel_error(grads[0], grads[2]))
@@ -457,15 +462,20 @@ def _final_errors(opt_a, opt_b, shards_a, shards_b, bounds, init_b) -> dict:
 # ---- the test ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlap_grad_reduce", [True, False])
-def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce):
-    ranks = run_distributed(_train, WORLD, overlap_grad_reduce, timeout=150)
+@pytest.mark.parametrize("overlap_grad_reduce,prompts", [
+    (True, ("retain", "recompute")), (False, ("recompute", "retain"))])
+def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce, prompts):
+    ranks = run_distributed(_train, WORLD, overlap_grad_reduce, prompts, timeout=150)
     r0, r1 = ranks
     for r in ranks:  # MCore sets bucket_size = None (one bucket) without overlap_grad_reduce
         assert len(set(r["buckets"])) == 1
         assert (r["buckets"][0] > 1) if overlap_grad_reduce else (r["buckets"][0] == 1)
     waves = [int(w) for r in ranks for step in r["waves"] for w in step]
     assert len(set(waves)) >= 4, "the plan must exercise different wave counts"
+    for mode, flag in (("retain", 1), ("recompute", 0)):  # each mode with several wave counts
+        counts = {int(w) for r in ranks for ws, fs in zip(r["waves"], r["retain"])
+                  for w, f in zip(ws, fs) if f == flag and w > 1}
+        assert len(counts) >= 2, f"{mode}: wave counts {counts}"
     assert r0["err_ac"] == r1["err_ac"], "reduced grads are the same on both ranks"
     for step, (ac, loss) in enumerate(zip(r0["err_ac"], r0["loss_err"])):
         assert ac <= GRAD_RTOL, f"step {step}: joint replay vs naive grad rel error {ac:.2e}"

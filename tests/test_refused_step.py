@@ -47,7 +47,7 @@ def _state(tr) -> dict:
     }
 
 
-def _poison_after_first_wave(tr):
+def _poison_after_first_wave(tr, prompt="recompute"):
     """The trainer's schedule, but the first group's advantages change after its first wave
     (so waves have run, and left gradients, when the joint replay refuses the group)."""
     sp = tr.cfg.shared_prefix
@@ -60,7 +60,7 @@ def _poison_after_first_wave(tr):
 
     tr.schedule = get_shared_prefix_forward_backward_func(
         sp.shared_prefix_wave_size, sp.shared_prefix_checkpoint_waves,
-        tr.cfg.rl.rl_max_response_length, phase_callback=callback)
+        tr.cfg.rl.rl_max_response_length, phase_callback=callback, prompt=prompt)
     return done
 
 
@@ -74,13 +74,14 @@ def _first_training_step(tr, tries: int = 8) -> int:
     raise AssertionError(f"no RL step of {first}..{first + tries - 1} had a gradient")
 
 
-def test_trainer_discards_grads_of_a_refused_step(mcore_single):
+@pytest.mark.parametrize("prompt", ["recompute", "retain"])
+def test_trainer_discards_grads_of_a_refused_step(mcore_single, prompt):
     tr = _trainer()
     assert tr.cfg.rl.rl_group_size > tr.cfg.shared_prefix.shared_prefix_wave_size  # 2+ waves
     step = _first_training_step(tr)  # Adam state with non-zero moments exists
     before = _state(tr)
     schedule = tr.schedule
-    poisoned = _poison_after_first_wave(tr)
+    poisoned = _poison_after_first_wave(tr, prompt)
     with pytest.raises(ReplayInputError, match=r"replay input 'advantages' changed.*discard"):
         tr.rl_step(step + 1)
     assert poisoned, "the refusal must come after a wave ran"

@@ -565,6 +565,22 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
     assert torch.equal(params[0], params[1])
 
 
+def _cost_model(rank, world_size, argv) -> tuple:
+    cost = _trainer(argv).schedule.chooser.cost_model
+    return cost.call_s, cost.flop_s
+
+
+def test_tensor_parallel_ranks_plan_alike():
+    """``--shared-prefix-schedule auto`` under TP=2 on 2 ranks (one data-parallel rank): both
+    ranks of the TP group hold rank 0's measured cost model, so they choose the same schedule
+    per group (each rank's own timings could send one rank naive and the other joint)."""
+    flags = _flags(tensor_model_parallel_size=2, make_vocab_size_divisible_by=128,
+                   shared_prefix_schedule="auto")
+    costs = run_distributed(_cost_model, 2, flags, tensor_model_parallel_size=2, timeout=300,
+                            mcore_seed=TINY["seed"])
+    assert costs[0] == costs[1]
+
+
 def _load_params(argv: list, ckpt):
     """The parameters of a TP=2 checkpoint, loaded on one process into the TP=1 model of the
     same padded vocabulary (distributed checkpoints reshard)."""

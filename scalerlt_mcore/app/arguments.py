@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args, get_origin
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import torch
 import torch.nn.functional as F
@@ -143,8 +143,11 @@ SCHEDULE_FLAGS = {
     "shared_prefix_wave_size": "wave_size",
     "shared_prefix_checkpoint_waves": "checkpoint_waves",
     "rl_max_response_length": "max_response_length",
+    "shared_prefix_prompt": "prompt",
+    "shared_prefix_memory_budget": "memory_budget",
 }
-"""Key -> argument of ``get_shared_prefix_forward_backward_func``."""
+"""Key -> argument of ``get_shared_prefix_forward_backward_func`` (the memory budget is in
+MiB here, in bytes there)."""
 
 
 # ----------------------------------------------------------------------- sections
@@ -259,12 +262,20 @@ class TrainingArgs:
 class SharedPrefixArgs:
     """The schedule that trains a group of responses sharing one prompt."""
 
-    shared_prefix_schedule: Literal["joint_replay", "naive"] = "joint_replay"
-    """``joint_replay`` (prompt computed once, one replay backward) or ``naive``."""
-    shared_prefix_wave_size: int = 4
-    """Responses per wave in joint replay."""
+    shared_prefix_schedule: Literal["joint_replay", "naive", "auto"] = "joint_replay"
+    """``joint_replay`` (prompt computed once, one replay backward), ``naive``, or ``auto``
+    (per group, whichever a cost model calibrated at start predicts faster)."""
+    shared_prefix_wave_size: Union[int, Literal["auto"]] = 4
+    """Responses per wave in joint replay, or ``auto``: per group the largest wave whose
+    predicted activations and prefix adjoints fit ``shared_prefix_memory_budget``."""
     shared_prefix_checkpoint_waves: bool = False
     """Recompute each wave in backward instead of keeping its activations."""
+    shared_prefix_prompt: Literal["retain", "recompute", "auto"] = "auto"
+    """``retain`` (keep the prompt's graph: the prompt is computed once), ``recompute`` (run
+    it again in the joint replay), or ``auto`` (retain unless only recompute fits the budget)."""
+    shared_prefix_memory_budget: Optional[float] = None
+    """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
+    None: no budget."""
 
 
 @with_library_fields(RLObjective, OBJECTIVE_FLAGS)
@@ -385,6 +396,13 @@ def _optional(tp: Any) -> Optional[Any]:
     return None
 
 
+def _alternatives(tp: Any) -> tuple:
+    """The types of a ``Union`` without None (e.g. ``Union[int, Literal["auto"]]``), else ()."""
+    if get_origin(tp) in (typing.Union, types.UnionType) and type(None) not in get_args(tp):
+        return get_args(tp)
+    return ()
+
+
 def choices(tp: Any) -> tuple:
     """The allowed values of a ``Literal`` (or ``Optional[Literal]``) type; () for other types."""
     tp = _optional(tp) or tp
@@ -397,12 +415,14 @@ CHOICES = {k: choices(tp) for k, (_, tp) in KEYS.items() if choices(tp)}
 
 # ----------------------------------------------------------------------- reading values
 def _coerce(key: str, value: Any, tp: Any, cli: bool) -> Any:
-    """``value`` as type ``tp`` (a ``Literal``: one of its values); strings from the command
-    line are parsed."""
+    """``value`` as type ``tp`` (a ``Literal``: one of its values; a ``Union``: the first of
+    its types that reads it); strings from the command line are parsed."""
     if _optional(tp):
         if value is None or (cli and value.lower() in ("none", "null")):
             return None
         tp = _optional(tp)
+    if _alternatives(tp):
+        return _coerce_union(key, value, tp, cli)
     allowed = choices(tp)
     parsed = _parse(value, type(allowed[0]) if allowed else tp, cli)
     if allowed and parsed not in allowed:
@@ -410,6 +430,17 @@ def _coerce(key: str, value: Any, tp: Any, cli: bool) -> Any:
     if parsed is _INVALID:
         raise ConfigError(f"key {key!r} expects {tp.__name__}, got {value!r}")
     return parsed
+
+
+def _coerce_union(key: str, value: Any, tp: Any, cli: bool) -> Any:
+    """``value`` as the first type of the ``Union`` ``tp`` that reads it."""
+    for option in _alternatives(tp):
+        try:
+            return _coerce(key, value, option, cli)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key} must be {' or '.join(map(_type_name, _alternatives(tp)))}, "
+                      f"got {value!r}")
 
 
 _INVALID = object()
@@ -573,7 +604,10 @@ def help_text() -> str:
 
 
 def _type_name(tp: Any) -> str:
-    """``{a,b}`` for a choice, ``INT`` for int, ``INT|null`` for Optional[int], ..."""
+    """``{a,b}`` for a choice, ``INT`` for int, ``INT|null`` for Optional[int],
+    ``INT|{auto}`` for Union[int, Literal["auto"]], ..."""
+    if _alternatives(tp):
+        return "|".join(map(_type_name, _alternatives(tp)))
     if choices(tp):
         name = "{" + ",".join(map(str, choices(tp))) + "}"
     else:
@@ -618,9 +652,13 @@ def objective_from(cfg: RunConfig) -> RLObjective:
     return RLObjective(**library_kwargs(cfg, OBJECTIVE_FLAGS))
 
 
-def schedule_from(cfg: RunConfig):
-    """The run's shared-prefix schedule (``SCHEDULE_FLAGS``)."""
-    return get_shared_prefix_forward_backward_func(**library_kwargs(cfg, SCHEDULE_FLAGS))
+def schedule_from(cfg: RunConfig, chooser: Optional[Callable] = None):
+    """The run's shared-prefix schedule (``SCHEDULE_FLAGS``); ``chooser``: the per-group
+    planner the trainer builds for ``auto`` (it overrides wave size, prompt and budget)."""
+    kwargs = library_kwargs(cfg, SCHEDULE_FLAGS)
+    if kwargs["memory_budget"] is not None:
+        kwargs["memory_budget"] *= 2**20  # MiB -> bytes
+    return get_shared_prefix_forward_backward_func(**kwargs, chooser=chooser)
 
 
 def task_from(cfg: RunConfig):
@@ -638,7 +676,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         errors = (_check_model(cfg, world_size) + _check_batches(cfg, world_size)
                   + _check_training(cfg.training) + _check_rl(cfg)
                   + _library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
-                  + _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
+                  + _check_schedule(cfg)
                   + _check_pretrained(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -716,6 +754,14 @@ def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
                       f"{t.global_batch_size // dp}) must be divisible by micro_batch_size "
                       f"({t.micro_batch_size})")
     return errors
+
+
+def _check_schedule(cfg: RunConfig) -> list[str]:
+    """The memory budget (MiB here, bytes in the library), then the schedule's own checks."""
+    budget = cfg.shared_prefix.shared_prefix_memory_budget
+    if budget is not None and budget <= 0:
+        return [f"shared_prefix_memory_budget must be > 0 MiB or null, got {budget}"]
+    return _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
 
 
 def _check_training(t: TrainingArgs) -> list[str]:

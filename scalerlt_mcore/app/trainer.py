@@ -28,6 +28,7 @@ from ..shared_prefix import (
     logprobs_forward_step,
     naive_step,
 )
+from ..shared_prefix.planner import CostModel, Planner
 from .arguments import objective_from, schedule_from, task_from
 
 
@@ -121,7 +122,15 @@ def summarise(out: list, num_groups: int) -> dict:
     tokens = sum(float(o["tokens"]) for o in out)
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens
-    return {"loss": loss, "clip_fraction": clip, "kl": kl}
+    return {"loss": loss, "clip_fraction": clip, "kl": kl, **_plans(out)}
+
+
+def _plans(out: list) -> dict:
+    """The shared-prefix schedule's per-group plans, as means over the groups."""
+    if not out or "wave_size" not in out[0]:
+        return {}
+    return {f"plan_{k}": sum(float(o[k]) for o in out) / len(out)
+            for k in ("wave_size", "retain", "naive")}
 
 
 class KLReference:
@@ -163,7 +172,7 @@ class RLTrainer:
         self.train_drift = []  # rollout-vs-training log-prob differences of the current step
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
-        self.schedule = schedule_from(cfg)
+        self.schedule = schedule_from(cfg, chooser=self._planner(cfg, model))
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
@@ -182,6 +191,34 @@ class RLTrainer:
     def use_configured_loops(self) -> None:
         """Back to ``looped_num_loops`` (what a checkpoint records and a resumed run builds)."""
         set_num_loops(self.model.config, self.cfg.model.looped_num_loops)
+
+    def _planner(self, cfg, model):
+        """The per-group ``Planner`` when the wave size, the prompt mode or the schedule is
+        ``auto`` (it knows the objective's saved bytes per position), else None."""
+        sp = cfg.shared_prefix
+        auto = sp.shared_prefix_schedule == "auto"
+        if not (auto or "auto" in (sp.shared_prefix_wave_size, sp.shared_prefix_prompt)):
+            return None
+        budget = sp.shared_prefix_memory_budget
+        return Planner(
+            sp.shared_prefix_wave_size, sp.shared_prefix_prompt,
+            None if budget is None else budget * 2**20,
+            schedule="auto" if auto else "joint_replay",
+            cost_model=self._calibrate(model) if auto else None,
+            checkpoint_waves=sp.shared_prefix_checkpoint_waves,
+            naive_micro_batch_size=cfg.training.micro_batch_size,
+            loss_per_position=self.objective.saved_per_position)
+
+    def _calibrate(self, model) -> CostModel:
+        """The cost model of ``shared_prefix_schedule: auto``, measured on rank 0 and shared,
+        so every rank plans alike (every rank of the job: the ranks of a tensor-parallel group
+        must run the same schedule too, so the data-parallel size does not decide)."""
+        cost = CostModel.calibrate(model)
+        device = next(model.parameters()).device
+        values = torch.tensor([cost.call_s, cost.flop_s], dtype=torch.float64, device=device)
+        if dist.get_world_size() > 1:
+            dist.broadcast(values, src=0)
+        return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
 
     @staticmethod
     @mcore_workaround

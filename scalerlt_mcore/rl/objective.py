@@ -68,6 +68,12 @@ class RLObjective:
         if self.clip_low <= 0 or self.clip_high <= 0:
             raise ValueError("clip_low and clip_high must be > 0")
 
+    @property
+    def saved_per_position(self) -> float:
+        """Tensors of shape [R, rows, T] (accumulator dtype) that ``loss`` saves for backward:
+        the memory planner's per-position term for this objective."""
+        return 5.0 + 2.0 * (self.kl_coef > 0)
+
     def token_weights(self, loss_mask: Tensor) -> Tensor:
         """c [G, T] from the whole group's loss mask [G, T]."""
         mask = loss_mask.to(torch.float64)

@@ -1,11 +1,13 @@
 """Shared-prefix joint replay as a drop-in for MCore's ``get_forward_backward_func()``.
 
 Per GRPO group (one prompt, G responses):
-  1. prompt producer   - the prompt under no_grad; its prefix state becomes grad leaves;
+  1. prompt producer   - the prompt under no_grad (``prompt="recompute"``) or with grad, its
+                         graph kept (``"retain"``); its prefix state becomes grad leaves;
   2. waves 1..n-1      - W responses each against the leaves, backward under no_sync:
                          parameter grads accumulate, the leaves collect the prefix adjoints;
-  3. joint replay      - verify inputs, recompute the prompt with grad, run the last wave, and
-                         backpropagate loss_last + sum_k <state_k, adjoint_k> in ONE backward.
+  3. joint replay      - verify inputs, recompute the prompt with grad (or take the retained
+                         graph), run the last wave, and backpropagate
+                         loss_last + sum_k <state_k, adjoint_k> in ONE backward.
 Earlier groups of a step run entirely under ``config.no_sync_func`` (as MCore's schedule runs
 microbatches 1..n-1), so the sync-enabled part of every step is exactly one backward call.
 
@@ -30,6 +32,11 @@ has begun leaves the gradients of the waves and groups that already ran in the p
 grad buffers (parameters and optimizer are untouched: the schedule never steps). The caller
 must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
 step the optimizer; the error message says so.
+
+The wave size and prompt mode may be chosen per group (``chooser``, e.g. a ``Planner`` for
+``wave_size="auto"`` with a memory budget); a plan may also train a group naively (full
+sequences in microbatches, the last one sync-enabled). Each group's result dict carries its
+plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``.
 """
 
 import contextlib
@@ -47,8 +54,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..model.kv import PrefixState
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
+from .naive import FullSequenceModel
+from .planner import PROMPT_MODES, GroupPlan, Planner
 
-PHASES = ("prompt_producer", "wave", "joint_replay")
+PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
 
 DROPOUT_FIELDS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
 """Config dropout fields joint replay rejects when > 0, with their Megatron flags."""
@@ -58,15 +67,19 @@ PARTIAL_GRADS = ("the step was refused after compute began: gradients of the wav
                  "optimizer.zero_grad()) and do not step the optimizer")
 
 
-def get_shared_prefix_forward_backward_func(wave_size: int, checkpoint_waves: bool = False,
+def get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves: bool = False,
                                             max_response_length: Optional[int] = None,
-                                            phase_callback: Optional[Callable] = None):
+                                            phase_callback: Optional[Callable] = None, *,
+                                            prompt: str = "recompute",
+                                            memory_budget: Optional[float] = None,
+                                            chooser: Optional[Callable] = None):
     """The shared-prefix schedule, called like the function ``get_forward_backward_func()``
     returns. Microbatches that are ``SharedPrefixGroup``s go through joint replay; any other
     step goes to stock MCore unchanged. ``phase_callback(phase, group)`` runs after each
-    phase (``PHASES``)."""
+    phase (``PHASES``). See ``SharedPrefixSchedule`` for the keywords."""
     return SharedPrefixSchedule(wave_size, checkpoint_waves, max_response_length,
-                                phase_callback)
+                                phase_callback, prompt=prompt, memory_budget=memory_budget,
+                                chooser=chooser)
 
 
 class WaveModel:
@@ -102,6 +115,7 @@ class _GroupRun:
     scale: float  # 1 / number of groups, as MCore divides every microbatch loss
     first_microbatch: bool = False
     collect_non_loss_data: bool = False
+    plan: Optional[GroupPlan] = None
     results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
     state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
 
@@ -109,14 +123,28 @@ class _GroupRun:
 class SharedPrefixSchedule:
     """See the module docstring. Reaches DDP only through ``config.no_sync_func`` and
     ``config.finalize_model_grads_func``; grad reduction with ``overlap_grad_reduce`` is
-    launched by DDP's hooks during the single sync-enabled backward."""
+    launched by DDP's hooks during the single sync-enabled backward.
 
-    def __init__(self, wave_size: int, checkpoint_waves: bool = False,
+    wave_size: responses per wave, or "auto" (needs ``memory_budget``): per group the largest
+        wave whose predicted peak fits (``planner.Planner``).
+    prompt: "recompute" (prompt producer under no_grad, recomputed with grad in the joint
+        replay), "retain" (its graph kept; the prompt is computed once) or "auto" (retain
+        unless the memory budget only fits recompute).
+    memory_budget: bytes of saved activations plus prefix adjoints allowed per group.
+    chooser: ``chooser(group, model) -> GroupPlan`` per group; overrides the three above.
+    """
+
+    def __init__(self, wave_size, checkpoint_waves: bool = False,
                  max_response_length: Optional[int] = None,
-                 phase_callback: Optional[Callable] = None):
-        if wave_size < 1:
-            raise ValueError(f"wave_size must be >= 1, got {wave_size}")
-        self.wave_size = wave_size
+                 phase_callback: Optional[Callable] = None, *, prompt: str = "recompute",
+                 memory_budget: Optional[float] = None, chooser: Optional[Callable] = None):
+        _check_wave_size(wave_size)
+        if prompt not in PROMPT_MODES + ("auto",):
+            raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
+        if chooser is None and "auto" in (wave_size, prompt):
+            chooser = Planner(wave_size, prompt, memory_budget,
+                              checkpoint_waves=checkpoint_waves)
+        self.wave_size, self.prompt, self.chooser = wave_size, prompt, chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)
@@ -194,8 +222,19 @@ class SharedPrefixSchedule:
         first = first_val_step if forward_only and first_val_step is not None else True
         return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
                           1.0 / len(groups), first_microbatch=first and n == 0,
-                          collect_non_loss_data=collect_non_loss_data)
+                          collect_non_loss_data=collect_non_loss_data,
+                          plan=None if forward_only else self._plan(g, inner))
                 for n, g in enumerate(groups)]
+
+    def _plan(self, group: SharedPrefixGroup, inner) -> GroupPlan:
+        """The group's plan: the chooser's, or the fixed wave size and prompt mode."""
+        if self.chooser is None:
+            return GroupPlan(min(self.wave_size, group.group_size),
+                             retain=self.prompt == "retain")
+        plan = self.chooser(group, inner)
+        if not isinstance(plan, GroupPlan):
+            raise TypeError(f"chooser must return a GroupPlan, got {type(plan).__name__}")
+        return plan
 
     # ---- training --------------------------------------------------------------------------
 
@@ -210,24 +249,31 @@ class SharedPrefixSchedule:
 
     def train_group(self, run: _GroupRun, waves_context) -> dict:
         """All three phases for one group; phases 1-2 inside ``waves_context``."""
-        waves = run.group.waves(self.wave_size)
-        adjoints = None
-        with waves_context():
-            if len(waves) > 1:
-                leaves = self._produce_prompt(run)
-                adjoints = self._run_waves(run, leaves, waves[:-1])
-        self._joint_replay(run, waves[-1], adjoints)
-        return _merge(run.results, num_waves=len(waves))
+        plan = run.plan
+        waves = run.group.waves(plan.wave_size)
+        if plan.naive:
+            self._train_naive(run, waves, waves_context)
+        else:
+            adjoints, state = None, None
+            with waves_context():
+                if len(waves) > 1:
+                    state, leaves = self._produce_prompt(run, plan.retain)
+                    adjoints = self._run_waves(run, leaves, waves[:-1])
+            self._joint_replay(run, waves[-1], adjoints, state)
+        return _merge(run.results, num_waves=len(waves), wave_size=plan.wave_size,
+                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
 
-    def _produce_prompt(self, run: _GroupRun) -> PrefixState:
-        """Phase 1: the prompt under no_grad; its state detached into grad-requiring leaves of
-        at least fp32 (the same numbers), so the waves' prefix adjoints accumulate in fp32."""
+    def _produce_prompt(self, run: _GroupRun, retain: bool) -> tuple:
+        """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain);
+        its state detached into grad-requiring leaves of at least fp32 (the same numbers), so
+        the waves' prefix adjoints accumulate in fp32. -> (the state with its graph when
+        ``retain``, else None; the leaves)."""
         run.guard.verify("prompt producer")
-        with torch.no_grad():
+        with contextlib.nullcontext() if retain else torch.no_grad():
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
         run.state_dtype = state.boundary.dtype
-        return state.detached_leaves(torch.float32)
+        return (state if retain else None), state.detached_leaves(torch.float32)
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
@@ -243,17 +289,36 @@ class SharedPrefixSchedule:
             self.phase_callback("wave", run.group)
         return [leaf.grad for leaf in leaves.tensors()]
 
-    def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints) -> None:
-        """Phase 3: recompute the prompt with grad, run the last wave, one backward."""
+    def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints,
+                      state: Optional[PrefixState] = None) -> None:
+        """Phase 3: the prompt with grad (recomputed unless ``state`` was retained), the last
+        wave, and one backward of loss_last + sum_k <state_k, adjoint_k>: the adjoints enter
+        as the state tensors' incoming gradients (roots of the same backward call)."""
         run.guard.verify("joint replay")
-        state = self._prompt_state(run)
+        if state is None:
+            state = self._prompt_state(run)
         loss = self._wave_loss(run, state, wave, len(run.results))
-        total = _scaled(loss, run.config)
+        roots, grads = [_scaled(loss, run.config)], [None]
         if adjoints is not None:
-            total = total + sum((t.to(a.dtype) * a).sum()
-                                for t, a in zip(state.tensors(), adjoints) if a is not None)
-        total.backward()
+            for t, a in zip(state.tensors(), adjoints):
+                if a is not None and t.requires_grad:
+                    roots.append(t)
+                    grads.append(a.to(t.dtype))
+        torch.autograd.backward(roots, grads)
         self.phase_callback("joint_replay", run.group)
+
+    def _train_naive(self, run: _GroupRun, waves: list, waves_context) -> None:
+        """A group as full sequences, one microbatch per wave; every microbatch but the last
+        inside ``waves_context``, so the sync-enabled part is still one backward."""
+        with waves_context():
+            for n, wave in enumerate(waves[:-1]):
+                self._naive_microbatch(run, wave, n)
+        self._naive_microbatch(run, waves[-1], len(waves) - 1)
+
+    def _naive_microbatch(self, run: _GroupRun, wave: WaveBatch, wave_no: int) -> None:
+        loss = self._wave_objective(run, wave, wave_no, None)
+        _scaled(loss, run.config).backward()
+        self.phase_callback("naive", run.group)
 
     def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
         def fn(*state_tensors):
@@ -279,10 +344,14 @@ class SharedPrefixSchedule:
         run.results[wave_no] = stats
         return loss * run.scale
 
-    def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: PrefixState, wave_no: int):
+    def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
+                      wave_no: int):
+        """``forward_step_func`` on the wave; without a prefix state (a naive plan) the wave's
+        rows run as full sequences."""
         if run.first_microbatch and wave_no == 0 and hasattr(run.inner, "set_is_first_microbatch"):
             run.inner.set_is_first_microbatch()
-        return run.forward_step_func(iter([wave]), WaveModel(run.inner, state))
+        model = FullSequenceModel(run.inner) if state is None else WaveModel(run.inner, state)
+        return run.forward_step_func(iter([wave]), model)
 
     # ---- scoring ---------------------------------------------------------------------------
 
@@ -291,7 +360,8 @@ class SharedPrefixSchedule:
         """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
         calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built."""
         state = self._prompt_state(run)
-        for n, wave in enumerate(run.group.waves(self.wave_size)):
+        size = run.group.group_size if self.wave_size == "auto" else self.wave_size
+        for n, wave in enumerate(run.group.waves(size)):
             output, loss_func = self._forward_step(run, wave, state, n)
             if run.collect_non_loss_data:
                 run.results[n] = loss_func(output, non_loss_data=True)
@@ -350,6 +420,15 @@ def _check_deterministic(inner) -> None:
             raise ValueError(f"shared-prefix joint replay does not support dropout: module "
                              f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
                              f"(MCore builds its dropouts from --hidden-dropout)")
+
+
+def _check_wave_size(wave_size) -> None:
+    if wave_size == "auto":
+        return
+    if isinstance(wave_size, bool) or not isinstance(wave_size, int):
+        raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+    if wave_size < 1:
+        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
 
 
 def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:

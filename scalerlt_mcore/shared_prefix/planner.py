@@ -1,0 +1,499 @@
+"""Planning a group's shared-prefix step: predicted memory and time, and the plan they pick.
+
+Memory (DESIGN.md section 5): the bytes autograd saves for backward (what ``SavedTensorProbe``
+measures) and the prefix adjoints, per (model, P, S, G, W, prompt mode, checkpointed waves),
+and for naive training of the same group. Peaks per phase of the joint replay:
+
+- recompute: a wave of phase 2 holds its own activations and the prefix state it reads (the
+  leaves share the no-grad prompt's K/V storage; in a bf16/fp16 model they are fp32 copies);
+  the joint replay holds the prompt graph and the last wave;
+- retain: every wave runs while the prompt graph is held (the leaves share its storage, or are
+  fp32 copies beside it in a bf16/fp16 model);
+- checkpointed waves: a wave's activations exist only while it is recomputed in its backward
+  (the probe does not see them; ``activation_bytes`` counts them);
+- naive: one microbatch of full prompt+response sequences.
+
+The accounting follows the local layer spec op by op (layer norms, GELU MLP, flash/cascade or
+concat attention, learned or RoPE positions, injection, prelude/coda, all-loop readouts); a
+test holds it to within 10% of the probe on a grid of shapes. Time: ``CostModel`` (a fixed
+cost per layer call plus a cost per FLOP, calibrated by a short measurement).
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+PROMPT_MODES = ("recompute", "retain")
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How one group is trained."""
+
+    wave_size: int
+    """Responses per wave (per microbatch when ``naive``)."""
+
+    retain: bool = False
+    """Keep the prompt producer's graph and backpropagate through it (no prompt recompute)."""
+
+    naive: bool = False
+    """Train the group as full prompt+response sequences instead of joint replay."""
+
+    def __post_init__(self):
+        if not isinstance(self.wave_size, int) or self.wave_size < 1:
+            raise ValueError(f"GroupPlan.wave_size must be an integer >= 1, got "
+                             f"{self.wave_size!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory and time predictions read from a looped GPT."""
+
+    hidden: int
+    ffn: int
+    gated: bool
+    heads: int
+    kv_groups: int
+    kv_channels: int
+    vocab: int
+    loops: int
+    prelude: int
+    core: int
+    coda: int
+    injection: bool
+    zero_initial_state: bool
+    rms_norm: bool
+    rope_dim: int
+    """Rotary dimension; 0 with learned absolute positions."""
+    prefix_attention: str
+    dtype_bytes: int
+    """Bytes per activation element (the parameters' dtype)."""
+    acc_bytes: int
+    """Bytes per element of fp32-or-wider accumulators (log-softmax, LSE, norm statistics)."""
+
+    @classmethod
+    def from_model(cls, model) -> "ModelShape":
+        c = model.config
+        dtype = next(model.parameters()).dtype
+        rope = getattr(model, "rotary_pos_emb", None)
+        return cls(
+            hidden=c.hidden_size, ffn=c.ffn_hidden_size, gated=bool(c.gated_linear_unit),
+            heads=c.num_attention_heads, kv_groups=c.num_query_groups or c.num_attention_heads,
+            kv_channels=c.kv_channels, vocab=model.vocab_size, loops=c.looped_num_loops,
+            prelude=c.looped_num_prelude_layers, core=c.num_layers,
+            coda=c.looped_num_coda_layers, injection=c.looped_injection != "none",
+            zero_initial_state=c.looped_initial_state == "zeros",
+            rms_norm=c.normalization == "RMSNorm",
+            rope_dim=0 if rope is None else 2 * rope.inv_freq.numel(),
+            prefix_attention=c.looped_prefix_attention, dtype_bytes=dtype.itemsize,
+            acc_bytes=torch.promote_types(dtype, torch.float32).itemsize,
+        )
+
+    @property
+    def depths(self) -> int:
+        return self.prelude + self.loops * (self.core + self.coda)
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_groups) * self.kv_channels
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak bytes of one group's training step."""
+
+    saved_bytes: int
+    """Peak bytes autograd saves for backward, as ``SavedTensorProbe`` measures them."""
+
+    activation_bytes: int
+    """``saved_bytes`` plus what checkpointed waves recompute in their backward."""
+
+    adjoint_bytes: int
+    """Prefix adjoints: the accumulators (fp32 or wider) plus the leaves' gradients."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """What a memory budget is checked against: activations plus adjoints."""
+        return self.activation_bytes + self.adjoint_bytes
+
+
+# ---- saved bytes of one forward, op by op -----------------------------------------------------
+
+
+class _Saved:
+    """Saved storages of one forward, each counted once (several ops may save one tensor)."""
+
+    def __init__(self):
+        self.named, self.total, self._fresh = {}, 0, 0
+
+    def add(self, nbytes: int, name: Optional[str] = None) -> None:
+        if name is None:
+            self.total += nbytes
+        elif name not in self.named:
+            self.named[name] = nbytes
+            self.total += nbytes
+
+    def fresh(self, prefix: str) -> str:
+        self._fresh += 1
+        return f"{prefix}{self._fresh}"
+
+
+def _norm(m: ModelShape, saved: _Saved, x: str, n: int) -> None:
+    """A layer norm of ``n`` tokens whose input storage is ``x`` (its output is counted by
+    the linear that reads it)."""
+    saved.add(n * m.hidden * m.dtype_bytes, x)
+    if m.rms_norm:  # input, 1/rms, and the normalised input (for the weight's gradient)
+        saved.add(n * m.acc_bytes + n * m.hidden * m.dtype_bytes)
+    else:  # input, mean, 1/std
+        saved.add(2 * n * m.acc_bytes)
+
+
+def _attention(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: int) -> None:
+    """Core attention of ``rows`` x ``s`` queries; ``kind``: causal (flash), cascade or concat
+    against ``prefix`` keys. Prefix K/V storage is counted by ``prefix_bytes``."""
+    n, b, hn = rows * s, m.dtype_bytes, m.kv_channels
+    q = n * m.heads * hn * b
+    # q is a view of the qkv output unless rotated or regrouped (grouped-query attention)
+    q_view = not m.rope_dim and m.kv_groups in (1, m.heads)
+    saved.add(4 * n * m.rope_dim * b)  # RoPE: cos and sin of both applications
+    if kind == "causal":  # q, k, v; v (and k without RoPE) views of the qkv output
+        saved.add(n * m.qkv_width * b + q * (not q_view)
+                  + n * m.kv_groups * hn * b * bool(m.rope_dim))
+    else:  # the prefix kernels copy k and v; q is saved
+        saved.add(n * m.qkv_width * b if q_view else q)
+    saved.add(q + n * m.heads * m.acc_bytes)  # output, log-sum-exp
+    if kind == "cascade":
+        view = rows == 1 and m.heads == m.kv_groups
+        saved.add(2 * q + q * (not view) + q * (rows > 1))  # k, v repeated; prefix queries;
+        # projection input (a copy of the merged output when rows > 1)
+    elif kind == "concat":
+        keys = rows * (prefix + s) * m.kv_groups * hn * b
+        saved.add(2 * keys + s * (prefix + s) * b)  # concatenated K and V, additive mask
+
+
+def _layer(m: ModelShape, saved: _Saved, x: str, rows: int, s: int, kind: str,
+           prefix: int) -> str:
+    """One transformer layer application; returns the name of its output storage."""
+    n, b = rows * s, m.dtype_bytes
+    _norm(m, saved, x, n)
+    saved.add(n * m.hidden * b)  # linear_qkv input
+    _attention(m, saved, rows, s, kind, prefix)
+    _norm(m, saved, saved.fresh("residual"), n)
+    saved.add(n * m.hidden * b)  # linear_fc1 input
+    saved.add(n * m.ffn * b * (2 if m.gated else 1) + n * m.ffn * b)  # activation in, fc2 in
+    return saved.fresh("layer_out")
+
+
+def _readout(m: ModelShape, saved: _Saved, h: str, n: int) -> None:
+    """Final norm, output layer and log-softmax of ``n`` positions."""
+    _norm(m, saved, h, n)
+    saved.add(n * m.hidden * m.dtype_bytes + n * m.vocab * m.acc_bytes)
+
+
+def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: int = 0,
+           readout: bool = True) -> None:
+    """The recurrent block's forward (prelude, R loops of core and coda) and the readouts."""
+    n = rows * s
+    h = saved.fresh("embedding")
+    for _ in range(m.prelude):
+        h = _layer(m, saved, h, rows, s, kind, prefix)
+    embed = h
+    state = saved.fresh("zeros") if m.zero_initial_state else embed
+    for _ in range(m.loops):
+        x = state
+        if m.injection:
+            saved.add(2 * n * m.hidden * m.dtype_bytes)  # [state; embed]
+            x = saved.fresh("injected")
+        for _ in range(m.core):
+            x = _layer(m, saved, x, rows, s, kind, prefix)
+        state = y = x
+        for _ in range(m.coda):
+            y = _layer(m, saved, y, rows, s, kind, prefix)
+        if readout:
+            _readout(m, saved, y, n)
+
+
+# ---- the pieces of a step -------------------------------------------------------------------
+
+
+def prompt_bytes(m: ModelShape, P: int, G: int, T: int) -> int:
+    """The prompt producer's graph (kept by retain; rebuilt by the recompute's replay)."""
+    saved = _Saved()
+    _block(m, saved, 1, P, "causal", readout=False)
+    saved.add(G * T * INT64 + P * INT64 * (not m.rope_dim))  # token ids (the group's), positions
+    return saved.total
+
+
+def prefix_bytes(m: ModelShape, P: int) -> int:
+    """Storage of the prefix-state K/V (views of each depth's qkv output; rotated keys)."""
+    per_depth = P * m.qkv_width + (P * m.kv_groups * m.kv_channels if m.rope_dim else 0)
+    return m.depths * per_depth * m.dtype_bytes
+
+
+def wave_bytes(m: ModelShape, P: int, S: int, W: int, loss_per_position: float) -> int:
+    """One wave against the prefix state (the prefix K/V storage not included)."""
+    saved = _Saved()
+    R, H, b = m.loops, m.hidden, m.dtype_bytes
+    saved.add(R * H * b * 2 + R * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)  # boundary
+    saved.add(2 * W * S * INT64)  # the wave's token and label ids
+    if S > 1:
+        _block(m, saved, W, S - 1, m.prefix_attention, prefix=P)
+        saved.add((S - 1) * INT64 * (not m.rope_dim))  # positions
+    return saved.total + _loss_bytes(m, W, P + S, loss_per_position)
+
+
+def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: float) -> int:
+    """One naive microbatch of ``rows`` full sequences of length T."""
+    saved = _Saved()
+    _block(m, saved, rows, T, "causal")
+    saved.add(2 * rows * T * INT64 + T * INT64 * (not m.rope_dim))  # ids, labels, positions
+    return saved.total + _loss_bytes(m, rows, T, loss_per_position)
+
+
+def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: float) -> int:
+    return int(per_position * m.loops * rows * T * m.acc_bytes)
+
+
+def _kv_numel(m: ModelShape, P: int) -> int:
+    return m.depths * 2 * P * m.kv_groups * m.kv_channels
+
+
+def adjoint_bytes(m: ModelShape, P: int) -> int:
+    """Prefix adjoints: the gradients of the state's leaves, which are at least fp32."""
+    return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
+
+
+def leaf_copy_bytes(m: ModelShape, P: int, checkpoint_waves: bool) -> int:
+    """What a wave saves of the fp32 leaves copied from a narrower (bf16/fp16) prefix state
+    (0 when the leaves share the state's storage): the K/V the cascade kernels save, or every
+    leaf when the wave is checkpointed (its inputs); concat saves its own concatenation."""
+    if m.acc_bytes == m.dtype_bytes:
+        return 0
+    if checkpoint_waves:
+        return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
+    return _kv_numel(m, P) * m.acc_bytes if m.prefix_attention == "cascade" else 0
+
+
+# ---- whole steps ----------------------------------------------------------------------------
+
+
+RL_LOSS_PER_POSITION = 5.0
+"""Accumulator-dtype tensors of shape [R, rows, T] the RL objective's PPO loss saves
+(``RLObjective.saved_per_position`` gives it per objective)."""
+
+
+def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
+                 checkpoint_waves: bool = False,
+                 loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+    """Peak memory of joint replay of one group (prompt P, G responses of <= S tokens)."""
+    T, W = P + S, min(plan.wave_size, G)
+    n = -(-G // W)
+    last = G - (n - 1) * W
+    prompt = prompt_bytes(m, P, G, T)
+    wave = {w: wave_bytes(m, P, S, w, loss_per_position) for w in {W, last}}
+    # the prefix K/V storage is read by cascade waves; the prompt graph holds it too. fp32
+    # leaves copied from a bf16/fp16 state are extra storage the waves save instead
+    copies = leaf_copy_bytes(m, P, checkpoint_waves)
+    held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
+    if n == 1:
+        phases = [(prompt, wave[W])]
+    elif plan.retain:
+        phases = [(prompt + copies, wave[W])]
+    else:
+        phases = [(copies or held, wave[W]), (prompt, wave[last])]
+    visible = [base + (0 if checkpoint_waves else w) for base, w in phases]
+    full = [base + w for base, w in phases]
+    return MemoryEstimate(saved_bytes=max(visible), activation_bytes=max(full),
+                          adjoint_bytes=adjoint_bytes(m, P) if n > 1 else 0)
+
+
+def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
+                 loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+    """Peak memory of naive training of one group in microbatches of full sequences."""
+    peak = naive_bytes(m, P + S, min(micro_batch_size, G), loss_per_position)
+    return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=0)
+
+
+def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
+                checkpoint_waves: bool = False,
+                loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+    if plan.naive:
+        return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
+    return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
+
+
+# ---- time -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted step time = ``call_s`` x layer calls + ``flop_s`` x FLOPs (forward 1,
+    backward 2; attention counted over the causal pairs). On CPU the fixed cost of a call
+    is what makes many small waves slower than their FLOPs (short prompts)."""
+
+    call_s: float
+    """Seconds per layer application (forward or backward), independent of its size."""
+
+    flop_s: float
+    """Seconds per FLOP."""
+
+    def joint_time(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
+                   checkpoint_waves: bool = False) -> float:
+        W = min(plan.wave_size, G)
+        n = -(-G // W)
+        prompt_passes = 3 if plan.retain or n == 1 else 4  # forward(s) + backward (2)
+        wave_passes = 4 if checkpoint_waves else 3
+        flops = (prompt_passes * _pass_flops(m, 1, P, 0)
+                 + wave_passes * _pass_flops(m, G, S, P, readout=True))
+        calls = (n * 2 + 2 + (0 if plan.retain or n == 1 else 1)) * m.depths
+        calls += n * m.depths * checkpoint_waves
+        return self.call_s * calls + self.flop_s * flops
+
+    def naive_time(self, m: ModelShape, P: int, S: int, G: int, micro_batch_size: int) -> float:
+        n = -(-G // min(micro_batch_size, G))
+        flops = 3 * _pass_flops(m, G, P + S, 0, readout=True)
+        return self.call_s * 2 * n * m.depths + self.flop_s * flops
+
+    def time(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
+             checkpoint_waves: bool = False) -> float:
+        if plan.naive:
+            return self.naive_time(m, P, S, G, plan.wave_size)
+        return self.joint_time(m, P, S, G, plan, checkpoint_waves)
+
+    @classmethod
+    def calibrate(cls, model, shapes: tuple = ((1, 2), (4, 128)),
+                  repetitions: int = 5) -> "CostModel":
+        """Time forward + backward of a tiny and a larger batch (rows, tokens; tokens capped
+        by the position table) on ``model``, interleaved, fastest of ``repetitions`` each (a
+        busy host only ever slows a run down), and solve for the two constants. Gradients are
+        computed, not accumulated (``_time_step``)."""
+        m = ModelShape.from_model(model)
+        device = next(model.parameters()).device
+        batches = [torch.randint(0, m.vocab, (rows, min(s, model.max_sequence_length)),
+                                 device=device) for rows, s in shapes]
+        best = [math.inf] * len(batches)
+        for rep in range(repetitions + 1):  # the first round warms up
+            for i, tokens in enumerate(batches):
+                t = _time_step(model, tokens)
+                best[i] = min(best[i], t) if rep else best[i]
+        (c1, f1), (c2, f2) = [(2 * m.depths, 3 * _pass_flops(m, *b.shape, 0, readout=True))
+                              for b in batches]
+        (t1, t2), det = best, c1 * f2 - c2 * f1
+        flop_s = max((c1 * t2 - c2 * t1) / det, 0.0) if det else 0.0
+        call_s = max((t1 - flop_s * f1) / c1, 0.0)
+        return cls(call_s=call_s, flop_s=flop_s)
+
+
+def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = False) -> float:
+    """Forward FLOPs of ``rows`` x ``s`` tokens through every layer application (causal
+    attention over ``prefix`` + own keys) and, optionally, the readouts."""
+    hn, H = m.kv_channels, m.hidden
+    per_token = 2 * (H * m.qkv_width + m.heads * hn * H + H * m.ffn * (1 + m.gated) + m.ffn * H)
+    pairs = rows * (s * prefix + s * (s + 1) / 2)
+    flops = m.depths * (rows * s * per_token + 4 * m.heads * hn * pairs)
+    if readout:
+        flops += m.loops * rows * s * 2 * H * m.vocab
+    return flops
+
+
+def _time_step(model, tokens) -> float:
+    """Seconds of one forward + backward. ``autograd.grad`` computes the parameter gradients
+    without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = time.perf_counter()
+    loss = model(tokens, labels=tokens).logprobs.sum()
+    torch.autograd.grad(loss, params, allow_unused=True)
+    return time.perf_counter() - start
+
+
+# ---- choosing a plan ------------------------------------------------------------------------
+
+
+class Planner:
+    """Picks a ``GroupPlan`` per group (the schedule's ``chooser``).
+
+    wave_size: an integer, or "auto": the largest wave whose predicted peak (activations plus
+        prefix adjoints) fits ``memory_budget`` bytes, recompute where retain does not fit.
+    prompt: "retain", "recompute", or "auto" (retain unless only recompute fits the budget).
+    schedule: "joint_replay", or "auto": joint replay or naive (microbatches of
+        ``naive_micro_batch_size``, or the largest that fits) by ``cost_model``'s time.
+    """
+
+    def __init__(self, wave_size="auto", prompt: str = "auto",
+                 memory_budget: Optional[float] = None, schedule: str = "joint_replay",
+                 cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
+                 naive_micro_batch_size: Optional[int] = None,
+                 loss_per_position: float = RL_LOSS_PER_POSITION):
+        if wave_size != "auto" and (not isinstance(wave_size, int) or wave_size < 1):
+            raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+        if prompt not in PROMPT_MODES + ("auto",):
+            raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
+        if schedule not in ("joint_replay", "auto"):
+            raise ValueError(f"schedule must be 'joint_replay' or 'auto', got {schedule!r}")
+        if wave_size == "auto" and memory_budget is None:
+            raise ValueError("wave_size 'auto' needs memory_budget")
+        if memory_budget is not None and memory_budget <= 0:
+            raise ValueError(f"memory budget must be > 0 bytes, got {memory_budget}")
+        if schedule == "auto" and cost_model is None:
+            raise ValueError("schedule 'auto' needs a cost model (CostModel.calibrate(model))")
+        self.wave_size, self.prompt, self.budget = wave_size, prompt, memory_budget
+        self.schedule, self.cost_model = schedule, cost_model
+        self.checkpoint_waves = checkpoint_waves
+        self.naive_micro_batch_size = naive_micro_batch_size
+        self.loss_per_position = loss_per_position
+
+    def __call__(self, group, model) -> GroupPlan:
+        m = ModelShape.from_model(model)
+        P, G = group.prompt_length, group.group_size
+        S = group.tokens.shape[1] - P
+        joint = self._joint(m, P, S, G, group.group_id)
+        if self.schedule != "auto":
+            return joint
+        naive = self._naive(m, P, S, G)
+        if naive is None:
+            return joint
+        cost = self.cost_model
+        if cost.time(m, P, S, G, naive) < cost.time(m, P, S, G, joint, self.checkpoint_waves):
+            return naive
+        return joint
+
+    def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
+        return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)
+
+    def _fits(self, m, P, S, G, plan) -> bool:
+        return self.budget is None or self.memory(m, P, S, G, plan).peak_bytes <= self.budget
+
+    def _modes(self) -> tuple:
+        return {"retain": (True,), "recompute": (False,), "auto": (True, False)}[self.prompt]
+
+    def _joint(self, m, P, S, G, group_id) -> GroupPlan:
+        if self.wave_size != "auto":
+            W = min(self.wave_size, G)
+            if self.prompt != "auto":
+                return GroupPlan(W, retain=self.prompt == "retain")
+            return GroupPlan(W, retain=self._fits(m, P, S, G, GroupPlan(W, retain=True)))
+        for W in range(G, 0, -1):
+            for retain in self._modes():
+                plan = GroupPlan(W, retain=retain)
+                if self._fits(m, P, S, G, plan):
+                    return plan
+        smallest = GroupPlan(1, retain=self._modes()[-1])
+        need = self.memory(m, P, S, G, smallest).peak_bytes
+        raise ValueError(
+            f"group {group_id} (P={P}, S={S}, G={G}): no joint-replay plan fits the memory "
+            f"budget of {self.budget / 2**20:.2f} MiB; the smallest ({smallest}) needs "
+            f"{need / 2**20:.2f} MiB")
+
+    def _naive(self, m, P, S, G) -> Optional[GroupPlan]:
+        if self.naive_micro_batch_size is not None:
+            plan = GroupPlan(min(self.naive_micro_batch_size, G), naive=True)
+            return plan if self._fits(m, P, S, G, plan) else None
+        for rows in range(G, 0, -1):
+            plan = GroupPlan(rows, naive=True)
+            if self._fits(m, P, S, G, plan):
+                return plan
+        return None

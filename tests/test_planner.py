@@ -1,0 +1,244 @@
+"""The planner (scalerlt_mcore/shared_prefix/planner.py): predicted saved-activation bytes
+against ``SavedTensorProbe`` measurements, prefix-adjoint bytes against the prefix state, the
+wave size and prompt mode chosen for a memory budget (exact whatever it picks), the cost
+model's calibration and the joint-vs-naive choice, and the app's flags."""
+
+import pytest
+import torch
+from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
+
+from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.rl.objective import rl_forward_step
+from scalerlt_mcore.shared_prefix import SavedTensorProbe
+from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
+from scalerlt_mcore.shared_prefix.planner import (
+    CostModel,
+    GroupPlan,
+    ModelShape,
+    Planner,
+    adjoint_bytes,
+    plan_memory,
+)
+
+PREDICTION_RTOL = 0.10
+MEASURED = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if MEASURED:
+        worst = max(MEASURED.values())
+        print(f"\n[planner] worst |predicted / measured - 1| over {len(MEASURED)} "
+              f"plans: {worst:.4f}")
+
+
+def _rope_model(**kw):
+    cfg = LoopedTransformerConfig(use_cpu_initialization=True, **kw)
+    return LoopedGPTModel(cfg, get_looped_gpt_layer_local_spec(), 48, 64,
+                          position_embedding_type="rope")
+
+
+# Model variants: (name, builder). Each runs every plan below on two group shapes.
+MODELS = {
+    "plain-f32": lambda: build_model(R=2, hidden=32, heads=4),
+    "arch-f64": lambda: build_model(R=3, arch=True, hidden=32, heads=4).double(),
+    "concat-gqa": lambda: build_model(R=2, hidden=32, heads=4, attn="concat",
+                                      num_query_groups=2),
+    "rms-1layer": lambda: build_model(R=1, hidden=64, heads=4, layers=1,
+                                      normalization="RMSNorm"),
+    "rope-gqa": lambda: _rope_model(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                    num_query_groups=2, looped_num_loops=2),
+    # bf16: the waves read fp32 leaves copied from the prefix state
+    "plain-bf16": lambda: build_model(R=2, hidden=32, heads=4).to(torch.bfloat16),
+    "arch-concat-bf16": lambda: build_model(R=2, arch=True, hidden=32, heads=4,
+                                            attn="concat").to(torch.bfloat16),
+}
+SHAPES = ((4, 16, 6), (5, 40, 9))  # (G, P, S)
+PLANS = ((GroupPlan(2), False), (GroupPlan(2, retain=True), False), (GroupPlan(2), True),
+         (GroupPlan(2, retain=True), True), (GroupPlan(1), False), (GroupPlan(8), False),
+         (GroupPlan(3, naive=True), False))
+
+
+def _peak(model, step) -> int:
+    model.zero_grad(set_to_none=True)
+    with SavedTensorProbe(model) as probe:
+        step()
+    return probe.peak_bytes
+
+
+def _run_plan(model, group, plan, ck, spec):
+    if plan.naive:
+        return library_naive_step(model, [group], rl_forward_step(spec.objective()),
+                                  plan.wave_size)
+    return joint_step(model, [group], spec, plan.wave_size, checkpoint_waves=ck,
+                      prompt="retain" if plan.retain else "recompute")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_bytes_prediction_within_10_percent(mcore_single, name):
+    model = MODELS[name]()
+    shape = ModelShape.from_model(model)
+    dtype = next(model.parameters()).dtype
+    R = model.config.looped_num_loops
+    for kl, (G, P, S) in enumerate(SHAPES):
+        spec = LossSpec(kl_coef=0.1 * kl)
+        group = make_group(G, P, S, R, seed=G, dtype=torch.promote_types(dtype, torch.float32),
+                           kl=bool(kl))
+        for plan, ck in PLANS:
+            got = _peak(model, lambda: _run_plan(model, group, plan, ck, spec))  # noqa: B023
+            pred = plan_memory(shape, P, S, G, plan, ck,
+                               spec.objective().saved_per_position).saved_bytes
+            err = abs(pred / got - 1)
+            MEASURED[(name, G, plan, ck)] = err
+            assert err <= PREDICTION_RTOL, (
+                f"{name} G={G} P={P} S={S} {plan} ckpt={ck}: predicted {pred} B, "
+                f"measured {got} B ({err:.1%})")
+
+
+def test_adjoint_bytes_match_the_prefix_state(mcore_single):
+    model = build_model(R=3, arch=True, hidden=32, heads=4, num_query_groups=2)
+    P = 11
+    state = model(torch.ones(1, P, dtype=torch.long), return_prefix_state=True,
+                  readout=False).prefix_state
+    numel = sum(t.numel() for t in state.tensors())
+    # the adjoints are the leaves' grads: fp32, or fp64 in an fp64 model
+    assert adjoint_bytes(ModelShape.from_model(model), P) == numel * 4
+    assert adjoint_bytes(ModelShape.from_model(model.double()), P) == numel * 8
+    assert adjoint_bytes(ModelShape.from_model(model.to(torch.bfloat16)), P) == numel * 4
+
+
+def test_auto_wave_size_picks_the_largest_that_fits_and_stays_exact(mcore_single):
+    R, G, P, S = 2, 7, 24, 5
+    model = build_model(R=R, arch=True).double()
+    shape = ModelShape.from_model(model)
+    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r)).peak_bytes
+             for W in range(1, G + 1) for r in (True, False)}
+    budget = peaks[(3, True)]
+    W = max(W for W in range(1, G + 1) if min(peaks[(W, True)], peaks[(W, False)]) <= budget)
+    assert 3 <= W < G, "the budget must bind"
+    group = make_group(G, P, S, R, seed=4, kl=True)
+    spec = LossSpec(kl_coef=0.1, loop_weights="progressive")
+    model.zero_grad(set_to_none=True)
+    naive_losses, _ = naive_step(model, [group], spec, 3)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [group], spec, "auto", prompt="auto", memory_budget=budget)
+    assert (int(out[0]["wave_size"]), int(out[0]["retain"])) == (W, peaks[(W, True)] <= budget)
+    assert abs(float(out[0]["loss"]) - float(naive_losses[0])) <= 1e-12 * abs(naive_losses[0])
+    assert max(rel_errors(grads(model), ref).values()) <= 1e-12
+
+
+def test_auto_prompt_recomputes_where_only_recompute_fits(mcore_single):
+    """A long prompt: recompute's peak (phase 2 holds no prompt graph; the replay holds it
+    with the smaller last wave) fits a budget that retain does not at the same wave size."""
+    R, G, P, S = 2, 5, 48, 6
+    model = build_model(R=R).double()
+    shape = ModelShape.from_model(model)
+    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r)).peak_bytes
+             for W in range(1, G + 1) for r in (True, False)}
+    W = next(W for W in range(G, 0, -1) if peaks[(W, False)] < peaks[(W, True)]
+             and all(min(peaks[(v, True)], peaks[(v, False)]) > peaks[(W, False)]
+                     for v in range(W + 1, G + 1)))
+    planner = Planner("auto", "auto", peaks[(W, False)])
+    group = make_group(G, P, S, R, seed=5)
+    assert planner(group, model) == GroupPlan(W, retain=False)
+    assert Planner("auto", "retain", peaks[(W, False)])(group, model).wave_size < W
+    model.zero_grad(set_to_none=True)
+    naive_step(model, [group], LossSpec(), 2)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [group], LossSpec(), "auto", prompt="auto",
+                     memory_budget=peaks[(W, False)])
+    assert (int(out[0]["wave_size"]), int(out[0]["retain"])) == (W, 0)
+    assert max(rel_errors(grads(model), ref).values()) <= 1e-12
+
+
+def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
+    model = build_model(R=2)
+    group = make_group(4, 12, 5, 2, seed=1, dtype=torch.float32, group_id=17)
+    with pytest.raises(ValueError, match=r"group 17 \(P=12, S=5, G=4\): no joint-replay plan "
+                       r"fits the memory budget of 0\.00 MiB; the smallest .* needs"):
+        Planner("auto", "auto", 1000)(group, model)
+    with pytest.raises(ValueError, match="memory budget must be > 0"):
+        Planner("auto", "auto", 0)
+
+
+def test_fixed_wave_size_auto_prompt(mcore_single):
+    """With a fixed wave size, ``prompt="auto"`` keeps it and retains where that fits (always,
+    without a budget)."""
+    model = build_model(R=2).double()
+    shape = ModelShape.from_model(model)
+    G, P, S = 5, 40, 4
+    group = make_group(G, P, S, 2, seed=3)
+    assert Planner(2, "auto")(group, model) == GroupPlan(2, retain=True)
+    tight = plan_memory(shape, P, S, G, GroupPlan(2, retain=True)).peak_bytes - 1
+    assert Planner(2, "auto", tight)(group, model) == GroupPlan(2, retain=False)
+    assert Planner(9, "recompute")(group, model) == GroupPlan(G, retain=False)
+
+
+def test_cost_model_calibration_leaves_gradients_untouched(mcore_single):
+    model = build_model(R=2, hidden=32, heads=4)
+    cost = CostModel.calibrate(model, repetitions=1)
+    assert cost.call_s > 0 and cost.flop_s >= 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_schedule_auto_picks_naive_for_short_prompts_and_joint_for_long(mcore_single):
+    """With a per-call cost that dominates small problems, a short-prompt group goes naive
+    (one microbatch: fewest calls) and a long-prompt group joint replay; exact either way."""
+    R = 2
+    model = build_model(R=R).double()
+    cost = CostModel(call_s=1e-4, flop_s=1e-10)
+    planner = Planner(2, "auto", schedule="auto", cost_model=cost, naive_micro_batch_size=4)
+    short, long_ = make_group(4, 3, 3, R, seed=1, group_id=1), make_group(4, 60, 3, R, seed=2,
+                                                                           group_id=2)
+    shape = ModelShape.from_model(model)
+    assert cost.naive_time(shape, 3, 3, 4, 4) < cost.joint_time(shape, 3, 3, 4, GroupPlan(2))
+    assert planner(short, model) == GroupPlan(4, naive=True)
+    assert planner(long_, model) == GroupPlan(2, retain=True)
+    naive_step(model, [short, long_], LossSpec(), 2)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [short, long_], LossSpec(), 2, chooser=planner)
+    assert [int(o["naive"]) for o in out] == [1, 0]
+    assert max(rel_errors(grads(model), ref).values()) <= 1e-12
+    with pytest.raises(ValueError, match="schedule 'auto' needs a cost model"):
+        Planner(2, "auto", schedule="auto")
+
+
+def test_app_flags_parse_and_validate():
+    from scalerlt_mcore.app.arguments import ConfigError, parse_args, schedule_from, validate
+
+    cfg = parse_args(["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
+                      "64", "--shared-prefix-prompt", "retain", "--shared-prefix-schedule",
+                      "auto"])
+    validate(cfg, world_size=1)
+    sp = cfg.shared_prefix
+    assert (sp.shared_prefix_wave_size, sp.shared_prefix_memory_budget) == ("auto", 64.0)
+    schedule = schedule_from(cfg)  # the budget reaches the library in bytes
+    assert isinstance(schedule.chooser, Planner) and schedule.chooser.budget == 64 * 2**20
+    assert (schedule.wave_size, schedule.prompt) == ("auto", "retain")
+    assert parse_args(["--shared-prefix-wave-size", "6"]).shared_prefix.shared_prefix_wave_size == 6
+    for argv, message in (
+            (["--shared-prefix-wave-size", "auto"], "'auto' needs shared_prefix_memory_budget"),
+            (["--shared-prefix-wave-size", "many"],
+             r"shared_prefix_wave_size must be INT or \{auto\}, got 'many'"),
+            (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1, got 0"),
+            (["--shared-prefix-memory-budget", "0"], "shared_prefix_memory_budget must be > 0"),
+            (["--shared-prefix-prompt", "keep"], "shared_prefix_prompt must be one of")):
+        with pytest.raises(ConfigError, match=message):
+            validate(parse_args(argv), world_size=1)
+
+
+def test_trainer_logs_the_plans(mcore_single):
+    """The main job with every ``auto``: one RL step trains and logs the chosen plans."""
+    from test_train_e2e import SFT, _flags, _trainer
+
+    tr = _trainer(_flags(shared_prefix_schedule="auto", shared_prefix_wave_size="auto",
+                         shared_prefix_memory_budget=16, shared_prefix_prompt="auto"))
+    assert isinstance(tr.schedule.chooser, Planner) and tr.schedule.chooser.cost_model
+    m = tr.rl_step(SFT)
+    assert {"plan_wave_size", "plan_retain", "plan_naive"} <= set(m)
+    assert m["plan_wave_size"] >= 1 and 0 <= m["plan_naive"] <= 1
