@@ -31,7 +31,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "long_prompt_cpu.yaml")
 """The main job's config of the long-prompt task (kv_retrieval, prompt 512, response 16, G 16,
 2 prompts per step; hidden 256, 2 core layers x 4 loops)."""
-OVERRIDES = {"rl_eval_every": 0, "train_iters": 100}
+OVERRIDES = {"eval_interval": 0, "train_iters": 100}
 """Changes to the config for timing: no evaluation; the LR schedule of a longer run."""
 VARIANTS = {
     "naive": {"rl_rollout": "per_row", "shared_prefix_schedule": "naive"},
@@ -174,7 +174,7 @@ def measure_rollouts(trainer, step: int = 0, repetitions: int = 2) -> dict:
     cfg = trainer.cfg
     problems = trainer.task.sample(step_seed(cfg.training.seed, step, trainer.rank),
                                    trainer.groups_per_rank)
-    G, configured = cfg.rl.rl_group_size, cfg.rl.rl_rollout
+    G, configured = cfg.rl.grpo_group_size, cfg.rl.rl_rollout
     out, samples = {}, {}
     for mode in ("per_row", "prompt_once"):
         cfg.rl.rl_rollout = mode

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import warnings
 
 MCORE_VERSION = "0.16.1"
 
@@ -66,3 +68,26 @@ def mcore_workaround(obj):
         obj.__init__ = _guarded(obj.__init__, target)
         return obj
     return _guarded(obj, target)
+
+
+FALLBACK_WARNING = r"(Transformer Engine and Apex are|Apex is) not installed"
+"""MCore's import-time warnings that it falls back to local code (one per module that does)."""
+
+
+def quiet_fallback_warnings() -> None:
+    """Drop MCore's "Transformer Engine / Apex not installed" warnings (six per process here,
+    one per MCore module that falls back); ``fallback_note`` says it once instead. Takes
+    effect for MCore modules imported after the call."""
+    warnings.filterwarnings("ignore", message=FALLBACK_WARNING)
+
+
+def fallback_note() -> str:
+    """One line naming what is missing of Transformer Engine and Apex, or '' when both are
+    installed."""
+    missing = [name for name, module in (("Transformer Engine", "transformer_engine"),
+                                         ("Apex", "apex"))
+               if importlib.util.find_spec(module) is None]
+    if not missing:
+        return ""
+    return (f"{' and '.join(missing)} not installed: MCore uses its local fallbacks "
+            "(PyTorch layers, norms and optimizers)")

@@ -53,16 +53,16 @@ def test_precedence_defaults_yaml_cli(tmp_path):
     assert cfg.model.hidden_size == 16  # cli beats yaml
     assert cfg.model.bf16 is True and cfg.training.seed == 7  # cli only
     assert cfg.rl.rl_task_options == {"modulus": 5}
-    assert cfg.rl.rl_group_size == RunConfig().rl.rl_group_size  # default
+    assert cfg.rl.grpo_group_size == RunConfig().rl.grpo_group_size  # default
 
 
 def test_cli_value_forms(tmp_path):
     cfg = parse_args(["--bf16", "false", "--no-plot", "--num-query-groups", "1",
-                      "--rl-kl-coef", "-0.5", "--rl-task-options", "{max_len: 3}",
+                      "--grpo-kl-beta", "-0.5", "--rl-task-options", "{max_len: 3}",
                       "--ffn-hidden-size", "none", "--save", "ckpt"])
     assert cfg.model.bf16 is False and cfg.logging.no_plot is True
     assert cfg.model.num_query_groups == 1 and cfg.model.ffn_hidden_size is None
-    assert cfg.rl.rl_kl_coef == -0.5 and cfg.rl.rl_task_options == {"max_len": 3}
+    assert cfg.rl.grpo_kl_beta == -0.5 and cfg.rl.rl_task_options == {"max_len": 3}
     assert cfg.logging.save == "ckpt"
 
 
@@ -115,11 +115,11 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 def test_batch_divisibility_names_both_numbers():
-    cfg = parse_args(["--global-batch-size", "24", "--rl-group-size", "8",
+    cfg = parse_args(["--global-batch-size", "24", "--grpo-group-size", "8",
                       "--micro-batch-size", "8"])
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"global_batch_size \(24\) must be divisible by "
-                       r"data-parallel size x rl_group_size \(2 x 8 = 16\)"):
+                       r"data-parallel size x grpo_group_size \(2 x 8 = 16\)"):
         validate(cfg, world_size=2)
     cfg = parse_args(["--micro-batch-size", "3"])
     with pytest.raises(ConfigError, match=r"must be divisible by micro_batch_size \(3\)"):
@@ -131,8 +131,10 @@ def test_batch_divisibility_names_both_numbers():
     (["--micro-batch-size", "0"], "micro_batch_size must be >= 1"),
     (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1"),
     (["--rl-loop-weights", "last"], "rl_loop_weights must be one of"),
-    (["--rl-clip-low", "0"], "rl_clip_low and rl_clip_high must be > 0"),
-    (["--rl-clip-high", "-0.1"], "rl_clip_low and rl_clip_high must be > 0"),
+    (["--grpo-clamp-eps-lower", "0"],
+     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
+    (["--grpo-clamp-eps-upper", "-0.1"],
+     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
     (["--bf16", "--fp16"], r"Only one of self.fp16: True and self.bf16 True should be True"),
     (["--looped-num-loops", "0"], "looped_num_loops must be an integer >= 1, got 0"),
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
@@ -141,13 +143,14 @@ def test_batch_divisibility_names_both_numbers():
     (["--make-vocab-size-divisible-by", "0"], "make_vocab_size_divisible_by must be >= 1"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
-    (["--rl-task", "revers"], "known tasks: kv_retrieval, modular_arithmetic, reverse, sort"),
+    (["--rl-task", "revers"],
+     "known tasks: kv_retrieval, modular_arithmetic, reverse, sort, mix, reasoning_gym:<dataset>"),
     (["--rl-max-response-length", "1", "--rl-task", "reverse", "--rl-task-options", "{}"],
      r"rl_max_response_length \(1\) is shorter than the task's longest answer \(6\)"),
     (["--max-position-embeddings", "8"], "max_position_embeddings"),
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
-    (["--rl-old-logprobs", "rollout", "--rl-ppo-epochs", "2"],
-     "rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got 2"),
+    (["--rl-old-logprobs", "rollout", "--grpo-iterations", "2"],
+     "rl_old_logprobs 'rollout' needs grpo_iterations 1, got 2"),
     (["--rl-rollout", "per_prompt"], r"rl_rollout must be one of \('prompt_once', 'per_row'\)"),
 ])
 def test_validate_rejects(argv, message):
@@ -159,10 +162,10 @@ def test_tensor_parallel_sizes_checked_against_data_parallel_size():
     """TP is supported: TP=2 on 2 ranks is one data-parallel rank, whose batch checks use DP
     size 1; an explicit vocab_size (not padded) must split over the TP ranks."""
     cfg = parse_args(["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
-                      "--rl-group-size", "8", "--micro-batch-size", "8"])
+                      "--grpo-group-size", "8", "--micro-batch-size", "8"])
     validate(cfg, world_size=2)  # DP 1: the 8 responses on the one data-parallel rank
     with pytest.raises(ConfigError, match=r"global_batch_size \(8\) must be divisible by "
-                       r"data-parallel size x rl_group_size \(2 x 8 = 16\)"):
+                       r"data-parallel size x grpo_group_size \(2 x 8 = 16\)"):
         validate(cfg, world_size=4)  # DP 2
     cfg = parse_args(["--tensor-model-parallel-size", "2", "--vocab-size", "63"])
     with pytest.raises(ConfigError, match=r"vocab_size \(63\) must be divisible by "
@@ -190,14 +193,14 @@ def test_long_prompt_config_is_valid_and_long():
     validate(cfg, world_size=1)
     task = task_from(cfg)
     assert task.name == "kv_retrieval" and 1 + task.max_prompt_chars == 512  # bos + prompt
-    assert (cfg.rl.rl_group_size, cfg.rl.rl_max_response_length) == (16, 16)
+    assert (cfg.rl.grpo_group_size, cfg.rl.rl_max_response_length) == (16, 16)
     assert cfg.model.max_position_embeddings == 512 + 16
 
 
 def test_validate_reports_all_problems_at_once():
     with pytest.raises(ConfigError) as e:
-        validate(parse_args(["--rl-clip-low", "0", "--rl-top-p", "0"]), world_size=1)
-    assert "rl_clip_low" in str(e.value) and "rl_top_p" in str(e.value)
+        validate(parse_args(["--grpo-clamp-eps-lower", "0", "--rl-top-p", "0"]), world_size=1)
+    assert "grpo_clamp_eps_lower" in str(e.value) and "rl_top_p" in str(e.value)
 
 
 def test_resolved_config_round_trip(tmp_path):
@@ -208,10 +211,25 @@ def test_resolved_config_round_trip(tmp_path):
     assert parse_args(["--config", str(path)]) == cfg
 
 
-@pytest.mark.parametrize("name, world_size", [
-    ("demo_cpu.yaml", 1), ("cpu_2rank.yaml", 2), ("cpu_tp2.yaml", 2), ("h20_8gpu.yaml", 8)])
-def test_shipped_configs_are_valid(name, world_size):
-    validate(parse_args(["--config", str(REPO / "configs" / name)]), world_size)
+SHIPPED_CONFIGS = sorted(p for d in ("configs", "scalerlt_mcore/configs", "tests/configs")
+                         for p in (REPO / d).glob("*.yaml"))
+CONFIG_WORLD_SIZES = {"cpu_2rank.yaml": 2, "cpu_tp2.yaml": 2, "h20_8gpu.yaml": 8}
+"""The world size a shipped config is written for (1 if not listed)."""
+CONFIG_NEEDS = {"retrofit_tiny_llama.yaml": ["--pretrained-checkpoint", "tiny-llama"]}
+"""Flags a config's own header says to add (validation reads no weights)."""
+
+
+def test_every_shipped_config_is_checked():
+    names = {p.name for p in SHIPPED_CONFIGS}
+    assert len(SHIPPED_CONFIGS) >= 10 and set(CONFIG_WORLD_SIZES) | set(CONFIG_NEEDS) <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_configs_are_valid(path):
+    """Every YAML under configs/, scalerlt_mcore/configs/ and tests/configs/ loads (its keys are
+    today's flag names) and validates at the world size it is written for."""
+    argv = ["--config", str(path)] + CONFIG_NEEDS.get(path.name, [])
+    validate(parse_args(argv), CONFIG_WORLD_SIZES.get(path.name, 1))
 
 
 def test_repo_demo_config_is_a_link_to_the_packaged_one():
@@ -266,7 +284,8 @@ def test_library_keys_have_the_library_type_default_and_doc():
         assert getattr(section, key) == lib_field.default, key
         assert field_docs(type(section))[key], key
     rl_docs = field_docs(type(RunConfig().rl))
-    assert rl_docs["rl_clip_low"] == "PPO ratio clip below: ratio >= 1 - rl_clip_low."
+    assert rl_docs["grpo_clamp_eps_lower"] == (
+        "PPO ratio clip below: ratio >= 1 - grpo_clamp_eps_lower.")
 
 
 def test_every_literal_library_field_is_a_choice_key():
@@ -317,7 +336,7 @@ def test_a_new_library_field_becomes_a_key_with_its_type_default_doc_and_choices
 
 
 def test_values_reach_the_library_objects():
-    cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--rl-kl-coef", "0.05",
+    cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--grpo-kl-beta", "0.05",
                       "--looped-initial-state", "zeros", "--shared-prefix-checkpoint-waves",
                       "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
     kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
@@ -367,10 +386,11 @@ def test_values_set_in_python_are_checked_too():
 
 def test_library_errors_name_the_key_not_the_library_field():
     with pytest.raises(ConfigError) as e:
-        validate(parse_args(["--rl-clip-high", "0", "--shared-prefix-wave-size", "0"]), 1)
+        validate(parse_args(["--grpo-clamp-eps-upper", "0", "--shared-prefix-wave-size", "0"]), 1)
     lines = str(e.value).splitlines()[1:]
     assert [line.strip() for line in lines] == [
-        "rl_clip_low and rl_clip_high must be > 0", "shared_prefix_wave_size must be >= 1, got 0"]
+        "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0",
+        "shared_prefix_wave_size must be >= 1, got 0"]
 
 
 def test_help_lists_every_flag(capsys):
@@ -380,30 +400,47 @@ def test_help_lists_every_flag(capsys):
     assert all(flag in out for flag in cli_flags() if flag not in ("--config", "--help"))
 
 
+def test_help_shows_the_values_a_run_without_flags_uses(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "Without --config the packaged demo config (demo_cpu.yaml) is applied" in out
+    demo, builtin = to_dict(parse_args([])), to_dict(RunConfig())
+    assert demo["train_iters"] != builtin["train_iters"]
+    assert (f"--train-iters INT (default {demo['train_iters']} (demo; built-in "
+            f"{builtin['train_iters']})):") in out
+    assert demo["seed"] == builtin["seed"]
+    assert f"--seed INT (default {demo['seed']}):" in out
+    assert "--grpo-kl-beta FLOAT (default 0.0):" in out  # RLObjective's default, the demo's too
+
+
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
-    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--ffn-hidden-size", "--finetune",
-    "--fp16", "--global-batch-size", "--help", "--hidden-size", "--kv-channels", "--load",
-    "--log-interval", "--looped-cascade-kernel", "--looped-initial-state", "--looped-injection",
+    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--distributed-timeout-minutes",
+    "--eval-interval", "--eval-iters", "--exit-interval", "--ffn-hidden-size", "--finetune",
+    "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
+    "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step",
+    "--help", "--hidden-size", "--kv-channels", "--load", "--log-interval",
+    "--looped-cascade-kernel", "--looped-initial-state", "--looped-injection",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
     "--looped-num-prelude-layers", "--looped-prefix-attention", "--looped-retrofit", "--lr",
-    "--lr-warmup-iters", "--make-vocab-size-divisible-by", "--max-position-embeddings",
+    "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--make-vocab-size-divisible-by",
+    "--max-position-embeddings",
     "--micro-batch-size", "--min-lr", "--no-load-optim", "--no-load-rng", "--no-plot",
-    "--norm-epsilon", "--normalization",
-    "--num-attention-heads", "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
-    "--pipeline-model-parallel-size", "--position-embedding-type", "--pretrained-checkpoint",
-    "--rl-advantage", "--rl-clip-high", "--rl-clip-low", "--rl-eval-every", "--rl-eval-prompts",
-    "--rl-group-size", "--rl-kl-coef", "--rl-loop-weights", "--rl-loss-normalization",
-    "--rl-max-response-length", "--rl-old-logprobs", "--rl-partial-credit", "--rl-ppo-epochs",
-    "--rl-rollout", "--rl-task",
-    "--rl-task-options", "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-steps",
-    "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
+    "--norm-epsilon", "--normalization", "--num-attention-heads", "--num-layers",
+    "--num-query-groups", "--overlap-grad-reduce", "--pipeline-model-parallel-size",
+    "--position-embedding-type", "--pretrained-checkpoint", "--rl-advantage", "--rl-loop-weights",
+    "--rl-loss-normalization", "--rl-max-response-length", "--rl-old-logprobs",
+    "--rl-partial-credit", "--rl-rollout", "--rl-task", "--rl-task-options", "--rl-temperature",
+    "--rl-top-p", "--rl-warmup-sft-lr", "--rl-warmup-sft-steps", "--rope-scaling-factor",
+    "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
     "--shared-prefix-checkpoint-waves", "--shared-prefix-memory-budget", "--shared-prefix-prompt",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size",
-    "--swiglu", "--tensor-model-parallel-size", "--train-iters", "--transformer-impl",
-    "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
-    "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size", "--weight-decay",
+    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--swiglu",
+    "--tensor-model-parallel-size", "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
+    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
+    "--use-checkpoint-args", "--use-distributed-optimizer", "--use-rope-scaling", "--vocab-size",
+    "--weight-decay",
 ]
 
 

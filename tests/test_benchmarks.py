@@ -221,9 +221,9 @@ def test_loss_agreement_is_relative_to_the_size_of_its_terms(mcore_single):
 TINY_RL = {  # the long-prompt config made tiny
     "num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "looped_num_loops": 2,
     "max_position_embeddings": 32,
-    "rl_task_options": "{num_pairs: 4, key_len: 2, value_len: 1}", "rl_group_size": 4,
+    "rl_task_options": "{num_pairs: 4, key_len: 2, value_len: 1}", "grpo_group_size": 4,
     "global_batch_size": 8, "micro_batch_size": 4, "rl_max_response_length": 4,
-    "shared_prefix_wave_size": 2, "rl_eval_every": 0,
+    "shared_prefix_wave_size": 2, "eval_interval": 0,
 }
 
 

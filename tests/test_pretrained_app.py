@@ -7,7 +7,9 @@ of which the character tokenizer uses 49), run through configs/retrofit_tiny_lla
 2 / core 4 / coda 2, R = 3, curriculum) at a smaller batch.
 """
 
+import hashlib
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,10 @@ import torch
 from hf_helpers import patch_hf_rms_norm, randomize
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
+from tokenizer_files import train_char_bpe
 
 from scalerlt_mcore.app import runtime
-from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
+from scalerlt_mcore.app.arguments import ConfigError, parse_args, task_from, to_dict, validate
 from scalerlt_mcore.app.checkpoint import CheckpointError, save_checkpoint
 from scalerlt_mcore.app.pretrained import (
     load_before_wrap,
@@ -33,9 +36,9 @@ from scalerlt_mcore.testing import model_parallel_context
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "retrofit_tiny_llama.yaml"
-SMALL = dict(global_batch_size=8, micro_batch_size=4, rl_group_size=4, shared_prefix_wave_size=2,
-             train_iters=4, rl_warmup_sft_steps=1, rl_kl_coef=0.05, looped_loops_warmup_iters=3,
-             rl_eval_prompts=4, lr_warmup_iters=0, seed=3)
+SMALL = dict(global_batch_size=8, micro_batch_size=4, grpo_group_size=4, shared_prefix_wave_size=2,
+             train_iters=4, rl_warmup_sft_steps=1, grpo_kl_beta=0.05, looped_loops_warmup_iters=3,
+             eval_iters=2, lr_warmup_iters=0, seed=3)
 
 
 def _example():
@@ -52,6 +55,18 @@ def tiny_llama(tmp_path_factory):
     model = _example().tiny_model("llama", layers=8, seed=0)
     randomize(model, seed=1)  # weights of O(0.1), so that the model is not near-uniform
     model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_with_tokenizer(tiny_llama, tmp_path_factory):
+    """The tiny Llama with a tokenizer.json beside its config.json: a character-level BPE
+    trained on the config's task text (24 ids, within the model's 64)."""
+    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    cfg = parse_args(["--config", str(CONFIG)])
+    texts = [s for p in task_from(cfg).sample(0, 500) for s in (p.prompt, p.answer)]
+    train_char_bpe(path / "tokenizer.json", texts, vocab_size=24)
     return path
 
 
@@ -160,7 +175,9 @@ def test_layer_count_mismatch_without_retrofit_is_named(tiny_llama):
 @pytest.mark.parametrize("flags, message", [
     (["--looped-retrofit", "2,4,2"], "looped_retrofit needs pretrained_checkpoint"),
     (["--finetune"], "finetune needs load"),
-    (["--vocab-size", "40"], r"vocab_size \(40\) must be >= the tokenizer's \(49\)"),
+    (["--vocab-size", "40", "--tokenizer-type", "CharTokenizer"],
+     r"vocab_size \(40\) must be >= the tokenizer's \(49\)"),
+    (["--vocab-size", "40"], r"vocab_size \(40\) must be >= the tokenizer's \(259\)"),  # demo's
 ])
 def test_loading_flags_are_validated(flags, message):
     cfg = parse_args(flags)
@@ -208,6 +225,47 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
         got = _flat(resumed.model), _adam_moments(resumed.optimizer)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (want[0] - _initial(tiny_llama)).abs().max() > 1e-4, "training must move weights"
+
+
+def test_tokenizer_json_of_the_pretrained_checkpoint(tmp_path, tiny_llama_with_tokenizer):
+    """No tokenizer flags and a Hugging Face --pretrained-checkpoint holding a tokenizer.json:
+    the run tokenizes with that file through MCore's HuggingFaceTokenizer (the ids of the
+    tokenizers package), records it in its config, trains and samples within its vocabulary; a
+    checkpoint saved so is refused under another tokenizer (here through --finetune);
+    --tokenizer-type still chooses."""
+    from tokenizers import Tokenizer
+
+    path, ckpt = tiny_llama_with_tokenizer, tmp_path / "ckpt"
+    file = path / "tokenizer.json"
+    with model_parallel_context(3):
+        trainer, _, notes = build(_argv(path))
+        assert notes[0] == f"tokenizer: HuggingFaceTokenizer {file} (of the pretrained checkpoint)"
+        assert (trainer.cfg.tokenizer.tokenizer_type, trainer.cfg.tokenizer.tokenizer_model) == (
+            "HuggingFaceTokenizer", str(file))
+        assert trainer.tok.identity() == {"type": "HuggingFaceTokenizer", "vocab_size": 24,
+                                          "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+        raw = Tokenizer.from_file(str(file))
+        problems = trainer.task.sample(5, 16)
+        for p in problems:
+            assert trainer.tok.encode(p.prompt) == raw.encode(p.prompt).ids
+            assert trainer.tok.decode(raw.encode(p.answer).ids + [trainer.tok.eos_id]) == p.answer
+        assert sum(len(trainer.tok.encode(p.prompt)) for p in problems) \
+            < sum(len(p.prompt) for p in problems)  # merges: not one id a character
+        metrics = [_step(trainer, step) for step in range(2)]  # a warm-up step and an RL step
+        assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+        ro = trainer.rollout(0, trainer.task.sample(0, 4), 8, temperature=1.0)
+        assert ro.responses.max() < 24 and trainer.model.vocab_size == 64
+        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                        extra_meta={"tokenizer": trainer.tok.identity(),
+                                    "config": to_dict(trainer.cfg)})
+    with model_parallel_context(3), pytest.raises(ValueError, match=(
+            r"saved with a different tokenizer \(checkpoint != this run\): sha256 .*type "
+            r"'HuggingFaceTokenizer' != 'CharTokenizer', vocab_size 24 != 49")):
+        build(_argv(path, load=str(ckpt), tokenizer_type="CharTokenizer") + ["--finetune"])
+    with model_parallel_context(3):
+        trainer, _, notes = build(_argv(path, tokenizer_type="CharTokenizer"))
+        assert trainer.tok.identity()["type"] == "CharTokenizer"
+        assert not any(line.startswith("tokenizer:") for line in notes)
 
 
 def _initial(tiny_llama) -> torch.Tensor:

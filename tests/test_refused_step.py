@@ -77,7 +77,7 @@ def _first_training_step(tr, tries: int = 8) -> int:
 @pytest.mark.parametrize("prompt", ["recompute", "retain"])
 def test_trainer_discards_grads_of_a_refused_step(mcore_single, prompt):
     tr = _trainer()
-    assert tr.cfg.rl.rl_group_size > tr.cfg.shared_prefix.shared_prefix_wave_size  # 2+ waves
+    assert tr.cfg.rl.grpo_group_size > tr.cfg.shared_prefix.shared_prefix_wave_size  # 2+ waves
     step = _first_training_step(tr)  # Adam state with non-zero moments exists
     before = _state(tr)
     schedule = tr.schedule

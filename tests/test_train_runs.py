@@ -21,15 +21,16 @@ from test_train_e2e import TRAIN, _flags, _records, _run
 
 from scalerlt_mcore.app.arguments import ConfigError, parse_args
 from scalerlt_mcore.app.checkpoint import CheckpointError
+from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 
 # small steps: 2 prompts x 4 responses, 2 evaluation prompts, no periodic evaluation
-FAST = _flags(global_batch_size=8, rl_eval_prompts=2, rl_eval_every=0)
+FAST = _flags(global_batch_size=8, eval_iters=1, eval_interval=0)
 TIMESTAMP = "runs/20260101-000000"
 
 
 def _untimed(records: list) -> list:
-    return [{k: v for k, v in r.items() if k not in TIMED_METRICS} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMED_METRICS + CLOCK_KEYS} for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_resume_with_a_kl_penalty_needs_the_checkpoints_reference(tmp_path):
     from scalerlt_mcore.app.train import run
 
     ckpt = str(tmp_path / "ckpt")
-    run(parse_args(FAST + ["--train-iters", "3", "--rl-kl-coef", "0", "--save", ckpt,
+    run(parse_args(FAST + ["--train-iters", "3", "--grpo-kl-beta", "0", "--save", ckpt,
                            "--run-dir", str(tmp_path / "run"), "--no-plot"]))
     with pytest.raises(CheckpointError, match=r"iter_0000003 \(step 3, past the warm-up\) "
                                               r"holds no KL reference"):

@@ -5,14 +5,16 @@ file is the packaged demo (``scalerlt_mcore/configs/demo_cpu.yaml``, a tiny CPU 
 
 Layout: the YAML file is **flat**, one Megatron-style key per line (``num_layers: 2``), the
 same names as the command-line flags (``--num-layers 2``). Keys are unique across the
-sections of ``RunConfig`` (``model``, ``training``, ``shared_prefix``, ``rl``, ``logging``),
-which exist only in Python; a grouped file (``model: {num_layers: 2}``) is rejected.
+sections of ``RunConfig`` (``model``, ``training``, ``shared_prefix``, ``rl``, ``tokenizer``,
+``logging``), which exist only in Python; a grouped file (``model: {num_layers: 2}``) is rejected.
 
 The library's dataclasses are the source of truth: the ``looped_*`` keys are the fields of
 ``LoopedTransformerConfig`` and the RL loss keys those of ``RLObjective`` (``OBJECTIVE_FLAGS``),
 with their types, defaults and docstrings; a choice is a ``Literal`` written once in the
-library. Values go back through one builder per library object (``model_config``,
-``objective_from``, ``schedule_from``, ``task_from``), and ``validate`` builds those objects,
+library. Megatron-LM's flag names are used where Megatron-LM has the flag (``grpo_*``,
+``tokenizer_*``, ``eval_*``, ``lr_decay_*``, ...). Values go back through one builder per
+library object (``model_config``, ``objective_from``, ``schedule_from``, ``task_from``,
+``tokenizer_from``), and ``validate`` builds those objects,
 so each check lives in the library and reaches the user as a ``ConfigError`` naming the key.
 
     cfg = parse_args(["--config", "configs/cpu_2rank.yaml", "--lr", "1e-3"])
@@ -23,6 +25,7 @@ so each check lives in the library and reaches the user as a ``ConfigError`` nam
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import sys
@@ -43,7 +46,8 @@ import yaml
 from ..model.config import LoopedTransformerConfig, Normalization, PositionEmbeddingType
 from ..rl.advantages import AdvantageMode
 from ..rl.objective import RLObjective
-from ..rl.tasks import get_task
+from ..rl.tasks import get_task, measure_lengths
+from ..rl.tokenizer import CharTokenizer, TokenizerType, build_tokenizer
 from ..shared_prefix import get_shared_prefix_forward_backward_func
 
 
@@ -129,9 +133,9 @@ LOOPED_FLAGS = {f.name: f.name for f in dataclasses.fields(LoopedTransformerConf
 
 OBJECTIVE_FLAGS = {
     "rl_loss_normalization": "normalization",
-    "rl_clip_low": "clip_low",
-    "rl_clip_high": "clip_high",
-    "rl_kl_coef": "kl_coef",
+    "grpo_clamp_eps_lower": "clip_low",
+    "grpo_clamp_eps_upper": "clip_high",
+    "grpo_kl_beta": "kl_coef",
     "rl_loop_weights": "loop_weights",
     "rl_max_response_length": "constant_length",
 }
@@ -229,7 +233,7 @@ class TrainingArgs:
     micro_batch_size: int = 8
     """Responses per forward/backward on one rank."""
     global_batch_size: int = 32
-    """Responses per RL step, summed over data-parallel ranks (prompts x rl_group_size)."""
+    """Responses per RL step, summed over data-parallel ranks (prompts x grpo_group_size)."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -247,7 +251,22 @@ class TrainingArgs:
     clip_grad: float = 1.0
     """Gradient-norm clipping threshold; 0 disables it."""
     train_iters: int = 100
-    """RL steps (rollout batches)."""
+    """Steps of the run: supervised warm-up steps, then RL steps (rollout batches)."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
+    """Learning-rate decay after the warm-up (MCore's ``OptimizerParamScheduler``)."""
+    lr_decay_iters: Optional[int] = None
+    """Optimizer steps over which the learning rate decays to ``min_lr`` (one per warm-up
+    step, ``grpo_iterations`` per RL step); None: all of the run's optimizer steps."""
+    eval_interval: int = 10
+    """Greedy evaluation every this many steps; 0 disables it."""
+    eval_iters: int = 16
+    """Evaluation batches of ``grpo_prompts_per_step`` held-out prompts each (one greedy
+    response per prompt)."""
+    exit_interval: int = 0
+    """Exit after the step that is a multiple of this (saving a checkpoint when ``save`` is
+    set); 0: run all ``train_iters``."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of collective operations (``torch.distributed.init_process_group``)."""
     seed: int = 1234
     """Random seed (model init, sampling, task problems)."""
     use_distributed_optimizer: bool = True
@@ -281,16 +300,20 @@ class SharedPrefixArgs:
 @with_library_fields(RLObjective, OBJECTIVE_FLAGS)
 @dataclass
 class RLArgs:
-    """Task, sampling and the policy-gradient loss (``rl_loss_normalization``, ``rl_clip_*``,
-    ``rl_kl_coef``, ``rl_loop_weights``: the fields of ``RLObjective``)."""
+    """Task, sampling and the policy-gradient loss (``rl_loss_normalization``,
+    ``grpo_clamp_eps_*``, ``grpo_kl_beta``, ``rl_loop_weights``: the fields of ``RLObjective``;
+    Megatron-LM's ``grpo_*`` names where it has the flag)."""
 
     rl_task: str = "modular_arithmetic"
     """Task name (``scalerlt_mcore.rl.tasks.TASKS``)."""
     rl_task_options: dict = field(default_factory=dict)
     """Options of the task, e.g. ``{modulus: 7}``; on the command line a YAML mapping,
     which replaces (does not merge with) the file's."""
-    rl_group_size: int = 8
+    grpo_group_size: int = 8
     """G: responses sampled per prompt."""
+    grpo_prompts_per_step: Optional[int] = None
+    """Prompts per RL step, summed over data-parallel ranks; None: ``global_batch_size /
+    grpo_group_size`` (when set, ``global_batch_size`` must equal it x ``grpo_group_size``)."""
     rl_max_response_length: int = 4
     """Most tokens sampled per response (eos included); also the length of the ``constant``
     loss normalisation."""
@@ -300,8 +323,8 @@ class RLArgs:
     """Nucleus-sampling threshold; 1 disables it."""
     rl_advantage: AdvantageMode = "grpo"
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
-    rl_ppo_epochs: int = 1
-    """Optimizer steps per rollout batch."""
+    grpo_iterations: int = 1
+    """Passes (optimizer steps) over each rollout batch (PPO epochs)."""
     rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
     """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
     samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
@@ -311,15 +334,29 @@ class RLArgs:
     through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
     per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
     forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
-    ``rl_ppo_epochs`` 1."""
+    ``grpo_iterations`` 1."""
     rl_partial_credit: bool = False
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
     """Supervised steps on (prompt, answer) pairs before RL."""
-    rl_eval_every: int = 10
-    """Greedy evaluation every this many steps; 0 disables it."""
-    rl_eval_prompts: int = 64
-    """Prompts per evaluation."""
+    rl_warmup_sft_lr: Optional[float] = None
+    """Constant learning rate of the supervised warm-up steps, which then leave the schedule
+    alone (``lr``, ``lr_warmup_iters`` and the decay start with RL); None: the warm-up steps
+    follow the schedule like RL steps."""
+
+
+@dataclass
+class TokenizerArgs:
+    """The tokenizer (Megatron-LM's flags; ``scalerlt_mcore.rl.tokenizer``)."""
+
+    tokenizer_type: Optional[TokenizerType] = None
+    """``CharTokenizer`` (the built-in tasks' characters), ``ByteLevelTokenizer`` (UTF-8
+    bytes, MCore's byte-level tokenizer) or ``HuggingFaceTokenizer`` (a tokenizer.json); None:
+    ``HuggingFaceTokenizer`` when ``pretrained_checkpoint`` is a Hugging Face directory holding
+    a tokenizer.json, else ``CharTokenizer``."""
+    tokenizer_model: Optional[str] = None
+    """The ``HuggingFaceTokenizer``'s tokenizer.json file, or the folder holding it; None: the
+    tokenizer.json of a Hugging Face ``pretrained_checkpoint``."""
 
 
 @dataclass
@@ -336,6 +373,9 @@ class LoggingArgs:
     """Where logs, plots and the resolved config go; None: ``runs/<timestamp>``."""
     log_interval: int = 1
     """Log every this many steps."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars (rewards, lengths, loss, KL, clip fraction, per-loop accuracy,
+    tokens/s, step times) here; None: no TensorBoard."""
     no_plot: bool = False
     """Do not write the training-curve plot."""
     pretrained_checkpoint: Optional[str] = None
@@ -366,6 +406,7 @@ class RunConfig:
     training: TrainingArgs = field(default_factory=TrainingArgs)
     shared_prefix: SharedPrefixArgs = field(default_factory=SharedPrefixArgs)
     rl: RLArgs = field(default_factory=RLArgs)
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
 
 
@@ -591,15 +632,22 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
 
 
 def help_text() -> str:
-    """Usage and every flag with its type, default and docstring."""
-    lines = ["usage: python -m scalerlt_mcore.train [--config FILE.yaml] [--key VALUE ...]", ""]
+    """Usage and every flag with its type, the value a run without ``--config`` uses (the
+    packaged demo config's where it sets one) and docstring."""
+    lines = ["usage: python -m scalerlt_mcore.train [--config FILE.yaml] [--key VALUE ...]", "",
+             f"Without --config the packaged demo config ({DEMO_CONFIG}) is applied: each "
+             "flag's default below is the value such a run uses ('demo' marks the values the "
+             "demo config sets, with the built-in default beside it). With --config FILE the "
+             "built-in defaults apply under FILE.", ""]
+    demo, builtin = to_dict(load_config(None)), to_dict(RunConfig())
     for section in dataclasses.fields(RunConfig):
         cls = section.default_factory
         lines.append(f"{section.name}: {' '.join(cls.__doc__.split())}")
-        docs, defaults = field_docs(cls), dataclasses.asdict(cls())
-        for key in docs:
-            lines.append(f"  {_flag(key)} {_type_name(KEYS[key][1])} "
-                         f"(default {defaults[key]!r}): {docs[key]}")
+        for key, doc in field_docs(cls).items():
+            default = f"default {demo[key]!r}"
+            if demo[key] != builtin[key]:
+                default += f" (demo; built-in {builtin[key]!r})"
+            lines.append(f"  {_flag(key)} {_type_name(KEYS[key][1])} ({default}): {doc}")
     return "\n".join(lines)
 
 
@@ -664,6 +712,57 @@ def schedule_from(cfg: RunConfig, chooser: Optional[Callable] = None):
 def task_from(cfg: RunConfig):
     """The run's task."""
     return get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_type: str, tokenizer_model: Optional[str]):
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+def tokenizer_from(cfg: RunConfig):
+    """The run's tokenizer (built once per process for each type and model)."""
+    return _tokenizer(*tokenizer_args(cfg))
+
+
+def tokenizer_args(cfg: RunConfig) -> tuple[str, Optional[str]]:
+    """(tokenizer_type, tokenizer_model) of the run: the flags, and where they are unset the
+    tokenizer.json of a Hugging Face ``pretrained_checkpoint`` (else ``CharTokenizer``); a
+    ``tokenizer_model`` alone means ``HuggingFaceTokenizer``."""
+    kind, model = cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model
+    pretrained = pretrained_tokenizer_json(cfg.logging.pretrained_checkpoint)
+    if kind is None:
+        kind = "HuggingFaceTokenizer" if model or pretrained else "CharTokenizer"
+    if kind == "HuggingFaceTokenizer" and model is None:
+        model = pretrained
+    return kind, model
+
+
+def pretrained_tokenizer_json(path: Optional[str]) -> Optional[str]:
+    """The tokenizer.json of a Hugging Face checkpoint directory (config.json beside it), or
+    None."""
+    root = Path(path) if path else None
+    if root is None or not (root / "config.json").is_file():
+        return None
+    file = root / "tokenizer.json"
+    return str(file) if file.is_file() else None
+
+
+def _tokenizer_size(cfg: RunConfig) -> Optional[int]:
+    """The tokenizer's vocabulary size; None when it does not build (``_check_task`` says why)."""
+    try:
+        return tokenizer_from(cfg).vocab_size
+    except (ValueError, OSError):
+        return None
+
+
+def prompts_per_step(cfg: RunConfig) -> int:
+    """Prompts per RL step over all data-parallel ranks."""
+    return cfg.rl.grpo_prompts_per_step or cfg.training.global_batch_size // cfg.rl.grpo_group_size
+
+
+def eval_prompts(cfg: RunConfig) -> int:
+    """Held-out prompts per evaluation: ``eval_iters`` batches of ``prompts_per_step``."""
+    return cfg.training.eval_iters * prompts_per_step(cfg)
 
 
 # ----------------------------------------------------------------------- validation
@@ -740,15 +839,20 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
 
 
 def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
-    t, group = cfg.training, cfg.rl.rl_group_size
+    t, group = cfg.training, cfg.rl.grpo_group_size
     errors = _positive(t, "micro_batch_size", "global_batch_size")
-    errors += _positive(cfg.rl, "rl_group_size")
+    errors += _positive(cfg.rl, "grpo_group_size")
     if errors:
         return errors
     dp = max(world_size // max(cfg.model.tensor_model_parallel_size, 1), 1)
-    if t.global_batch_size % (dp * group):
+    prompts = cfg.rl.grpo_prompts_per_step
+    if prompts is not None and prompts * group != t.global_batch_size:
+        errors.append(f"global_batch_size ({t.global_batch_size}) must equal "
+                      f"grpo_prompts_per_step x grpo_group_size ({prompts} x {group}): one "
+                      "optimizer step per pass over the rollout batch")
+    elif t.global_batch_size % (dp * group):
         errors.append(f"global_batch_size ({t.global_batch_size}) must be divisible by "
-                      f"data-parallel size x rl_group_size ({dp} x {group} = {dp * group})")
+                      f"data-parallel size x grpo_group_size ({dp} x {group} = {dp * group})")
     elif (t.global_batch_size // dp) % t.micro_batch_size:
         errors.append(f"responses per rank (global_batch_size / data-parallel size = "
                       f"{t.global_batch_size // dp}) must be divisible by micro_batch_size "
@@ -775,6 +879,8 @@ def _check_training(t: TrainingArgs) -> list[str]:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, k) < 1:
             errors.append(f"{k} must be in [0, 1), got {getattr(t, k)}")
+    if t.lr_decay_iters is not None and t.lr_decay_iters < 1:
+        errors.append(f"lr_decay_iters must be >= 1 or null, got {t.lr_decay_iters}")
     if t.ddp_bucket_size is not None and t.ddp_bucket_size < 1:
         errors.append(f"ddp_bucket_size must be >= 1 or null, got {t.ddp_bucket_size}")
     return errors
@@ -782,44 +888,66 @@ def _check_training(t: TrainingArgs) -> list[str]:
 
 def _check_rl(cfg: RunConfig) -> list[str]:
     rl = cfg.rl
-    errors = _positive(rl, "rl_max_response_length", "rl_ppo_epochs", "rl_eval_prompts")
-    errors += _positive(rl, "rl_warmup_sft_steps", "rl_eval_every", "rl_kl_coef", minimum=0)
+    errors = _positive(rl, "rl_max_response_length", "grpo_iterations")
+    errors += _positive(rl, "rl_warmup_sft_steps", "grpo_kl_beta", minimum=0)
+    errors += _positive(cfg.training, "eval_iters", "distributed_timeout_minutes")
+    errors += _positive(cfg.training, "eval_interval", "exit_interval", minimum=0)
     errors += _positive(cfg.logging, "save_interval", minimum=0)
     errors += _positive(cfg.logging, "log_interval")
+    if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
+        errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")
     if rl.rl_temperature <= 0:
         errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
     if not 0 < rl.rl_top_p <= 1:
         errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
-    if rl.rl_old_logprobs == "rollout" and rl.rl_ppo_epochs != 1:
-        errors.append(f"rl_old_logprobs 'rollout' needs rl_ppo_epochs 1, got "
-                      f"{rl.rl_ppo_epochs} (the rollout's log-probs replace the scoring pass "
+    if rl.rl_old_logprobs == "rollout" and rl.grpo_iterations != 1:
+        errors.append(f"rl_old_logprobs 'rollout' needs grpo_iterations 1, got "
+                      f"{rl.grpo_iterations} (the rollout's log-probs replace the scoring pass "
                       f"of a single update)")
-    if rl.rl_advantage != "none" and rl.rl_group_size == 1:
-        errors.append(f"rl_advantage {rl.rl_advantage!r} needs rl_group_size >= 2 "
+    if rl.rl_advantage != "none" and rl.grpo_group_size == 1:
+        errors.append(f"rl_advantage {rl.rl_advantage!r} needs grpo_group_size >= 2 "
                       "(a group of one has zero advantage)")
     return errors + _check_task(cfg)
 
 
 def _check_task(cfg: RunConfig) -> list[str]:
+    """The task and tokenizer build, the task's text encodes, and its longest prompt and
+    answer (stated by the task, else measured on a sample) fit the lengths."""
     try:
         task = task_from(cfg)
     except ValueError as e:
         return [f"rl_task / rl_task_options: {e}"]
+    try:
+        tok = tokenizer_from(cfg)
+    except (ValueError, OSError) as e:
+        return [f"tokenizer_type / tokenizer_model: {e}"]
+    try:
+        prompt, answer = _task_lengths(task, tok)
+    except ValueError as e:
+        return [f"rl_task {cfg.rl.rl_task} with tokenizer_type "
+                f"{tokenizer_args(cfg)[0]}: {e}"]
     errors = []
-    if cfg.rl.rl_max_response_length < task.max_answer_chars:
+    if cfg.rl.rl_max_response_length < answer:
         errors.append(f"rl_max_response_length ({cfg.rl.rl_max_response_length}) is shorter "
-                      f"than the task's longest answer ({task.max_answer_chars})")
-    needed = 1 + task.max_prompt_chars + cfg.rl.rl_max_response_length
+                      f"than the task's longest answer ({answer})")
+    needed = 1 + prompt + cfg.rl.rl_max_response_length
     if cfg.model.max_position_embeddings < needed:
         errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
                       f">= bos + longest prompt + rl_max_response_length ({needed})")
     return errors
 
 
+def _task_lengths(task, tok) -> tuple[int, int]:
+    """(longest prompt, longest answer) in tokens: the task's own bounds where it states them
+    and the tokenizer has one token per character, else measured on 256 sampled problems."""
+    measured = measure_lengths(task, tok.encode)  # also: every character encodes
+    exact = task.max_prompt_chars is not None and (
+        isinstance(tok, CharTokenizer) or tok.identity()["type"] == "ByteLevelTokenizer")
+    return (task.max_prompt_chars, task.max_answer_chars) if exact else measured
+
+
 def _check_pretrained(cfg: RunConfig) -> list[str]:
     """Architecture extras, loading flags and retrofitted recurrence."""
-    from scalerlt_mcore.rl.tokenizer import CharTokenizer
-
     m, lg = cfg.model, cfg.logging
     errors = _positive(m, "looped_loops_warmup_iters", minimum=0)
     errors += [f"{k} must be > 0, got {getattr(m, k)}"
@@ -827,8 +955,8 @@ def _check_pretrained(cfg: RunConfig) -> list[str]:
                if getattr(m, k) <= 0]
     if m.kv_channels is not None and m.kv_channels < 1:
         errors.append(f"kv_channels must be >= 1 or null, got {m.kv_channels}")
-    tokens = CharTokenizer().vocab_size
-    if m.vocab_size is not None and m.vocab_size < tokens:
+    tokens = _tokenizer_size(cfg)
+    if m.vocab_size is not None and tokens is not None and m.vocab_size < tokens:
         errors.append(f"vocab_size ({m.vocab_size}) must be >= the tokenizer's ({tokens})")
     if m.looped_retrofit is not None and not re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):
         errors.append(f"looped_retrofit must be 'prelude,core,coda' (e.g. '2,4,2'), got "

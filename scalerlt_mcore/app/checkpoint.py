@@ -9,6 +9,7 @@ silent fall-back to an older one: ``--load <save>/iter_<step>`` resumes from a c
 """
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing
@@ -96,10 +97,11 @@ def _init_adam_state(optimizer) -> None:
 
 
 def save_checkpoint(path, step: int, model, optimizer, scheduler, reference=None,
-                    extra_meta: dict | None = None) -> Path:
+                    extra_meta: Optional[dict] = None) -> Path:
     """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer).
     ``reference``: the trainer's ``KLReference``, saved once taken; ``extra_meta``: more
-    entries of the checkpoint's metadata (e.g. the run directory)."""
+    entries of the checkpoint's metadata (e.g. the run directory, ``tokenizer``: its identity,
+    ``config``: the run's flat config; ``read_meta``)."""
     root = Path(path)
     ckpt = root / f"iter_{step:07d}"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -116,12 +118,39 @@ def save_checkpoint(path, step: int, model, optimizer, scheduler, reference=None
     return ckpt
 
 
-def load_checkpoint(path, model, optimizer, scheduler, reference=None) -> int:
+def read_meta(path) -> dict:
+    """The metadata of the checkpoint ``find_checkpoint(path)`` names (step, scheduler,
+    signature and what ``save_checkpoint`` got as ``extra_meta``); needs no process group."""
+    return checkpoint_meta(find_checkpoint(path))
+
+
+def _check_tokenizer(ckpt: Path, meta: dict, tokenizer: Optional[dict]) -> None:
+    saved = meta.get("tokenizer")
+    if tokenizer is not None and saved is not None and saved != tokenizer:
+        keys = sorted(saved.keys() | tokenizer.keys())
+        diffs = [f"{k} {saved.get(k)!r} != {tokenizer.get(k)!r}"
+                 for k in keys if saved.get(k) != tokenizer.get(k)]
+        raise CheckpointError(f"checkpoint {ckpt} was saved with a different tokenizer "
+                              f"(checkpoint != this run): {', '.join(diffs)}; set "
+                              "--tokenizer-type / --tokenizer-model as in the run that saved it")
+
+
+def check_tokenizer(path, tokenizer: dict) -> None:
+    """Refuse the checkpoint at ``path`` (a ``save`` directory or an ``iter_*`` directory) when
+    it was saved with another tokenizer than ``tokenizer`` (an identity)."""
+    ckpt = checkpoint_dir(path)
+    _check_tokenizer(ckpt, checkpoint_meta(ckpt), tokenizer)
+
+
+def load_checkpoint(path, model, optimizer, scheduler, reference=None,
+                    tokenizer: Optional[dict] = None) -> int:
     """Restore the checkpoint ``find_checkpoint(path)`` names; returns the step to continue
     from. ``reference``: the trainer's ``KLReference``, given the checkpoint's reference when
-    it holds one (else left as it is)."""
+    it holds one (else left as it is); ``tokenizer``: this run's tokenizer identity, refused
+    when the checkpoint's differs."""
     ckpt = find_checkpoint(path)
     meta = checkpoint_meta(ckpt)
+    _check_tokenizer(ckpt, meta, tokenizer)
     diffs = _structure_mismatch(ckpt, meta, model)
     if diffs:
         more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""

@@ -1,27 +1,67 @@
-"""Run metrics: one JSON line per step in ``metrics.jsonl``, and a PNG of the reward curve at
-the end, drawn from the whole file (a resumed run that continues its run directory plots the
-whole run)."""
+"""Run metrics: one JSON line per step in ``metrics.jsonl`` (with wall-clock time), optional
+TensorBoard scalars, and a PNG of the reward curve at the end, drawn from the whole file (a
+resumed run that continues its run directory plots the whole run)."""
 
 import json
+import time
 from pathlib import Path
+from typing import Optional
+
+CLOCK_KEYS = ("time", "step_ms")
+"""Keys ``MetricsLog`` and the loop add that read the clock."""
 
 
 class MetricsLog:
-    """Appends step records to ``run_dir/metrics.jsonl`` (rank 0 only writes). A run starting
-    at step ``start`` first drops the file's records from ``start`` on (a fresh run: all of
-    them), which a resumed run writes again; ``dropped`` counts them."""
+    """Appends step records to ``run_dir/metrics.jsonl`` (rank 0 only writes), each with its
+    wall-clock ``time`` (seconds since the epoch); with ``tensorboard_dir`` also writes every
+    number of a record as a TensorBoard scalar ``<kind>/<key>`` at its step (per-loop
+    accuracies as ``eval/loop_<k>``). A run starting at step ``start`` first drops the file's
+    records from ``start`` on (a fresh run: all of them), which a resumed run writes again;
+    ``dropped`` counts them."""
 
-    def __init__(self, run_dir, enabled: bool = True, start: int = 0):
+    def __init__(self, run_dir, enabled: bool = True, start: int = 0,
+                 tensorboard_dir: Optional[str] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.records = []
         self.dropped = keep_records_before(self.path, start) if enabled else 0
+        self.writer = _summary_writer(tensorboard_dir) if enabled and tensorboard_dir else None
 
     def log(self, record: dict) -> None:
+        record = {**record, "time": round(time.time(), 3)}
         self.records.append(record)
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for tag, value in scalars(record).items():
+                self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _summary_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch's writer needs the tensorboard package
+        raise RuntimeError("tensorboard_dir needs the tensorboard package "
+                           "(pip install tensorboard)") from e
+    return SummaryWriter(log_dir=log_dir)
+
+
+def scalars(record: dict) -> dict:
+    """``{tag: number}`` of a record: ``<kind>/<key>`` for each number (the wall-clock time
+    aside), ``eval/loop_<k>`` for each loop's greedy accuracy (k from 1)."""
+    kind = record.get("kind", "train")
+    out = {f"{kind}/{k}": float(v) for k, v in record.items()
+           if k not in ("step", "time") and isinstance(v, (int, float))
+           and not isinstance(v, bool)}
+    for k, acc in enumerate(record.get("eval_per_loop", []), start=1):
+        out[f"{kind}/loop_{k}"] = float(acc)
+    return out
 
 
 def read_records(path) -> list:

@@ -24,10 +24,10 @@ from ..model.hf_import import (
 from ..model.mcore_import import is_dist_checkpoint, load_mcore_gpt_state_dict, source_layers
 from ..model.retrofit import LayerMapping, load_converted_state_dict, retrofit_state_dict
 from ..model.vocab_parallel import padded_vocab_size
-from ..rl.tokenizer import CharTokenizer
-from .arguments import ConfigError
+from .arguments import ConfigError, tokenizer_args, tokenizer_from
 from .checkpoint import (
     CheckpointError,
+    check_tokenizer,
     find_checkpoint,
     has_checkpoint,
     is_own_checkpoint,
@@ -47,7 +47,7 @@ def run_vocab_size(cfg) -> int:
     m = cfg.model
     if m.vocab_size is not None:
         return m.vocab_size
-    return padded_vocab_size(CharTokenizer().vocab_size, m.make_vocab_size_divisible_by,
+    return padded_vocab_size(tokenizer_from(cfg).vocab_size, m.make_vocab_size_divisible_by,
                              m.tensor_model_parallel_size)
 
 
@@ -69,12 +69,12 @@ def source_kind(path) -> str:
 
 
 def resolve_pretrained(cfg) -> list[str]:
-    """Apply ``--use-checkpoint-args`` and ``--looped-retrofit`` to ``cfg.model`` (in place);
-    returns lines for the log."""
+    """Apply ``--use-checkpoint-args`` and ``--looped-retrofit`` to ``cfg.model`` and resolve
+    the tokenizer flags (in place); returns lines for the log."""
     m, path = cfg.model, cfg.logging.pretrained_checkpoint
+    lines = _resolve_tokenizer(cfg)
     if path is None:
-        return []
-    lines = []
+        return lines
     if cfg.logging.use_checkpoint_args:
         if source_kind(path) != "hf":
             raise ConfigError(f"use_checkpoint_args needs a Hugging Face directory "
@@ -91,6 +91,17 @@ def resolve_pretrained(cfg) -> list[str]:
     return lines
 
 
+def _resolve_tokenizer(cfg) -> list[str]:
+    """Write the run's tokenizer flags into ``cfg`` (as the resolved config and checkpoints
+    record them): unset, a Hugging Face checkpoint's tokenizer.json."""
+    t = cfg.tokenizer
+    given = (t.tokenizer_type, t.tokenizer_model)
+    t.tokenizer_type, t.tokenizer_model = tokenizer_args(cfg)
+    if given[1] is not None or t.tokenizer_model is None:
+        return []
+    return [f"tokenizer: {t.tokenizer_type} {t.tokenizer_model} (of the pretrained checkpoint)"]
+
+
 # ---- before DDP: weights -------------------------------------------------------------------
 
 
@@ -102,6 +113,7 @@ def load_before_wrap(cfg, model) -> list[str]:
         lines.append(load_pretrained(cfg, model))
     lg = cfg.logging
     if has_checkpoint(lg.load) and (lg.finetune or lg.no_load_optim):
+        check_tokenizer(lg.load, tokenizer_from(cfg).identity())
         lines.append(f"weights from {load_model_weights(lg.load, model)}")
     return lines
 
@@ -114,6 +126,7 @@ def load_pretrained(cfg, model) -> str:
         if cfg.model.looped_retrofit:
             raise ConfigError(f"looped_retrofit maps a plain stack's layers; {path} is already "
                               f"a looped model")
+        check_tokenizer(path, tokenizer_from(cfg).identity())
         return f"pretrained weights from {load_model_weights(path, model)}"
     if cfg.model.tensor_model_parallel_size > 1 and kind == "hf":
         raise ConfigError("a Hugging Face import needs tensor_model_parallel_size 1 (convert to "
@@ -192,15 +205,15 @@ def resume_after_wrap(cfg, trainer, ckpt) -> int:
     with a KL penalty needs the checkpoint's reference."""
     if ckpt is None:
         return 0
-    if cfg.logging.no_load_optim:
+    if cfg.logging.no_load_optim:  # its tokenizer checked with its weights (load_before_wrap)
         start = load_step_and_schedule(ckpt, trainer.scheduler, reference=trainer.ref)
     else:
         start = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler,
-                                reference=trainer.ref)
+                                reference=trainer.ref, tokenizer=trainer.tok.identity())
     if trainer.ref is not None and trainer.ref.taken_at is None \
             and start > cfg.rl.rl_warmup_sft_steps:
         raise CheckpointError(
             f"checkpoint {ckpt} (step {start}, past the warm-up) holds no KL reference (saved "
-            f"with rl_kl_coef 0): the reference must be the policy at the start of RL; resume "
-            f"with --rl-kl-coef 0, or from a checkpoint of a run with a KL penalty")
+            f"with grpo_kl_beta 0): the reference must be the policy at the start of RL; resume "
+            f"with --grpo-kl-beta 0, or from a checkpoint of a run with a KL penalty")
     return start

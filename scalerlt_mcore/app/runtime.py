@@ -4,6 +4,7 @@ Device: CUDA (NCCL) when available, else CPU with gloo and the opt-in CPU backen
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,12 @@ def init_distributed(cfg) -> str:
         enable_cpu_backend()
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
+        timeout = timedelta(minutes=cfg.training.distributed_timeout_minutes)
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel_state.initialize_model_parallel(
@@ -90,10 +93,13 @@ def wrap_for_training(cfg, config, model):
         params_dtype=config.params_dtype, use_distributed_optimizer=t.use_distributed_optimizer,
     ), [ddp])
     sft = min(cfg.rl.rl_warmup_sft_steps, t.train_iters)  # one optimizer step per warm-up step
-    steps = max(t.lr_warmup_iters + 1, sft + (t.train_iters - sft) * cfg.rl.rl_ppo_epochs)
+    scheduled = 0 if cfg.rl.rl_warmup_sft_lr is not None else sft  # warm-up steps it counts
+    steps = max(t.lr_warmup_iters + 1, scheduled + (t.train_iters - sft) * cfg.rl.grpo_iterations)
+    decay = max(t.lr_warmup_iters + 1, t.lr_decay_iters or steps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=steps, lr_decay_style="cosine",
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=decay,
+        lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=steps,
         wd_incr_style="constant",
     )

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from .arguments import ConfigError, parse_args, save_resolved, validate
+from ..mcore_compat import fallback_note
+from .arguments import ConfigError, parse_args, save_resolved, to_dict, validate
 from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
 from .metrics import MetricsLog, plot_rewards, read_records
 from .pretrained import (
@@ -80,8 +81,10 @@ def _broadcast_run_dir(cfg, resume) -> Path:
 
 
 def _line(step: int, m: dict) -> str:
-    return (f"step {step:4d} | reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
-            f"len {m['response_length']:.2f} | loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
+    return (f"step {step:4d} | {m['step_ms']:.0f} ms/iter | "
+            f"reward {m['reward_mean']:.3f} +- {m['reward_std']:.3f} | "
+            f"len {m['response_length']:.2f} | entropy {m['entropy']:.2f} | "
+            f"loss {m['loss']:+.4f} | kl {m['kl']:.4f} | "
             f"clip {m['clip_fraction']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
             f"rollout/score/train {m['time_rollout_s']:.2f}/{m['time_score_s']:.2f}/"
             f"{m['time_train_s']:.2f} s | "
@@ -118,6 +121,8 @@ def _run(cfg, device: str, notes: list) -> dict:
               f"{parallel_state.get_data_parallel_world_size()}, tensor-parallel ranks: "
               f"{parallel_state.get_tensor_model_parallel_world_size()}, run dir: {run_dir}",
               flush=True)
+        if fallback_note():
+            print(fallback_note(), flush=True)
     config = model_config(cfg, device)
     model = build_model(cfg, config, run_vocab_size(cfg), device)
     notes += load_before_wrap(cfg, model)  # before DDP and the optimizer copy the parameters
@@ -126,15 +131,20 @@ def _run(cfg, device: str, notes: list) -> dict:
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
     start = resume_after_wrap(cfg, trainer, resume)
-    with _Interrupt() as stop:
-        return _loop(cfg, trainer, start, run_dir, rank0, stop)
-
-
-def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt) -> dict:
-    log = MetricsLog(run_dir, enabled=rank0, start=start)
+    log = MetricsLog(run_dir, enabled=rank0, start=start,
+                     tensorboard_dir=cfg.logging.tensorboard_dir)
     if log.dropped:
         print(f"{log.path}: dropped {log.dropped} records from step {start} on (written again "
               f"by this run)", flush=True)
+    try:
+        with _Interrupt() as stop:
+            return _loop(cfg, trainer, start, run_dir, rank0, stop, log)
+    finally:
+        log.close()
+
+
+def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt,
+          log: MetricsLog) -> dict:
     t0, total = time.perf_counter(), cfg.training.train_iters
     sft = cfg.rl.rl_warmup_sft_steps
     step, saved = start, None
@@ -142,24 +152,29 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
         _eval(trainer, log, 0, rank0)  # the starting point of the reward curve
     for step in tqdm(range(start, total), disable=not rank0, desc="RL", initial=start,
                      total=total, file=sys.stderr):
+        tic = time.perf_counter()
+        m = trainer.sft_step(step) if step < sft else trainer.rl_step(step)
+        m["step_ms"] = 1000 * (time.perf_counter() - tic)
         if step < sft:
-            m = trainer.sft_step(step)
             log.log({"kind": "sft", "step": step, **m})
             if rank0 and step % cfg.logging.log_interval == 0:
-                tqdm.write(f"warm-up step {step:4d} | answer NLL {m['loss']:.4f}")
+                tqdm.write(f"warm-up step {step:4d} | {m['step_ms']:.0f} ms/iter | "
+                           f"answer NLL {m['loss']:.4f}")
         else:
-            m = trainer.rl_step(step)
             log.log({"kind": "train", "step": step, **m})
             if rank0 and step % cfg.logging.log_interval == 0:
                 tqdm.write(_line(step, m))
-        if cfg.rl.rl_eval_every and (step + 1) % cfg.rl.rl_eval_every == 0 and step + 1 < total:
+        every = cfg.training.eval_interval
+        if every and (step + 1) % every == 0 and step + 1 < total:
             _eval(trainer, log, step + 1, rank0)
-        if _maybe_save(cfg, trainer, step + 1, stop.requested, run_dir):
+        exiting = _exit_interval_reached(cfg, step + 1)
+        if _maybe_save(cfg, trainer, step + 1, stop.requested or exiting, run_dir):
             saved = step + 1
-        if stop.requested:
+        if stop.requested or exiting:
             if rank0:
                 what = "checkpoint saved" if saved == step + 1 else "nothing saved (no --save)"
-                print(f"interrupted: {what} after step {step + 1}", flush=True)
+                why = "interrupted" if stop.requested else "exit_interval reached"
+                print(f"{why}: {what} after step {step + 1}", flush=True)
             return {}
     final = _eval(trainer, log, total, rank0)
     if saved != total:  # not again: rewriting it would expose a complete checkpoint to a kill
@@ -167,6 +182,12 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
     if rank0:
         _finish(cfg, log, run_dir, final, total - start, time.perf_counter() - t0)
     return final
+
+
+def _exit_interval_reached(cfg, steps_done: int) -> bool:
+    """True after a step that is a multiple of ``exit_interval`` (not the last one)."""
+    every = cfg.training.exit_interval
+    return bool(every) and steps_done % every == 0 and steps_done < cfg.training.train_iters
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
@@ -187,7 +208,8 @@ def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path) -> bool:
         trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler, reference=trainer.ref,
-                        extra_meta={"run_dir": str(run_dir.resolve())})
+                        extra_meta={"run_dir": str(run_dir.resolve()),
+                                    "tokenizer": trainer.tok.identity(), "config": to_dict(cfg)})
         return True
     return False
 

@@ -21,7 +21,6 @@ from ..model.config import set_num_loops
 from ..rl.advantages import group_advantages
 from ..rl.objective import loop_weights, rl_forward_step
 from ..rl.rollout import generate
-from ..rl.tokenizer import CharTokenizer
 from ..shared_prefix import (
     SavedTensorProbe,
     SharedPrefixGroup,
@@ -29,7 +28,14 @@ from ..shared_prefix import (
     naive_step,
 )
 from ..shared_prefix.planner import CostModel, Planner
-from .arguments import objective_from, schedule_from, task_from
+from .arguments import (
+    eval_prompts,
+    objective_from,
+    prompts_per_step,
+    schedule_from,
+    task_from,
+    tokenizer_from,
+)
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -115,6 +121,13 @@ def recording_drift(forward_step, drift: list):
     return step
 
 
+def sampled_entropy(ro) -> float:
+    """Mean -log p of the sampled response tokens under the policy (temperature 1): an unbiased
+    estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
+    entropy collapse."""
+    return float(-ro.logprobs.double().sum() / ro.lengths.sum())
+
+
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
@@ -165,7 +178,7 @@ class RLTrainer:
         # data are drawn per data-parallel rank: identical on the ranks of a TP group
         self.rank = parallel_state.get_data_parallel_rank()
         self.world = parallel_state.get_data_parallel_world_size()
-        self.tok = CharTokenizer()
+        self.tok = tokenizer_from(cfg)
         self.task = task_from(cfg)
         self.objective = objective_from(cfg)
         self.forward_step = rl_forward_step(self.objective)
@@ -175,7 +188,7 @@ class RLTrainer:
         self.schedule = schedule_from(cfg, chooser=self._planner(cfg, model))
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
-        self.groups_per_rank = cfg.training.global_batch_size // cfg.rl.rl_group_size // self.world
+        self.groups_per_rank = prompts_per_step(cfg) // self.world
         # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
         # never sample those ids
         self.banned = (self.tok.pad_id, self.tok.bos_id,
@@ -239,8 +252,15 @@ class RLTrainer:
     # ---- data ------------------------------------------------------------------------------
 
     def _prompts(self, texts) -> list:
-        """Token lists of prompt strings, each led by bos."""
-        return [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
+        """Token lists of prompt strings, each led by bos; a prompt too long for the position
+        table with a full response is an error naming it."""
+        room = self.cfg.model.max_position_embeddings - self.cfg.rl.rl_max_response_length
+        prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
+        for text, p in zip(texts, prompts):
+            if len(p) > room:
+                raise ValueError(f"prompt {text[:60]!r} is {len(p)} tokens with bos: more than "
+                                 f"max_position_embeddings - rl_max_response_length ({room})")
+        return prompts
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
         gen = torch.Generator(device=self.device)
@@ -287,7 +307,7 @@ class RLTrainer:
         """The fixed evaluation problems, from the task's evaluation split: no training draw
         (RL or warm-up) produces one of their prompts."""
         return self.task.sample(step_seed(self.cfg.training.seed, 10**6, 0),
-                                self.cfg.rl.rl_eval_prompts, split="eval")
+                                eval_prompts(self.cfg), split="eval")
 
     def _take_reference(self, step: int) -> None:
         """At the first RL step (not taken, not loaded): the KL reference becomes the policy."""
@@ -295,13 +315,13 @@ class RLTrainer:
             self.ref.take(self.model, step)
 
     def rl_step(self, step: int) -> dict:
-        """Rollout -> rewards -> scoring (old/ref log-probs) -> ``rl_ppo_epochs`` updates; the
+        """Rollout -> rewards -> scoring (old/ref log-probs) -> ``grpo_iterations`` updates; the
         wall time of each phase is in the metrics (``TIMED_METRICS``)."""
         t0 = time.perf_counter()
         loops = self.use_loops_of(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        ro = self.rollout(step, problems, self.cfg.rl.rl_group_size, self.cfg.rl.rl_temperature)
+        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature)
         t_rollout = time.perf_counter()
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
@@ -319,6 +339,7 @@ class RLTrainer:
         return self._reduce({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "response_length": ro.lengths.float().mean().item(), **train,
+            "entropy": sampled_entropy(ro),
             "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (t_end - t0),
             "time_rollout_s": t_rollout - t0, "time_score_s": t_train - t_score,
             "time_train_s": t_end - t_train, "time_step_s": t_end - t0, "loops": loops,
@@ -339,19 +360,20 @@ class RLTrainer:
                                   for n, g in enumerate(groups)]).max())
 
     def optimize(self, groups: list) -> dict:
-        """``rl_ppo_epochs`` optimizer steps on the groups; the last one's stats."""
-        for _ in range(self.cfg.rl.rl_ppo_epochs):
+        """``grpo_iterations`` optimizer steps on the groups; the last one's stats."""
+        for _ in range(self.cfg.rl.grpo_iterations):
             probe = SavedTensorProbe(self.model)
             out, grad_norm = self._optimizer_step(lambda: self._forward_backward(groups), probe)
         return {**summarise(out, len(groups)), "grad_norm": grad_norm,
                 "peak_saved_bytes": probe.peak_bytes,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _optimizer_step(self, forward_backward, context=None) -> tuple:
+    def _optimizer_step(self, forward_backward, context=None, lr=None) -> tuple:
         """Zero the grads, run ``forward_backward()`` (inside ``context``), step the optimizer
-        and the LR schedule. -> (its output, grad norm). A step refused inside
-        ``forward_backward()`` (e.g. a ``ReplayInputError`` after some waves ran) discards the
-        partial gradients and re-raises: parameters and optimizer stay as they were."""
+        and the LR schedule; with ``lr``, step at that learning rate, the schedule untouched.
+        -> (its output, grad norm). A step refused inside ``forward_backward()`` (e.g. a
+        ``ReplayInputError`` after some waves ran) discards the partial gradients and re-raises:
+        parameters and optimizer stay as they were."""
         self._discard_grads()
         try:
             with context or contextlib.nullcontext():
@@ -359,10 +381,15 @@ class RLTrainer:
         except Exception:
             self._discard_grads()
             raise
+        if lr is None:
+            self.scheduler.step(increment=0)  # the schedule's rate (after a fixed-lr step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] if lr is None else lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        self.scheduler.step(increment=1)
+        if lr is None:
+            self.scheduler.step(increment=1)
         return out, float(grad_norm or 0.0)
 
     def _discard_grads(self) -> None:
@@ -382,12 +409,13 @@ class RLTrainer:
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
         loops = self.use_loops_of(step)
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
-                                           self.groups_per_rank * self.cfg.rl.rl_group_size)
+                                           self.groups_per_rank * self.cfg.rl.grpo_group_size)
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(_sft_forward_step, self.objective.loop_weights),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
-            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)))
+            seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)),
+            lr=self.cfg.rl.rl_warmup_sft_lr)
         return self._reduce({"loss": float(out[0]["nll"]), "grad_norm": grad_norm,
                              "lr": self.optimizer.param_groups[0]["lr"], "loops": loops})
 

@@ -1,0 +1,131 @@
+"""Sample from a trained checkpoint: ``python -m scalerlt_mcore.generate --load DIR --prompt P``.
+
+The model, tokenizer and task come from the run config stored in the checkpoint (``--config``
+replaces it); the tokenizer must be the one the checkpoint was trained with. Greedy by default;
+``--loop`` picks the readout (1..R, or ``all`` for every loop's), ``--task-prompts N`` draws N
+held-out prompts of the run's task and scores the completions with its reward.
+
+    python -m scalerlt_mcore.generate --load ckpt --prompt "abc>" --loop all
+    python -m scalerlt_mcore.generate --load ckpt --task-prompts 8 --temperature 1 --num-samples 4
+"""
+
+import argparse
+import sys
+
+from scalerlt_mcore.app.arguments import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    read_yaml,
+    task_from,
+    tokenizer_from,
+)
+from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
+from scalerlt_mcore.app.pretrained import run_vocab_size
+from scalerlt_mcore.app.runtime import (
+    build_model,
+    init_distributed,
+    model_config,
+    shutdown_distributed,
+    wrap_for_training,
+)
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scalerlt_mcore.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--task-prompts", type=int, default=0,
+                   help="also this many held-out prompts of the run's task, with rewards")
+    p.add_argument("--config", help="run config YAML to use instead of the checkpoint's")
+    p.add_argument("--loop", default="last", help="readout: 1..R, 'last' or 'all'")
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the run's rl_max_response_length")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.prompt and not args.task_prompts:
+        p.error("give --prompt TEXT and/or --task-prompts N")
+    return args
+
+
+def run_config(args) -> RunConfig:
+    """The checkpoint's run config (or ``--config``'s)."""
+    if args.config:
+        return apply_overrides(RunConfig(), read_yaml(args.config), f"in {args.config}")
+    meta = read_meta(args.load)
+    if "config" not in meta:
+        raise ConfigError(f"checkpoint {args.load} stores no run config; pass --config")
+    return apply_overrides(RunConfig(), meta["config"], f"in the config of {args.load}")
+
+
+def loops(choice: str, num_loops: int) -> list[int]:
+    """0-based readout indices of ``--loop``."""
+    if choice == "all":
+        return list(range(num_loops))
+    if choice == "last":
+        return [num_loops - 1]
+    if not choice.isdigit() or not 1 <= int(choice) <= num_loops:
+        raise ConfigError(f"--loop must be 1..{num_loops}, 'last' or 'all', got {choice!r}")
+    return [int(choice) - 1]
+
+
+def load_model(cfg, load: str):
+    """The trained model on this process (one rank), loaded from ``load``."""
+    device = init_distributed(cfg)
+    config = model_config(cfg, device)
+    tokenizer = tokenizer_from(cfg)
+    model = build_model(cfg, config, run_vocab_size(cfg), device)
+    _, optimizer, scheduler = wrap_for_training(cfg, config, model)
+    load_checkpoint(load, model, optimizer, scheduler, tokenizer=tokenizer.identity())
+    return model.eval()
+
+
+def sample(model, cfg, args, prompts: list, loop: int):
+    """Completions [prompt][sample] (text) of ``prompts`` from readout ``loop``."""
+    import torch
+
+    from scalerlt_mcore.rl.rollout import generate
+
+    tok = tokenizer_from(cfg)
+    ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    device = next(model.parameters()).device
+    # a pretrained vocabulary may extend past the tokenizer's: never sample those ids
+    banned = (tok.pad_id, tok.bos_id, *range(tok.vocab_size, model.vocab_size))
+    out = generate(model, ids, args.num_samples,
+                   args.max_new_tokens or cfg.rl.rl_max_response_length, eos_id=tok.eos_id,
+                   pad_id=tok.pad_id, temperature=args.temperature, top_p=args.top_p,
+                   generator=torch.Generator(device=device).manual_seed(args.seed),
+                   banned=banned, loop=loop)
+    return [[tok.decode(r.tolist()) for r in out.responses[n]] for n in range(len(prompts))]
+
+
+def main(argv=None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    cfg = run_config(args)
+    task = task_from(cfg)
+    problems = task.sample(10**9 + args.seed, args.task_prompts) if args.task_prompts else []
+    prompts = args.prompt + [p.prompt for p in problems]
+    readouts = loops(args.loop, cfg.model.looped_num_loops)
+    model = load_model(cfg, args.load)
+    try:
+        for loop in readouts:
+            for n, samples in enumerate(sample(model, cfg, args, prompts, loop)):
+                for text in samples:
+                    print(_line(loop, prompts[n], text, task, problems, n - len(args.prompt)))
+    finally:
+        shutdown_distributed()
+
+
+def _line(loop: int, prompt: str, text: str, task, problems: list, k: int) -> str:
+    line = f"loop {loop + 1} | {prompt!r} -> {text!r}"
+    if k >= 0:
+        line += f" | reward {task.reward(problems[k], text):.2f} (answer {problems[k].answer!r})"
+    return line
+
+
+if __name__ == "__main__":
+    main()
