@@ -179,7 +179,7 @@ def test_embedding_rows_pad_only_the_tokenizer_vocabulary():
     from scalerlt_mcore.app.pretrained import run_vocab_size
 
     def rows(*argv):
-        return run_vocab_size(parse_args(list(argv)))
+        return run_vocab_size(parse_args(["--tokenizer-type", "CharTokenizer", *argv]))
 
     assert rows("--make-vocab-size-divisible-by", "1") == 49
     assert rows("--make-vocab-size-divisible-by", "128") == 128
