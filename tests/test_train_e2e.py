@@ -562,8 +562,7 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
         "--load", "b_ckpt", "--save", "b_ckpt", "--run-dir", "b_run"], tmp_path,
         timeout=TP_TIMEOUT))
     assert FINAL_LINE.fullmatch(resumed[-1])[1] == FINAL_LINE.fullmatch(full[-1])[1]
-    untimed = [[{k: v for k, v in r.items() if k not in TIMED_METRICS} for r in _records(d)]
-               for d in (tmp_path / "a_run", tmp_path / "b_run")]
+    untimed = [[_untimed(r) for r in _records(d)] for d in (tmp_path / "a_run", tmp_path / "b_run")]
     assert [(r["kind"], r["step"]) for r in untimed[1]] == [
         ("train", 3), ("train", 4), ("eval", 5)]
     assert untimed[1] == [r for r in untimed[0] if r["step"] >= TP_CUT and
