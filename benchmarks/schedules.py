@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from scalerlt_mcore.model.looped_gpt import token_logprobs
+from scalerlt_mcore.model.vocab_parallel import token_logprobs
 from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
     SharedPrefixGroup,

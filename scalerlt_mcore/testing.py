@@ -4,8 +4,9 @@
 - `run_distributed(fn, world_size)`: `world_size` spawned processes, one per rank; returns
   each rank's return value and re-raises a rank's exception with its traceback.
 
-Both enable the CPU backend, initialise TP=PP=1 model parallelism and seed MCore's RNG
-tracker, and always destroy the model-parallel state and the process group afterwards.
+Both enable the CPU backend, initialise model parallelism (PP=1; TP=1, or as given to
+`run_distributed`) and seed MCore's RNG tracker, and always destroy the model-parallel state
+and the process group afterwards.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import torch.distributed as dist
 from scalerlt_mcore.cpu_backend import enable_cpu_backend
 
 
-def _init_mcore(seed: int) -> None:
-    """TP=PP=1 model parallelism on the current process group, RNG tracker seeded."""
+def _init_mcore(seed: int, tensor_model_parallel_size: int = 1) -> None:
+    """Model parallelism (TP as given, PP=1) on the current process group, RNG tracker
+    seeded (MCore seeds each TP rank's tracker differently, as on GPUs)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -76,7 +79,7 @@ def _to_cpu(value):
     return value
 
 
-def _worker(rank, world_size, port, seed, timeout, fn, args, kwargs, results):
+def _worker(rank, world_size, port, seed, tp, timeout, fn, args, kwargs, results):
     """One rank: init gloo + MCore, run fn, report ('ok', pickled value) or ('error', text)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -87,7 +90,7 @@ def _worker(rank, world_size, port, seed, timeout, fn, args, kwargs, results):
             timeout=datetime.timedelta(seconds=timeout),
         )
         try:
-            _init_mcore(seed)
+            _init_mcore(seed, tp)
             value = fn(rank, world_size, *args, **kwargs)
         finally:
             _destroy_mcore()
@@ -97,8 +100,10 @@ def _worker(rank, world_size, port, seed, timeout, fn, args, kwargs, results):
 
 
 def run_distributed(fn, world_size: int = 2, *args, timeout: float = 300, mcore_seed: int = 1234,
-                    **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` spawned gloo ranks.
+                    tensor_model_parallel_size: int = 1, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` spawned gloo ranks, with
+    MCore's model parallelism initialised for ``tensor_model_parallel_size`` (data-parallel
+    size world_size / tensor_model_parallel_size).
 
     `fn` must be picklable (a module-level function). Returns the per-rank return values in
     rank order. A rank's exception is re-raised here with its traceback; after `timeout`
@@ -109,7 +114,8 @@ def run_distributed(fn, world_size: int = 2, *args, timeout: float = 300, mcore_
     port = _free_port()
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(r, world_size, port, mcore_seed, timeout, fn, args, kwargs, results))
+                    args=(r, world_size, port, mcore_seed, tensor_model_parallel_size, timeout,
+                          fn, args, kwargs, results))
         for r in range(world_size)
     ]
     for p in procs:

@@ -140,8 +140,7 @@ def test_batch_divisibility_names_both_numbers():
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
     (["--tensor-model-parallel-size", "3"],
      r"world size \(1\) must be divisible by tensor_model_parallel_size \(3\)"),
-    (["--tensor-model-parallel-size", "2"],
-     r"tensor_model_parallel_size 2: tensor parallelism is not supported yet"),
+    (["--make-vocab-size-divisible-by", "0"], "make_vocab_size_divisible_by must be >= 1"),
     (["--tensor-model-parallel-size", "3"],
      r"num_attention_heads \(2\) must be a multiple of tensor_model_parallel_size \(3\)"),
     (["--rl-task", "revers"],
@@ -176,6 +175,36 @@ def test_validate_rejects(argv, message):
         validate(parse_args(argv), world_size=1)
 
 
+def test_tensor_parallel_sizes_checked_against_data_parallel_size():
+    """TP is supported: TP=2 on 2 ranks is one data-parallel rank, whose batch checks use DP
+    size 1; an explicit vocab_size (not padded) must split over the TP ranks."""
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                      "--grpo-group-size", "8", "--micro-batch-size", "8"])
+    validate(cfg, world_size=2)  # DP 1: the 8 responses on the one data-parallel rank
+    with pytest.raises(ConfigError, match=r"global_batch_size \(8\) must be divisible by "
+                       r"data-parallel size x grpo_group_size \(2 x 8 = 16\)"):
+        validate(cfg, world_size=4)  # DP 2
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--vocab-size", "63"])
+    with pytest.raises(ConfigError, match=r"vocab_size \(63\) must be divisible by "
+                       r"tensor_model_parallel_size \(2\)"):
+        validate(cfg, world_size=2)
+
+
+def test_embedding_rows_pad_only_the_tokenizer_vocabulary():
+    """Megatron's padding (make_vocab_size_divisible_by x TP) applies to the tokenizer's 49
+    ids; an explicit vocab_size (a pretrained model's) is the number of rows as set."""
+    from scalerlt_mcore.app.pretrained import run_vocab_size
+
+    def rows(*argv):
+        return run_vocab_size(parse_args(["--tokenizer-type", "CharTokenizer", *argv]))
+
+    assert rows("--make-vocab-size-divisible-by", "1") == 49
+    assert rows("--make-vocab-size-divisible-by", "128") == 128
+    assert rows("--make-vocab-size-divisible-by", "128", "--tensor-model-parallel-size", "2") == 256
+    assert rows("--make-vocab-size-divisible-by", "4", "--tensor-model-parallel-size", "2") == 56
+    assert rows("--vocab-size", "64", "--tensor-model-parallel-size", "2") == 64
+
+
 def test_long_prompt_config_is_valid_and_long():
     cfg = parse_args(["--config", str(REPO / "configs/long_prompt_cpu.yaml")])
     validate(cfg, world_size=1)
@@ -201,7 +230,7 @@ def test_resolved_config_round_trip(tmp_path):
 
 SHIPPED_CONFIGS = sorted(p for d in ("configs", "scalerlt_mcore/configs", "tests/configs")
                          for p in (REPO / d).glob("*.yaml"))
-CONFIG_WORLD_SIZES = {"cpu_2rank.yaml": 2, "h20_8gpu.yaml": 8}
+CONFIG_WORLD_SIZES = {"cpu_2rank.yaml": 2, "cpu_tp2.yaml": 2, "h20_8gpu.yaml": 8}
 """The world size a shipped config is written for (1 if not listed)."""
 CONFIG_NEEDS = {"retrofit_tiny_llama.yaml": ["--pretrained-checkpoint", "tiny-llama"]}
 """Flags a config's own header says to add (validation reads no weights)."""
@@ -414,7 +443,8 @@ FROZEN_CLI_FLAGS = [
     "--looped-learned-loop-weights", "--looped-loops-warmup-iters", "--looped-num-coda-layers",
     "--looped-num-loops", "--looped-num-loops-sampling", "--looped-num-prelude-layers",
     "--looped-prefix-attention", "--looped-retrofit", "--lr", "--lr-decay-iters",
-    "--lr-decay-style", "--lr-warmup-iters", "--max-position-embeddings", "--micro-batch-size",
+    "--lr-decay-style", "--lr-warmup-iters", "--make-vocab-size-divisible-by",
+    "--max-position-embeddings", "--micro-batch-size",
     "--min-lr", "--no-load-optim", "--no-load-rng", "--no-plot", "--norm-epsilon",
     "--normalization", "--num-attention-heads", "--num-layers", "--num-query-groups",
     "--overlap-grad-reduce", "--pipeline-model-parallel-size", "--position-embedding-type",

@@ -46,6 +46,44 @@ def test_bad_looped_config(field, value, match):
         LoopedTransformerConfig(**{**BASE, field: value})
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (dict(sequence_parallel=True, tensor_model_parallel_size=2),
+     r"sequence_parallel=True \(--sequence-parallel\).*does not support sequence parallelism"),
+    (dict(context_parallel_size=2),
+     r"context_parallel_size=2 \(--context-parallel-size\).*does not support context"),
+    (dict(looped_exit_gate=True, tensor_model_parallel_size=2),
+     r"looped_exit_gate \(--looped-exit-gate\) with tensor_model_parallel_size=2: the exit gate "
+     r"is not supported under tensor parallelism yet"),
+])
+def test_sequence_and_context_parallelism_rejected(overrides, match):
+    with pytest.raises(NotImplementedError, match=match):
+        LoopedTransformerConfig(**{**BASE, **overrides})
+
+
+def test_tensor_parallel_size_must_match_the_group(mcore_single):
+    """A TP=2 config on a TP=1 process group: the per-rank K/V shapes would disagree."""
+    cfg = LoopedTransformerConfig(**{**BASE, "tensor_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="tensor_model_parallel_size is 2 but the "
+                                         "tensor-parallel group has 1 ranks"):
+        LoopedGPTModel(cfg, get_looped_gpt_layer_local_spec(), VOCAB, 16)
+
+
+@pytest.mark.parametrize("vocab, divisible_by, tp, padded", [
+    (49, 128, 1, 128), (49, 128, 2, 256), (49, 4, 2, 56), (56, 4, 2, 56), (1, 1, 1, 1),
+])
+def test_padded_vocab_size(vocab, divisible_by, tp, padded):
+    from scalerlt_mcore.model import padded_vocab_size
+
+    assert padded_vocab_size(vocab, divisible_by, tp) == padded
+
+
+def test_padded_vocab_size_rejects_non_positive():
+    from scalerlt_mcore.model import padded_vocab_size
+
+    with pytest.raises(ValueError, match=r"make_vocab_size_divisible_by \(0\)"):
+        padded_vocab_size(49, 0, 2)
+
+
 def test_bad_position_embedding_type(mcore_single):
     cfg = LoopedTransformerConfig(**BASE)
     with pytest.raises(ValueError, match="position_embedding_type must be"):

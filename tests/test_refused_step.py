@@ -21,13 +21,13 @@ TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
 
 def _trainer():
     from scalerlt_mcore.app import runtime
+    from scalerlt_mcore.app.pretrained import run_vocab_size
     from scalerlt_mcore.app.trainer import RLTrainer
-    from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
     cfg = parse_args(["--config", str(TINY_YAML)])
     validate(cfg, torch.distributed.get_world_size())
     config = runtime.model_config(cfg, "cpu")
-    model = runtime.build_model(cfg, config, CharTokenizer().vocab_size, "cpu")
+    model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
     return RLTrainer(cfg, model, *runtime.wrap_for_training(cfg, config, model))
 
 

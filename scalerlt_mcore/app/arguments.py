@@ -194,12 +194,17 @@ class ModelArgs:
     fp16: bool = False
     """Train in float16 mixed precision."""
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel size."""
+    """Tensor-parallel size: each layer's heads and MLP, and the vocabulary, split over this
+    many ranks (the data-parallel size is the world size divided by it)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the tokenizer's vocabulary to a multiple of this times tensor_model_parallel_size (as
+    Megatron) when vocab_size is unset; padding ids are never sampled and never labels."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (the looped GPT rejects any other than 1)."""
     vocab_size: Optional[int] = None
-    """Rows of the embedding table; None: the tokenizer's. A pretrained model's may be larger:
-    ids past the tokenizer's are never sampled."""
+    """Rows of the embedding table (as set: not padded; divisible by
+    tensor_model_parallel_size); None: the tokenizer's, padded by make_vocab_size_divisible_by.
+    A pretrained model's may be larger: ids past the tokenizer's are never sampled."""
     kv_channels: Optional[int] = None
     """Attention head dimension; None: hidden_size / num_attention_heads."""
     swiglu: bool = False
@@ -832,7 +837,7 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
     m = cfg.model
     errors = _positive(m, "num_layers", "hidden_size", "num_attention_heads",
                        "max_position_embeddings", "tensor_model_parallel_size",
-                       "pipeline_model_parallel_size")
+                       "make_vocab_size_divisible_by", "pipeline_model_parallel_size")
     if errors:
         return errors
     if m.hidden_size % m.num_attention_heads:
@@ -845,10 +850,11 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
     if world_size % m.tensor_model_parallel_size:
         errors.append(f"world size ({world_size}) must be divisible by "
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size})")
-    if m.tensor_model_parallel_size > 1:
-        errors.append(f"tensor_model_parallel_size {m.tensor_model_parallel_size}: tensor "
-                      f"parallelism is not supported yet (the prefix state, decoding cache and "
-                      f"data draw are not per tensor-parallel rank); use 1")
+    if m.vocab_size is not None and m.vocab_size % m.tensor_model_parallel_size:
+        errors.append(f"vocab_size ({m.vocab_size}) must be divisible by "
+                      f"tensor_model_parallel_size ({m.tensor_model_parallel_size}): the "
+                      f"output layer splits the vocabulary (leave vocab_size unset to pad the "
+                      f"tokenizer's by make_vocab_size_divisible_by)")
     return errors + _library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
 
 

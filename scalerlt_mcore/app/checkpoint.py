@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..mcore_compat import mcore_workaround
@@ -47,7 +47,9 @@ def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
              if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
-    mine = {t.key: tuple(t.global_shape) for t in nested_values(model.sharded_state_dict())
+    model_sd = model.sharded_state_dict()
+    apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
             if isinstance(t, ShardedTensor)}
     return [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
@@ -281,7 +283,9 @@ def load_model_weights(path, model) -> Path:
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
              if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
-    mine = {t.key: tuple(t.global_shape) for t in nested_values(model.sharded_state_dict())
+    model_sd = model.sharded_state_dict()
+    apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
             if isinstance(t, ShardedTensor)}
     diffs = [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
              for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]

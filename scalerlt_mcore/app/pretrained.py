@@ -23,6 +23,7 @@ from ..model.hf_import import (
 )
 from ..model.mcore_import import is_dist_checkpoint, load_mcore_gpt_state_dict, source_layers
 from ..model.retrofit import LayerMapping, load_converted_state_dict, retrofit_state_dict
+from ..model.vocab_parallel import padded_vocab_size
 from .arguments import ConfigError, tokenizer_args, tokenizer_from
 from .checkpoint import (
     CheckpointError,
@@ -41,8 +42,13 @@ ARCHITECTURE_KEYS = tuple(f.name for f in dataclasses.fields(PretrainedArchitect
 
 
 def run_vocab_size(cfg) -> int:
-    """Embedding rows: ``vocab_size``, else the tokenizer's."""
-    return cfg.model.vocab_size or tokenizer_from(cfg).vocab_size
+    """Embedding rows: ``vocab_size`` as set, else the tokenizer's padded as Megatron pads it
+    (to a multiple of ``make_vocab_size_divisible_by`` x ``tensor_model_parallel_size``)."""
+    m = cfg.model
+    if m.vocab_size is not None:
+        return m.vocab_size
+    return padded_vocab_size(tokenizer_from(cfg).vocab_size, m.make_vocab_size_divisible_by,
+                             m.tensor_model_parallel_size)
 
 
 def source_kind(path) -> str:

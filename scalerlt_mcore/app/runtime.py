@@ -57,7 +57,8 @@ def shutdown_distributed() -> None:
 
 
 def build_model(cfg, config: LoopedTransformerConfig, vocab_size: int, device: str):
-    """The bare looped GPT on ``device``."""
+    """The bare looped GPT on ``device`` with ``vocab_size`` embedding rows (the main job's:
+    ``pretrained.run_vocab_size``, the tokenizer's padded as Megatron pads it)."""
     te = cfg.model.transformer_impl == "transformer_engine"
     spec = get_looped_gpt_block_spec(config, use_transformer_engine=te)
     model = LoopedGPTModel(

@@ -1,7 +1,8 @@
 """Main job: ``python -m scalerlt_mcore.train [--config X.yaml] [--flag value ...]``.
 
-One process, or ``torchrun --nproc-per-node N`` for N data-parallel ranks (MCore DDP +
-distributed optimizer). Without ``--config`` the packaged tiny CPU demo config is used.
+One process, or ``torchrun --nproc-per-node N`` for N ranks: N / tensor_model_parallel_size
+data-parallel ranks (MCore DDP + distributed optimizer), each a group of tensor-parallel
+ranks. Without ``--config`` the packaged tiny CPU demo config is used.
 
 From the command line (``cli``), errors a user causes (flags, config file, ``--load``,
 ``--save``, ``--run-dir``) print one line, ``error: ...``, and exit with status 2; any other
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 from tqdm import tqdm
 
 from ..mcore_compat import fallback_note
@@ -116,7 +118,9 @@ def _run(cfg, device: str, notes: list) -> dict:
     if rank0:
         save_resolved(cfg, run_dir)
         print(f"device: {device} ({dist.get_backend()}), data-parallel ranks: "
-              f"{dist.get_world_size()}, run dir: {run_dir}", flush=True)
+              f"{parallel_state.get_data_parallel_world_size()}, tensor-parallel ranks: "
+              f"{parallel_state.get_tensor_model_parallel_world_size()}, run dir: {run_dir}",
+              flush=True)
         if fallback_note():
             print(fallback_note(), flush=True)
     config = model_config(cfg, device)

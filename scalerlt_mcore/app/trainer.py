@@ -1,7 +1,8 @@
 """The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
 
-Every step's prompts derive from (seed, step, rank) alone, so a resumed run draws the same data
-as an uninterrupted one. Rollout outputs, rewards and metrics live on the host; groups,
+Every step's prompts and samples derive from (seed, step, data-parallel rank) alone, so a
+resumed run draws the same data as an uninterrupted one, and the ranks of a tensor-parallel
+group draw the same data. Rollout outputs, rewards and metrics live on the host; groups,
 advantages, log-probs, loop weights and warm-up batches on the model's device.
 """
 
@@ -12,6 +13,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
@@ -194,7 +196,9 @@ class RLTrainer:
         self.cfg, self.model, self.ddp = cfg, model, ddp
         self.device = next(model.parameters()).device
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # data are drawn per data-parallel rank: identical on the ranks of a TP group
+        self.rank = parallel_state.get_data_parallel_rank()
+        self.world = parallel_state.get_data_parallel_world_size()
         self.tok = tokenizer_from(cfg)
         self.task = task_from(cfg)
         self.objective = objective_from(cfg)
@@ -206,7 +210,8 @@ class RLTrainer:
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
-        # a pretrained vocabulary may extend past the tokenizer's: never sample those ids
+        # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
+        # never sample those ids
         self.banned = (self.tok.pad_id, self.tok.bos_id,
                        *range(self.tok.vocab_size, model.vocab_size))
 
@@ -247,11 +252,12 @@ class RLTrainer:
 
     def _calibrate(self, model) -> CostModel:
         """The cost model of ``shared_prefix_schedule: auto``, measured on rank 0 and shared,
-        so every rank plans alike."""
+        so every rank plans alike (every rank of the job: the ranks of a tensor-parallel group
+        must run the same schedule too, so the data-parallel size does not decide)."""
         cost = CostModel.calibrate(model)
         device = next(model.parameters()).device
         values = torch.tensor([cost.call_s, cost.flop_s], dtype=torch.float64, device=device)
-        if self.world > 1:
+        if dist.get_world_size() > 1:
             dist.broadcast(values, src=0)
         return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
 
@@ -292,7 +298,7 @@ class RLTrainer:
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=self.banned, loop=loop,
+                       banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
                        prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
                        exit_threshold=self.cfg.rl.rl_exit_threshold)
@@ -466,7 +472,7 @@ class RLTrainer:
         vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
                             device=self.device)  # NCCL reduces device tensors only
         if self.world > 1:
-            dist.all_reduce(vals)
+            dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
             vals /= self.world
         return {**metrics, **dict(zip(keys, vals.tolist()))}
 

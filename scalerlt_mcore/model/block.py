@@ -10,9 +10,10 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 
@@ -131,6 +132,24 @@ class RecurrentTransformerBlock(MegatronModule):
             build_module(spec, config=self.config, layer_number=first_number + i)
             for i in range(count)
         )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """For distributed checkpoints: every layer's own sharded state dict (tensor-parallel
+        shards with their global shapes, MCore's layer key map), as MCore's
+        ``TransformerBlock`` does. MegatronModule's default would reach the layers through
+        their ``nn.ModuleList``, which has none, and save every tensor as replicated: under
+        tensor parallelism one rank's shard as the whole tensor."""
+        tp_group = getattr(self, "tp_group", None) or (
+            parallel_state.get_tensor_model_parallel_group())  # as MegatronModule's default
+        out = {}
+        for name, child in self.named_children():
+            members = child.named_children() if isinstance(child, nn.ModuleList) else [("", child)]
+            for index, module in members:
+                key = f"{prefix}{name}." + (f"{index}." if index else "")
+                out.update(sharded_state_dict_default(module, key, sharded_offsets, metadata,
+                                                      tp_group=tp_group))
+        return out
 
     def forward(self, hidden, attention_mask=None, ctx=None, rotary_pos_emb=None) -> list:
         """hidden [s, b, h] -> R tensors [s, b, h], one per loop."""

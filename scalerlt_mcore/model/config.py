@@ -117,8 +117,18 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         raise NotImplementedError(
             f"pipeline_model_parallel_size must be 1 (the looped GPT has no pipeline "
             f"parallelism), got {cfg.pipeline_model_parallel_size}")
-    if cfg.sequence_parallel or cfg.context_parallel_size > 1:
-        raise NotImplementedError("looped GPT does not support sequence or context parallelism")
+    if cfg.sequence_parallel:
+        raise NotImplementedError("sequence_parallel=True (--sequence-parallel): the looped GPT "
+                                  "does not support sequence parallelism")
+    if cfg.context_parallel_size > 1:
+        raise NotImplementedError(f"context_parallel_size={cfg.context_parallel_size} "
+                                  f"(--context-parallel-size): the looped GPT does not support "
+                                  f"context parallelism")
+    if cfg.looped_exit_gate and cfg.tensor_model_parallel_size > 1:
+        raise NotImplementedError(
+            f"looped_exit_gate (--looped-exit-gate) with tensor_model_parallel_size="
+            f"{cfg.tensor_model_parallel_size}: the exit gate is not supported under tensor "
+            f"parallelism yet")
 
 
 def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:

@@ -5,6 +5,9 @@ Virtual depth of a layer application: prelude layer p -> p; core layer l in loop
 n_prelude + r * (L_core + n_coda) + l; coda layer c after loop r -> the same base + L_core + c.
 MCore keys inference caches by ``layer_number``; a core layer reused across loops has one
 ``layer_number`` but R depths, so every cache here is keyed by depth, never by layer number.
+
+Under tensor parallelism every rank holds the K/V of its own query groups
+(``kv_groups_per_rank``): prefix states, their adjoints and decoding caches are per rank.
 """
 
 from dataclasses import dataclass, field
@@ -17,7 +20,7 @@ from ..mcore_compat import mcore_workaround
 
 
 def config_signature(config) -> tuple:
-    """What a prefix state must agree with: loop structure and per-depth K/V shape."""
+    """The model's structure, whatever its parallel layout: loops and the global K/V shape."""
     return (
         config.looped_num_prelude_layers,
         config.num_layers,
@@ -29,11 +32,29 @@ def config_signature(config) -> tuple:
     )
 
 
+def state_signature(config) -> tuple:
+    """What a per-rank prefix state or cache must agree with: the structure and the
+    tensor-parallel size that splits its K/V groups."""
+    return (*config_signature(config), config.tensor_model_parallel_size)
+
+
+STATE_FIELDS = ("prelude", "core", "coda", "loops", "kv groups", "kv channels", "hidden",
+                "tensor parallel")
+"""Names of the entries of ``state_signature``."""
+
+
+def kv_groups_per_rank(config) -> int:
+    """K/V groups (heads) held by one tensor-parallel rank."""
+    groups = config.num_query_groups or config.num_attention_heads
+    return groups // config.tensor_model_parallel_size
+
+
 @dataclass
 class PrefixState:
     """A prompt's state at every K/V boundary, for suffixes computed separately.
 
-    keys/values: one per virtual depth, each [P, Bp, ng, hn] (post-RoPE keys).
+    keys/values: one per virtual depth, each [P, Bp, ng, hn] (post-RoPE keys; ng: this
+                 tensor-parallel rank's K/V groups).
     boundary:    [R, Bp, H], the readout input (pre-final-norm) at the last prompt position for
                  every loop: it predicts the first suffix token.
     """
@@ -74,9 +95,9 @@ class PrefixState:
 
     def check_compatible(self, config) -> None:
         """Raise if this state was not produced by a model of ``config``'s structure."""
-        expected = config_signature(config)
+        expected = state_signature(config)
         if self.signature != expected:
-            names = ("prelude", "core", "coda", "loops", "kv groups", "kv channels", "hidden")
+            names = STATE_FIELDS
             diffs = ", ".join(f"{n} {a} != {b}" for n, a, b in zip(names, self.signature, expected)
                               if a != b)
             raise ValueError(
@@ -89,12 +110,12 @@ class PrefixState:
                 f"prefix state has {len(self.keys)} key / {len(self.values)} value depths, "
                 f"model needs {depths} (loops={config.looped_num_loops})"
             )
-        kv_shape = (self.length, self.batch, expected[4], expected[5])
+        kv_shape = (self.length, self.batch, kv_groups_per_rank(config), config.kv_channels)
         for d, (k, v) in enumerate(zip(self.keys, self.values)):
             if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
                 raise ValueError(
                     f"prefix state depth {d}: key {tuple(k.shape)} / value {tuple(v.shape)}, "
-                    f"expected {kv_shape} [P, batch, kv groups, kv channels]"
+                    f"expected {kv_shape} [P, batch, kv groups on this rank, kv channels]"
                 )
         b_shape = (config.looped_num_loops, self.batch, config.hidden_size)
         if tuple(self.boundary.shape) != b_shape:
@@ -121,7 +142,8 @@ def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
 class DepthKVCache:
     """Decoding cache: per-depth K/V for a batch with per-sequence lengths.
 
-    keys/values: [D, T_max, B, ng, hn]; ``lengths[b]`` = tokens of sequence b in the cache.
+    keys/values: [D, T_max, B, ng, hn] (ng: this tensor-parallel rank's K/V groups);
+    ``lengths[b]`` = tokens of sequence b in the cache.
     A forward with this cache writes its new K/V at positions lengths[b] ... lengths[b]+s-1 and
     attends to every cached position <= the query's own.
 
@@ -133,13 +155,13 @@ class DepthKVCache:
 
     def __init__(self, config, batch: int, max_length: int, dtype=None, device=None,
                  prefix: Optional["DepthKVCache"] = None):
-        groups = config.num_query_groups or config.num_attention_heads
+        groups = kv_groups_per_rank(config)
         shape = (config.looped_num_depths, max_length, batch, groups, config.kv_channels)
         dtype = dtype or config.params_dtype
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.signature = config_signature(config)
+        self.signature = state_signature(config)
         self.prefix = prefix
         if prefix is not None:
             _check_prefix_cache(prefix, self)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -16,15 +16,17 @@ from torch import Tensor
 
 from .block import exit_log_distribution, loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES
-from .kv import DepthKVCache, LoopKV, PrefixState, config_signature
+from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
+from .vocab_parallel import gather_vocab, token_logprobs
 
 
 @dataclass
 class LoopedOutput:
     """Per-loop results of a forward.
 
-    logits:       R tensors [B, S, V] (when no labels are given), else None.
+    logits:       R tensors [B, S, V / tp] (when no labels are given; split over the
+                  vocabulary under tensor parallelism, as MCore's parallel_output), else None.
     logprobs:     [R, B, S] log-probs of ``labels`` (when given), else None.
     exit_logprobs: [R, B, S] log p(exit at loop r) of every position (exit gate on), else None.
     prefix_state: the K/V of every depth and the per-loop boundary (when requested).
@@ -43,7 +45,11 @@ class LoopedGPTModel(LanguageModule):
     ``transformer_layer_spec``: a block spec (``get_looped_gpt_block_spec``), or, as MCore's
     ``GPTModel`` accepts, one layer spec used for every layer (local final norm).
     ``rope_scaling`` / ``rope_scaling_factor``: Llama 3.x RoPE frequency scaling, as in MCore's
-    ``GPTModel`` (low/high frequency factors 1 and 4, original context 8192)."""
+    ``GPTModel`` (low/high frequency factors 1 and 4, original context 8192).
+
+    Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
+    multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
+    caches are per rank; log-probs use MCore's vocab-parallel cross entropy."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
@@ -52,6 +58,7 @@ class LoopedGPTModel(LanguageModule):
                  rotary_base: int = 10000, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0, pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
+        self._check_tensor_parallel(config, vocab_size)
         if not (pre_process and post_process):
             raise NotImplementedError("looped GPT does not support pipeline parallelism")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -84,6 +91,17 @@ class LoopedGPTModel(LanguageModule):
             tp_group=self.pg_collection.tp,
         )
         self.setup_embeddings_and_output_layer()
+
+    def _check_tensor_parallel(self, config, vocab_size: int) -> None:
+        tp = self.pg_collection.tp.size()
+        if tp != config.tensor_model_parallel_size:
+            raise ValueError(f"config.tensor_model_parallel_size is "
+                             f"{config.tensor_model_parallel_size} but the tensor-parallel group "
+                             f"has {tp} ranks")
+        if vocab_size % tp:
+            raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel "
+                             f"size {tp}: pad it as Megatron does (make_vocab_size_divisible_by "
+                             f"x tensor_model_parallel_size)")
 
     def set_input_tensor(self, input_tensor) -> None:
         """MCore schedules call this; without pipeline parallelism there is nothing to set."""
@@ -128,15 +146,18 @@ class LoopedGPTModel(LanguageModule):
     def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None):
         with loop_grad_context(self.config, loop):
             logits, gate = self.readout_and_gate(hidden)
-            return (logits if labels is None else token_logprobs(logits, labels)), gate
+            return (logits if labels is None else self._logprobs(logits, labels)), gate
+
+    def _logprobs(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return token_logprobs(logits, labels, self.pg_collection.tp)
 
     def readout(self, hidden: Tensor) -> Tensor:
-        """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V]."""
+        """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V / tp]."""
         return self.readout_and_gate(hidden, gate=False)[0]
 
     def readout_and_gate(self, hidden: Tensor, gate: bool = True) -> tuple:
-        """hidden [S, B, H] -> (logits [B, S, V], exit-gate logits [B, S] from the same normed
-        state, or None without a gate or with ``gate=False``)."""
+        """hidden [S, B, H] -> (logits [B, S, V / tp], exit-gate logits [B, S] from the same
+        normed state, or None without a gate or with ``gate=False``)."""
         normed = self.decoder.final_layernorm(hidden)
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
@@ -161,9 +182,9 @@ class LoopedGPTModel(LanguageModule):
         distribution of the prompt's last position as ``exit_logprobs`` [R, B, 1]."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
-        logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V], [Bp, R]
-        logits = logits.expand(batch, -1, -1)  # [B, R, V]
-        first = token_logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
+        logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V/tp], [Bp, R]
+        logits = logits.expand(batch, -1, -1)  # [B, R, V/tp]
+        first = self._logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
         out = LoopedOutput(logprobs=first.t().unsqueeze(-1))  # [R, B, 1]
         if gate is not None:
             gate = gate.expand(batch, -1).t().unsqueeze(-1)  # [R, B, 1]
@@ -171,17 +192,17 @@ class LoopedGPTModel(LanguageModule):
         return out
 
     def _boundary_logits(self, boundary: Tensor) -> tuple:
-        """Readout and gate of the per-loop boundary [R, Bp, H] -> ([Bp, R, V], [Bp, R] or
+        """Readout and gate of the per-loop boundary [R, Bp, H] -> ([Bp, R, V/tp], [Bp, R] or
         None) (loops play the sequence role); the rows of graph-free loops (truncated
         backprop) under ``no_grad``."""
         frozen = self.config.looped_num_graph_free_loops
         if frozen == 0:
             return self.readout_and_gate(boundary)
         with torch.no_grad():
-            head = self.readout_and_gate(boundary[:frozen])  # [Bp, R - k, V], [Bp, R - k]
+            head = self.readout_and_gate(boundary[:frozen])  # [Bp, R - k, V/tp], [Bp, R - k]
         tail = self.readout_and_gate(boundary[frozen:])
         gate = None if tail[1] is None else torch.cat([head[1], tail[1]], dim=1)  # [Bp, R]
-        return torch.cat([head[0], tail[0]], dim=1), gate  # [Bp, R, V]
+        return torch.cat([head[0], tail[0]], dim=1), gate  # [Bp, R, V/tp]
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
                         labels: Optional[Tensor] = None) -> Tensor:
@@ -221,16 +242,16 @@ class LoopedGPTModel(LanguageModule):
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor,
                 with_exit: bool = False):
         """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
-        at each prompt's last token. Padding K/V is written but never attended to.
-        ``with_exit``: (logits, the exit distribution log p(r) [R, B] there; None without a
-        gate)."""
+        at each prompt's last token, over the whole (padded) vocabulary on every
+        tensor-parallel rank. Padding K/V is written but never attended to. ``with_exit``:
+        (logits, the exit distribution log p(r) [R, B] there; None without a gate)."""
         cache.lengths.zero_()
-        out = self.forward(tokens, kv_cache=cache)  # logits: R x [B, T, V]
+        out = self.forward(tokens, kv_cache=cache)  # logits: R x [B, T, V/tp]
         cache.lengths.copy_(lengths)
         last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.logits[0].shape[-1])
-        logits = torch.stack([lg.gather(1, last).squeeze(1) for lg in out.logits])  # [R, B, V]
+        logits = self._full_vocab([lg.gather(1, last).squeeze(1) for lg in out.logits])
         if not with_exit:
-            return logits
+            return logits  # [R, B, V]
         exit_lp = out.exit_logprobs
         if exit_lp is not None:
             exit_lp = exit_lp.gather(2, (lengths - 1)[None, :, None].expand(exit_lp.shape[0],
@@ -239,14 +260,19 @@ class LoopedGPTModel(LanguageModule):
 
     @torch.no_grad()
     def decode_step(self, cache: DepthKVCache, tokens: Tensor, with_exit: bool = False):
-        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V]
-        (``with_exit``: and the exit distribution log p(r) [R, B], None without a gate)."""
+        """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V] (as
+        ``prefill``; ``with_exit``: and the exit distribution log p(r) [R, B], None without a
+        gate)."""
         out = self.forward(tokens[:, None], kv_cache=cache)
         cache.lengths += 1
-        logits = torch.stack([lg[:, 0] for lg in out.logits])
+        logits = self._full_vocab([lg[:, 0] for lg in out.logits])
         if not with_exit:
             return logits
         return logits, None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
+
+    def _full_vocab(self, per_loop: list) -> Tensor:
+        """R tensors [B, V/tp] -> [R, B, V], the same on every tensor-parallel rank."""
+        return gather_vocab(torch.stack(per_loop), self.pg_collection.tp)  # [R, B, V]
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -270,7 +296,7 @@ class LoopedGPTModel(LanguageModule):
         keys = [ctx.recorded[d][0] for d in range(depths)]
         values = [ctx.recorded[d][1] for d in range(depths)]
         boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
-        return PrefixState(keys, values, boundary, config_signature(self.config))
+        return PrefixState(keys, values, boundary, state_signature(self.config))
 
     def _check_inputs(self, input_ids, labels, prefix_state, kv_cache) -> None:
         if input_ids.dim() != 2:
@@ -286,23 +312,9 @@ class LoopedGPTModel(LanguageModule):
                 raise ValueError(f"prefix state batch {prefix_state.batch} must be 1 or the "
                                  f"input batch {input_ids.shape[0]}")
         if kv_cache is not None:
-            if kv_cache.signature != config_signature(self.config):
+            if kv_cache.signature != state_signature(self.config):
                 raise ValueError("kv_cache was built for a different model config")
             if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:
                 raise ValueError(f"kv_cache holds {kv_cache.max_length} positions; this step "
                                  f"would write past it")
 
-
-def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(labels) from logits [..., V], in fp32 or wider (fp64 stays fp64).
-
-    Under tensor parallelism the logits are vocab-sharded and MCore's vocab-parallel cross
-    entropy is used (it computes in fp32)."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
-        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    lead = logits.shape[:-1]
-    flat = logits.to(acc).reshape(1, -1, logits.shape[-1])  # [1, N, V]
-    nll = tensor_parallel.vocab_parallel_cross_entropy(flat, labels.reshape(1, -1))
-    return -nll.reshape(lead)

@@ -18,6 +18,11 @@ Two ways to hold the prompts, the same samples (``generate(..., prompt_once=...)
 - prompt once (Hydragen): each prompt prefilled once into a cache of N rows; the G samples
   keep only their own tokens' K/V and read the prompt's single copy through
   ``prompt_once_attention`` (``DepthKVCache(prefix=...)``).
+
+Under tensor parallelism the model returns the whole (padded) vocabulary's logits on every rank
+of a TP group and each rank's KV caches (per row, or the prompt-once prefix and continuation)
+hold its own heads; ranks that pass the same prompts and generator state draw the same tokens.
+Padding ids (>= ``vocab_size``) are never drawn.
 """
 
 from dataclasses import dataclass
@@ -65,14 +70,17 @@ def exit_loop_at(exit_logprobs: Tensor, threshold: float) -> Tensor:
 
 
 def sample_mixture(logits: Tensor, exit_logprobs: Tensor, temperature: float, top_p: float,
-                   generator, banned=()) -> Tensor:
+                   generator, banned=(), vocab_size=None) -> Tensor:
     """A token per row from sum_r p(r) pi_r: logits [R, B, V], exit_logprobs [R, B] -> [B]
-    (each loop's distribution with temperature and top-p; greedy at temperature 0)."""
+    (each loop's distribution with temperature and top-p; greedy at temperature 0; ``banned``
+    and padding ids as in ``sample_next``)."""
     check_generator(generator, logits.device)
     logits = logits.float()
-    if banned:
+    if banned or (vocab_size is not None and vocab_size < logits.shape[-1]):
         logits = logits.clone()
         logits[..., list(banned)] = float("-inf")
+        if vocab_size is not None:
+            logits[..., vocab_size:] = float("-inf")
     if temperature == 0:
         probs = logits.softmax(-1)
     else:
@@ -95,13 +103,17 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
 
 
 def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
-                banned=()) -> Tensor:
-    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids never drawn.
-    ``generator`` (or None: the default one) must be on the logits' device."""
+                banned=(), vocab_size=None) -> Tensor:
+    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids and the padding
+    ids >= ``vocab_size`` (Megatron's vocabulary padding) are never drawn. ``generator`` (or
+    None: the default one) must be on the logits' device."""
     check_generator(generator, logits.device)
-    if banned:
+    padded = vocab_size is not None and vocab_size < logits.shape[-1]
+    if banned or padded:
         logits = logits.clone()
         logits[:, list(banned)] = float("-inf")
+        if padded:
+            logits[:, vocab_size:] = float("-inf")
     if temperature == 0:
         return logits.argmax(-1)
     probs = top_p_filter(logits.float() / temperature, top_p).softmax(-1)
@@ -130,14 +142,17 @@ def _right_pad(rows: list, pad_id: int) -> tuple:
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
              generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
-             exit_mode: str = "none", exit_threshold: float = 0.5) -> Rollout:
+             exit_mode: str = "none", exit_threshold: float = 0.5,
+             vocab_size=None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
     ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
     from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
-    Log-probs are the policy's own (temperature 1, no ban). The returned tensors are on the
-    host (rewards and decoding read them there). ``prompt_once``: prefill each prompt once and
-    decode its samples against that one copy (the same samples and log-probs up to rounding;
-    rows are ordered as per row)."""
+    Log-probs are the policy's own (temperature 1, no ban, over the model's whole padded
+    vocabulary, as training scores them). The returned tensors are on the host (rewards and
+    decoding read them there). ``prompt_once``: prefill each prompt once and decode its samples
+    against that one copy (the same samples and log-probs up to rounding; rows are ordered as
+    per row). ``vocab_size``: the real vocabulary (ids beyond it are padding, never drawn);
+    None: no padding."""
     device = next(model.parameters()).device
     check_generator(generator, device)
     if exit_mode not in EXIT_MODES:
@@ -159,11 +174,12 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     for t in range(max_new_tokens):
         chosen = None if exit_mode != "threshold" else exit_loop_at(exit_lp, exit_threshold)
         if exit_mode == "mixture":
-            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, banned)
+            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, banned,
+                                 vocab_size)
         else:
             rows = logits[loop] if chosen is None else logits[chosen, torch.arange(
                 logits.shape[1], device=device)]  # [B, V]
-            nxt = sample_next(rows, temperature, top_p, generator, banned)
+            nxt = sample_next(rows, temperature, top_p, generator, banned, vocab_size)
         rec.add(t, nxt, logits, exit_lp, exit_mode, chosen, loop)
         if bool(rec.done.all()) or t == max_new_tokens - 1:
             break

@@ -396,13 +396,17 @@ def _with_loop_weights(result: dict, inner) -> dict:
 def _merge(per_wave: dict, **extra) -> object:
     """One microbatch result from the waves' results: 0-dim tensors are summed; tensors with
     a response dimension ([R, W, ...] as the wave model's output, or [W]) are concatenated
-    over it; dicts merge key by key. ``extra`` adds 0-dim tensors (e.g. num_waves)."""
+    over it; dicts merge key by key. ``extra`` adds 0-dim floating tensors (e.g. num_waves)
+    in the dtype of the stats, so that a training loop can average every value as Megatron-LM
+    averages loss dicts (``torch.cat([d[k].view(-1) ...]).mean()``)."""
     items = [per_wave[k] for k in sorted(per_wave)]
     merged = _merge_values(items)
     if extra and isinstance(merged, dict):
-        ref = next((v for v in merged.values() if isinstance(v, Tensor)), None)
-        device = ref.device if ref is not None else None
-        merged.update({k: torch.tensor(float(v), device=device) for k, v in extra.items()})
+        ref = next((v for v in merged.values()
+                    if isinstance(v, Tensor) and v.is_floating_point()), None)
+        dtype, device = (ref.dtype, ref.device) if ref is not None else (None, None)
+        merged.update({k: torch.tensor(float(v), dtype=dtype, device=device)
+                       for k, v in extra.items()})
     return merged
 
 
