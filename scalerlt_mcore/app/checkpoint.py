@@ -42,8 +42,12 @@ def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
     else the name and shape of every model tensor."""
     diffs = [f"{name} {a} != {b}" for name, a, b in
              zip(_SIGNATURE_FIELDS, meta["signature"], _model_signature(model)) if a != b]
-    if diffs:
-        return diffs
+    return diffs or _tensor_mismatch(ckpt, model)
+
+
+def _tensor_mismatch(ckpt: Path, model) -> list[str]:
+    """'<key> <checkpoint's shape> != <this model's>' for every model tensor that differs in
+    name or global shape (optimizer and KL-reference tensors aside)."""
     saved = {k: tuple(t.global_shape) for k, t in
              dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
              if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
@@ -53,6 +57,12 @@ def _structure_mismatch(ckpt: Path, meta: dict, model) -> list[str]:
             if isinstance(t, ShardedTensor)}
     return [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
+
+
+def _first_diffs(diffs: list[str]) -> str:
+    """The first four differences, and how many there are when more."""
+    more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
+    return ", ".join(diffs[:4]) + more
 
 
 def _sharded_state(model, optimizer, is_loading: bool = False) -> dict:
@@ -153,9 +163,8 @@ def load_checkpoint(path, model, optimizer, scheduler, reference=None,
     _check_tokenizer(ckpt, meta, tokenizer)
     diffs = _structure_mismatch(ckpt, meta, model)
     if diffs:
-        more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
         raise CheckpointError(f"checkpoint {ckpt} was saved from a different model config "
-                              f"(checkpoint != this run): {', '.join(diffs[:4])}{more}")
+                              f"(checkpoint != this run): {_first_diffs(diffs)}")
     _init_adam_state(optimizer)
     request = _sharded_state(model, optimizer, is_loading=True)
     with_reference = reference is not None and meta.get("reference_taken_at") is not None
@@ -280,19 +289,10 @@ def load_model_weights(path, model) -> Path:
     """Only the model weights of a checkpoint of ours (any loop count); returns its
     directory. Tensors that differ in name or shape are named."""
     ckpt = checkpoint_dir(path)
-    saved = {k: tuple(t.global_shape) for k, t in
-             dist_checkpointing.load_tensors_metadata(str(ckpt)).items()
-             if not k.startswith(("optimizer.", REFERENCE_PREFIX))}
-    model_sd = model.sharded_state_dict()
-    apply_factories(model_sd)  # e.g. SwiGLU's fc1: the [2 * ffn, H] tensor it is saved as
-    mine = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
-            if isinstance(t, ShardedTensor)}
-    diffs = [f"{k} {saved.get(k, 'absent')} != {mine.get(k, 'absent')}"
-             for k in sorted(saved.keys() | mine.keys()) if saved.get(k) != mine.get(k)]
+    diffs = _tensor_mismatch(ckpt, model)
     if diffs:
-        more = f", ... ({len(diffs)} differences)" if len(diffs) > 4 else ""
         raise CheckpointError(f"checkpoint {ckpt} holds weights of a different model (checkpoint "
-                         f"!= this run): {', '.join(diffs[:4])}{more}")
+                              f"!= this run): {_first_diffs(diffs)}")
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
     with torch.no_grad():
         model.load_state_dict(state["model"])
