@@ -236,9 +236,11 @@ def test_bool_loss_mask(mcore_single):
     assert max(errs.values()) <= 1e-12, errs
 
 
-def test_grad_scale_func_applied_like_stock(mcore_single):
+@pytest.mark.parametrize("prompt", ["recompute", "retain"])
+def test_grad_scale_func_applied_like_stock(mcore_single, prompt):
     """MCore's loss scaling (config.grad_scale_func) scales joint replay's grads, including
-    the prefix adjoints of earlier waves, exactly as it scales the stock step's."""
+    the prefix adjoints of earlier waves (through the retained prompt graph too), exactly as
+    it scales the stock step's."""
     R = 2
     model = build_model(R=R, arch=True).double()
     groups = [make_group(5, 8, 4, R, seed=13), make_group(3, 6, 3, R, seed=14)]
@@ -248,12 +250,12 @@ def test_grad_scale_func_applied_like_stock(mcore_single):
         naive_step(model, groups, spec, per_mb=2)
         ref = grads(model)
         model.zero_grad(set_to_none=True)
-        joint_step(model, groups, spec, 2)
+        joint_step(model, groups, spec, 2, prompt=prompt)
         got = grads(model)
     finally:
         model.config.grad_scale_func = None
     model.zero_grad(set_to_none=True)
-    joint_step(model, groups, spec, 2)
+    joint_step(model, groups, spec, 2, prompt=prompt)
     unscaled = grads(model)
     assert max(rel_errors(got, ref).values()) <= 1e-12
     assert max(rel_errors({n: g / 1024.0 for n, g in got.items()}, unscaled).values()) <= 1e-12
