@@ -199,10 +199,11 @@ def _naive_forward_step(data_iterator, model):
 # ---- model, DDP, optimizer -----------------------------------------------------------------
 
 
-def _build(overlap_grad_reduce: bool):
-    """Tiny fp32 looped GPT (R=3, prelude + coda + injection) in MCore DDP + distributed
-    AdamW, with the config hooks Megatron's training loop sets. Each call builds its own
-    config object: the hooks live on it."""
+def _build(overlap_grad_reduce: bool, *, seed: int = SEED, vocab: int = VOCAB,
+           max_seq: int = MAX_SEQ, weight_decay: float = WEIGHT_DECAY, **looped):
+    """Tiny fp32 looped GPT (R=3, prelude + coda + injection; ``looped``: more config fields)
+    in MCore DDP + distributed AdamW, with the config hooks Megatron's training loop sets.
+    Each call builds its own config object: the hooks live on it."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -216,10 +217,10 @@ def _build(overlap_grad_reduce: bool):
     config = LoopedTransformerConfig(
         num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
         looped_num_loops=LOOPS, looped_num_prelude_layers=1, looped_num_coda_layers=1,
-        looped_injection="linear_concat",
+        looped_injection="linear_concat", **looped,
     )
-    torch.manual_seed(SEED)
-    gpt = LoopedGPTModel(config, get_looped_gpt_layer_local_spec(), VOCAB, MAX_SEQ)
+    torch.manual_seed(seed)
+    gpt = LoopedGPTModel(config, get_looped_gpt_layer_local_spec(), vocab, max_seq)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=BUCKET_SIZE,
@@ -227,7 +228,7 @@ def _build(overlap_grad_reduce: bool):
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     # clip_grad=0: clipping is a function of the reduced grads compared below, not under test.
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True,
+        optimizer="adam", lr=LR, weight_decay=weight_decay, decoupled_weight_decay=True,
         adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=ADAM_EPS, clip_grad=0.0,
         use_distributed_optimizer=True, bf16=False, fp16=False,
     )

@@ -20,33 +20,12 @@ GRAD_RTOL = 1e-6
 
 
 def _build():
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """test_joint_replay_ddp's model and optimizer (overlapped reduction, several buckets),
+    with the exit gate and truncated backprop (k = 1), and no weight decay (plain Adam)."""
+    from test_joint_replay_ddp import _build as build_ddp
 
-    from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
-    from scalerlt_mcore.model.config import LoopedTransformerConfig
-
-    config = LoopedTransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-        looped_num_loops=LOOPS, looped_num_prelude_layers=1, looped_num_coda_layers=1,
-        looped_injection="linear_concat", looped_exit_gate=True, looped_backprop_loops=1)
-    torch.manual_seed(3)
-    gpt = LoopedGPTModel(config, get_looped_gpt_layer_local_spec(), VOCAB, MAX_SEQ)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                               overlap_grad_reduce=True, bucket_size=6000)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0,
-                                 use_distributed_optimizer=True, bf16=False, fp16=False)
-    optimizer = get_megatron_optimizer(opt_config, [model])
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
-    config.grad_sync_func = model.start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return model, optimizer
+    return build_ddp(True, seed=3, vocab=VOCAB, max_seq=MAX_SEQ, weight_decay=0.0,
+                     looped_exit_gate=True, looped_backprop_loops=1)
 
 
 def _flat(model) -> torch.Tensor:
