@@ -166,21 +166,32 @@ def load_checkpoint(path, model, optimizer, scheduler, reference=None,
         raise CheckpointError(f"checkpoint {ckpt} was saved from a different model config "
                               f"(checkpoint != this run): {_first_diffs(diffs)}")
     _init_adam_state(optimizer)
-    request = _sharded_state(model, optimizer, is_loading=True)
-    with_reference = reference is not None and meta.get("reference_taken_at") is not None
-    if with_reference:
-        request["reference"] = reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)
+    request = {**_sharded_state(model, optimizer, is_loading=True),
+               **_reference_request(meta, reference)}
     state = dist_checkpointing.load(request, str(ckpt))
     with torch.no_grad():  # the optimizer copies into views of grad-requiring parameters
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step(optimizer)
     scheduler.load_state_dict(meta["scheduler"])
-    if with_reference:
+    _restore_reference(state, meta, reference)
+    return int(meta["step"])
+
+
+def _reference_request(meta: dict, reference) -> dict:
+    """``{"reference": its sharded state dict}`` when the checkpoint holds a KL reference and
+    the run has one to give it to, else ``{}``."""
+    if reference is None or meta.get("reference_taken_at") is None:
+        return {}
+    return {"reference": reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)}
+
+
+def _restore_reference(state: dict, meta: dict, reference) -> None:
+    """Give the loaded reference tensors (if requested) to the run's ``KLReference``."""
+    if "reference" in state:
         n = len(REFERENCE_PREFIX)
         reference.load({k[n:]: v for k, v in state["reference"].items()},
                        meta["reference_taken_at"])
-    return int(meta["step"])
 
 
 # ---- finding and verifying a checkpoint -------------------------------------------------------
@@ -305,10 +316,7 @@ def load_step_and_schedule(path, scheduler, reference=None) -> int:
     ckpt = checkpoint_dir(path)
     meta = checkpoint_meta(ckpt)
     scheduler.load_state_dict(meta["scheduler"])
-    if reference is not None and meta.get("reference_taken_at") is not None:
-        request = {"reference": reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)}
-        state = dist_checkpointing.load(request, str(ckpt))
-        n = len(REFERENCE_PREFIX)
-        reference.load({k[n:]: v for k, v in state["reference"].items()},
-                       meta["reference_taken_at"])
+    request = _reference_request(meta, reference)
+    if request:
+        _restore_reference(dist_checkpointing.load(request, str(ckpt)), meta, reference)
     return int(meta["step"])
