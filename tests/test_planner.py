@@ -54,6 +54,10 @@ MODELS = {
     "plain-bf16": lambda: build_model(R=2, hidden=32, heads=4).to(torch.bfloat16),
     "arch-concat-bf16": lambda: build_model(R=2, arch=True, hidden=32, heads=4,
                                             attn="concat").to(torch.bfloat16),
+    # truncated backprop: the first R - k loops run graph-free (no saves, no adjoints there)
+    "truncated-f32": lambda: build_model(R=3, hidden=32, heads=4, looped_backprop_loops=1),
+    "truncated-arch-bf16": lambda: build_model(R=3, arch=True, hidden=32, heads=4,
+                                               looped_backprop_loops=2).to(torch.bfloat16),
 }
 SHAPES = ((4, 16, 6), (5, 40, 9))  # (G, P, S)
 PLANS = ((GroupPlan(2), False), (GroupPlan(2, retain=True), False), (GroupPlan(2), True),
@@ -107,6 +111,23 @@ def test_adjoint_bytes_match_the_prefix_state(mcore_single):
     assert adjoint_bytes(ModelShape.from_model(model), P) == numel * 4
     assert adjoint_bytes(ModelShape.from_model(model.double()), P) == numel * 8
     assert adjoint_bytes(ModelShape.from_model(model.to(torch.bfloat16)), P) == numel * 4
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_adjoint_bytes_count_only_the_trained_depths(mcore_single, k):
+    """Truncated backprop: the adjoints are the grads of the leaves joint replay makes, which
+    exist only for the depths of the last k loops (and the prelude) and the boundary."""
+    from scalerlt_mcore.model.kv import trained_depths
+
+    model = build_model(R=3, arch=True, hidden=32, heads=4, num_query_groups=2,
+                        looped_backprop_loops=k)
+    P = 11
+    state = model(torch.ones(1, P, dtype=torch.long), return_prefix_state=True,
+                  readout=False).prefix_state
+    leaves = state.detached_leaves(torch.float32, trained_depths(model.config))
+    numel = sum(t.numel() for t in leaves.tensors() if t.requires_grad)
+    assert numel < sum(t.numel() for t in state.tensors())
+    assert adjoint_bytes(ModelShape.from_model(model), P) == numel * 4
 
 
 def test_auto_wave_size_picks_the_largest_that_fits_and_stays_exact(mcore_single):

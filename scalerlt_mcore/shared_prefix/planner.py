@@ -74,6 +74,9 @@ class ModelShape:
     """Bytes per activation element (the parameters' dtype)."""
     acc_bytes: int
     """Bytes per element of fp32-or-wider accumulators (log-softmax, LSE, norm statistics)."""
+    graph_free_loops: int = 0
+    """Leading loops that truncated backprop runs without a graph (``looped_backprop_loops``):
+    they save nothing, and their prefix K/V get no adjoint."""
 
     @classmethod
     def from_model(cls, model) -> "ModelShape":
@@ -91,11 +94,17 @@ class ModelShape:
             rope_dim=0 if rope is None else 2 * rope.inv_freq.numel(),
             prefix_attention=c.looped_prefix_attention, dtype_bytes=dtype.itemsize,
             acc_bytes=torch.promote_types(dtype, torch.float32).itemsize,
+            graph_free_loops=c.looped_num_graph_free_loops,
         )
 
     @property
     def depths(self) -> int:
         return self.prelude + self.loops * (self.core + self.coda)
+
+    @property
+    def trained_depths(self) -> int:
+        """Depths whose prefix K/V a suffix's gradient reaches (``kv.trained_depths``)."""
+        return self.prelude + (self.loops - self.graph_free_loops) * (self.core + self.coda)
 
     @property
     def qkv_width(self) -> int:
@@ -140,6 +149,21 @@ class _Saved:
     def fresh(self, prefix: str) -> str:
         self._fresh += 1
         return f"{prefix}{self._fresh}"
+
+
+class _GraphFree(_Saved):
+    """A loop run without a graph: it saves nothing; its storages are named by ``parent``, so
+    that a name it hands on (its output) is new to the parent."""
+
+    def __init__(self, parent: _Saved):
+        super().__init__()
+        self.parent = parent
+
+    def add(self, nbytes: int, name: Optional[str] = None) -> None:
+        pass
+
+    def fresh(self, prefix: str) -> str:
+        return self.parent.fresh(prefix)
 
 
 def _norm(m: ModelShape, saved: _Saved, x: str, n: int) -> None:
@@ -203,18 +227,19 @@ def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: i
         h = _layer(m, saved, h, rows, s, kind, prefix)
     embed = h
     state = saved.fresh("zeros") if m.zero_initial_state else embed
-    for _ in range(m.loops):
+    for r in range(m.loops):
+        live = saved if r >= m.graph_free_loops else _GraphFree(saved)
         x = state
         if m.injection:
-            saved.add(2 * n * m.hidden * m.dtype_bytes)  # [state; embed]
-            x = saved.fresh("injected")
+            live.add(2 * n * m.hidden * m.dtype_bytes)  # [state; embed]
+            x = live.fresh("injected")
         for _ in range(m.core):
-            x = _layer(m, saved, x, rows, s, kind, prefix)
+            x = _layer(m, live, x, rows, s, kind, prefix)
         state = y = x
         for _ in range(m.coda):
-            y = _layer(m, saved, y, rows, s, kind, prefix)
+            y = _layer(m, live, y, rows, s, kind, prefix)
         if readout:
-            _readout(m, saved, y, n)
+            _readout(m, live, y, n)
 
 
 # ---- the pieces of a step -------------------------------------------------------------------
@@ -234,11 +259,18 @@ def prefix_bytes(m: ModelShape, P: int) -> int:
     return m.depths * per_depth * m.dtype_bytes
 
 
+def graph_free_prefix_bytes(m: ModelShape, P: int) -> int:
+    """The part of ``prefix_bytes`` at the depths of graph-free loops (truncated backprop):
+    computed under no_grad, so no prompt graph holds it."""
+    return prefix_bytes(m, P) * (m.depths - m.trained_depths) // m.depths
+
+
 def wave_bytes(m: ModelShape, P: int, S: int, W: int, loss_per_position: float) -> int:
     """One wave against the prefix state (the prefix K/V storage not included)."""
     saved = _Saved()
     R, H, b = m.loops, m.hidden, m.dtype_bytes
-    saved.add(R * H * b * 2 + R * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)  # boundary
+    k = R - m.graph_free_loops  # loops whose boundary readout builds a graph
+    saved.add(k * H * b * 2 + k * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)  # boundary
     saved.add(2 * W * S * INT64)  # the wave's token and label ids
     if S > 1:
         _block(m, saved, W, S - 1, m.prefix_attention, prefix=P)
@@ -259,7 +291,8 @@ def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: float) -> int:
 
 
 def _kv_numel(m: ModelShape, P: int) -> int:
-    return m.depths * 2 * P * m.kv_groups * m.kv_channels
+    """Elements of the prefix K/V that are grad leaves (the trained depths')."""
+    return m.trained_depths * 2 * P * m.kv_groups * m.kv_channels
 
 
 def adjoint_bytes(m: ModelShape, P: int) -> int:
@@ -299,6 +332,9 @@ def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     # leaves copied from a bf16/fp16 state are extra storage the waves save instead
     copies = leaf_copy_bytes(m, P, checkpoint_waves)
     held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
+    # a checkpointed wave saves its inputs, the whole prefix state: the prompt graph holds the
+    # K/V of the trained depths anyway, not those of graph-free loops (truncated backprop)
+    prompt += graph_free_prefix_bytes(m, P) if checkpoint_waves else 0
     if n == 1:
         phases = [(prompt, wave[W])]
     elif plan.retain:
