@@ -1,6 +1,7 @@
 """What is measured per schedule: FLOPs of one step, peak saved-tensor bytes, wall time,
 agreement with naive, and the cost model of DESIGN.md section 2."""
 
+import contextlib
 import gc
 import statistics
 import time
@@ -91,19 +92,35 @@ def prefix_state_bytes(wl, dtype_bytes: int = 4) -> int:
 # ---- wall time ------------------------------------------------------------------------------
 
 def time_round_robin(steps: dict, repetitions: int, warmup: int = 1, sync=None) -> dict:
-    """name -> list of seconds; the schedules run interleaved, one step each per round."""
+    """name -> list of seconds; the schedules run interleaved, one step each per round. Python's
+    garbage collection runs between the steps, not inside them (a collection before each step,
+    automatic collection off while it runs), as Megatron-LM's ``--manual-gc`` with
+    ``--manual-gc-interval 1`` runs a training loop."""
     sync = sync or (lambda: None)
     times = {name: [] for name in steps}
     for rnd in range(warmup + repetitions):
         for name, step in steps.items():
             gc.collect()
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
+            with _gc_off():
+                sync()
+                start = time.perf_counter()
+                step()
+                sync()
+                seconds = time.perf_counter() - start
             if rnd >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     return times
+
+
+@contextlib.contextmanager
+def _gc_off():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def median(xs) -> float:

@@ -74,7 +74,10 @@ NOTES = [
     "adjoints (gradients, not saved tensors) are reported apart as "
     "joint_prefix_adjoint_bytes.",
     "Wall: median of the timed repetitions after one warm-up; all schedules of a workload "
-    "interleaved round-robin in one process, default torch threads. The host is shared: other "
+    "interleaved round-robin in one process, default torch threads; Python's garbage collection "
+    "runs before each timed step and is off during it, for every schedule (Megatron-LM's "
+    "`--manual-gc --manual-gc-interval 1`; the main job has the same flags). The host is "
+    "shared: other "
     "jobs inflate single repetitions (wall_all_s holds them all; `wall_min` ratios, from the "
     "fastest repetitions, are given beside the median ones in the JSON). Joint replay runs "
     "n + 2 "

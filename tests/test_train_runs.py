@@ -108,6 +108,41 @@ def test_resume_with_a_kl_penalty_needs_the_checkpoints_reference(tmp_path):
         run(parse_args(FAST + ["--train-iters", "4", "--load", ckpt, "--no-plot"]))
 
 
+# ---- Megatron's --manual-gc ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_manual_gc_collects_only_at_its_interval(tmp_path, monkeypatch, manual):
+    """``--manual-gc``: automatic collection is off during the steps, ``gc.collect()`` runs once
+    at start and after every ``--manual-gc-interval`` steps, and collection is on again after
+    the run. Without it nothing changes."""
+    import gc
+
+    import scalerlt_mcore.app.train as train
+
+    events = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or real_collect(*a))
+    monkeypatch.setattr(train.RLTrainer, "sft_step", _recording(
+        train.RLTrainer.sft_step, lambda: events.append(("step", gc.isenabled()))))
+    flags = ["--manual-gc", "true", "--manual-gc-interval", "2"] if manual else []
+    train.run(parse_args(FAST + ["--train-iters", "4", "--rl-warmup-sft-steps", "4",
+                                 "--run-dir", str(tmp_path / "run"), "--no-plot"] + flags))
+    assert gc.isenabled()
+    if manual:
+        assert events == ["collect", ("step", False), ("step", False), "collect",
+                          ("step", False), ("step", False), "collect"]
+    else:
+        assert events == [("step", True)] * 4
+
+
+def _recording(method, record):
+    def wrapped(self, *args, **kwargs):
+        record()
+        return method(self, *args, **kwargs)
+    return wrapped
+
+
 # ---- run directories --------------------------------------------------------------------------
 
 

@@ -280,6 +280,14 @@ class TrainingArgs:
     set); 0: run all ``train_iters``."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations (``torch.distributed.init_process_group``)."""
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collection (one collection at start) and collect
+    only every ``manual_gc_interval`` steps, as Megatron-LM's ``--manual-gc``: a full
+    collection traverses every Python object of the process, and joint replay's many small
+    passes trigger it often."""
+    manual_gc_interval: int = 0
+    """With ``manual_gc``: ``gc.collect()`` after every this many steps; 0: never during
+    training."""
     seed: int = 1234
     """Random seed (model init, sampling, task problems)."""
     use_distributed_optimizer: bool = True
@@ -911,7 +919,8 @@ def _check_rl(cfg: RunConfig) -> list[str]:
     errors = _positive(rl, "rl_max_response_length", "grpo_iterations")
     errors += _positive(rl, "rl_warmup_sft_steps", "grpo_kl_beta", minimum=0)
     errors += _positive(cfg.training, "eval_iters", "distributed_timeout_minutes")
-    errors += _positive(cfg.training, "eval_interval", "exit_interval", minimum=0)
+    errors += _positive(cfg.training, "eval_interval", "exit_interval", "manual_gc_interval",
+                        minimum=0)
     errors += _positive(cfg.logging, "save_interval", minimum=0)
     errors += _positive(cfg.logging, "log_interval")
     if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:

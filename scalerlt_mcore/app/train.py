@@ -9,6 +9,8 @@ From the command line (``cli``), errors a user causes (flags, config file, ``--l
 error keeps its traceback.
 """
 
+import contextlib
+import gc
 import os
 import signal
 import sys
@@ -137,10 +139,27 @@ def _run(cfg, device: str, notes: list) -> dict:
         print(f"{log.path}: dropped {log.dropped} records from step {start} on (written again "
               f"by this run)", flush=True)
     try:
-        with _Interrupt() as stop:
+        with _Interrupt() as stop, _manual_gc(cfg):
             return _loop(cfg, trainer, start, run_dir, rank0, stop, log)
     finally:
         log.close()
+
+
+@contextlib.contextmanager
+def _manual_gc(cfg):
+    """Megatron-LM's ``--manual-gc``: automatic garbage collection off for the loop (after one
+    collection), on again after it."""
+    if not cfg.training.manual_gc:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt,
@@ -167,6 +186,9 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
         every = cfg.training.eval_interval
         if every and (step + 1) % every == 0 and step + 1 < total:
             _eval(trainer, log, step + 1, rank0)
+        gc_every = cfg.training.manual_gc_interval
+        if cfg.training.manual_gc and gc_every and (step + 1) % gc_every == 0:
+            gc.collect()
         exiting = _exit_interval_reached(cfg, step + 1)
         if _maybe_save(cfg, trainer, step + 1, stop.requested or exiting, run_dir):
             saved = step + 1
