@@ -1,14 +1,13 @@
 """What is measured per schedule: FLOPs of one step, peak saved-tensor bytes, wall time,
 agreement with naive, and the cost model of DESIGN.md section 2."""
 
-import contextlib
-import gc
 import statistics
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from scalerlt_mcore.app.runtime import gc_paused
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 
 aten = torch.ops.aten
@@ -100,8 +99,7 @@ def time_round_robin(steps: dict, repetitions: int, warmup: int = 1, sync=None) 
     times = {name: [] for name in steps}
     for rnd in range(warmup + repetitions):
         for name, step in steps.items():
-            gc.collect()
-            with _gc_off():
+            with gc_paused():
                 sync()
                 start = time.perf_counter()
                 step()
@@ -110,17 +108,6 @@ def time_round_robin(steps: dict, repetitions: int, warmup: int = 1, sync=None) 
             if rnd >= warmup:
                 times[name].append(seconds)
     return times
-
-
-@contextlib.contextmanager
-def _gc_off():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def median(xs) -> float:

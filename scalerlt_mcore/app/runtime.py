@@ -3,6 +3,8 @@
 Device: CUDA (NCCL) when available, else CPU with gloo and the opt-in CPU backend.
 """
 
+import contextlib
+import gc
 import os
 from datetime import timedelta
 
@@ -108,3 +110,18 @@ def wrap_for_training(cfg, config, model):
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer, scheduler
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """One garbage collection now, then Python's automatic collection off until the block ends
+    (restored as it was): Megatron-LM's ``--manual-gc``. The training loop runs inside it with
+    ``manual_gc``; the benchmark times each step inside it."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -35,6 +35,7 @@ from .pretrained import (
 from .rundir import check_writable, make_run_dir
 from .runtime import (
     build_model,
+    gc_paused,
     init_distributed,
     model_config,
     shutdown_distributed,
@@ -139,27 +140,11 @@ def _run(cfg, device: str, notes: list) -> dict:
         print(f"{log.path}: dropped {log.dropped} records from step {start} on (written again "
               f"by this run)", flush=True)
     try:
-        with _Interrupt() as stop, _manual_gc(cfg):
+        manual_gc = gc_paused() if cfg.training.manual_gc else contextlib.nullcontext()
+        with _Interrupt() as stop, manual_gc:
             return _loop(cfg, trainer, start, run_dir, rank0, stop, log)
     finally:
         log.close()
-
-
-@contextlib.contextmanager
-def _manual_gc(cfg):
-    """Megatron-LM's ``--manual-gc``: automatic garbage collection off for the loop (after one
-    collection), on again after it."""
-    if not cfg.training.manual_gc:
-        yield
-        return
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt,

@@ -102,9 +102,14 @@ class ModelShape:
         return self.prelude + self.loops * (self.core + self.coda)
 
     @property
+    def trained_loops(self) -> int:
+        """Loops that build a graph (the last ``looped_backprop_loops``, or all)."""
+        return self.loops - self.graph_free_loops
+
+    @property
     def trained_depths(self) -> int:
         """Depths whose prefix K/V a suffix's gradient reaches (``kv.trained_depths``)."""
-        return self.prelude + (self.loops - self.graph_free_loops) * (self.core + self.coda)
+        return self.prelude + self.trained_loops * (self.core + self.coda)
 
     @property
     def qkv_width(self) -> int:
@@ -269,7 +274,7 @@ def wave_bytes(m: ModelShape, P: int, S: int, W: int, loss_per_position: float) 
     """One wave against the prefix state (the prefix K/V storage not included)."""
     saved = _Saved()
     R, H, b = m.loops, m.hidden, m.dtype_bytes
-    k = R - m.graph_free_loops  # loops whose boundary readout builds a graph
+    k = m.trained_loops  # loops whose boundary readout builds a graph
     saved.add(k * H * b * 2 + k * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)  # boundary
     saved.add(2 * W * S * INT64)  # the wave's token and label ids
     if S > 1:
