@@ -42,18 +42,23 @@ def _records(tmp: Path, *names: str) -> list:
     return out
 
 
-def _params(argv: list, ckpt: Path) -> torch.Tensor:
-    """Flat parameters of checkpoint ``ckpt`` loaded into the model of ``argv``."""
+def _named_params(argv: list, ckpt: Path) -> dict:
+    """Parameters by name of checkpoint ``ckpt`` loaded into the model of ``argv``."""
     from scalerlt_mcore.generate import load_model
 
     cfg = parse_args(argv)
     try:
         model = load_model(cfg, str(ckpt))
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         from scalerlt_mcore.app.runtime import shutdown_distributed
 
         shutdown_distributed()
+
+
+def _params(argv: list, ckpt: Path) -> torch.Tensor:
+    """Flat parameters of checkpoint ``ckpt`` loaded into the model of ``argv``."""
+    return torch.cat([p.reshape(-1) for p in _named_params(argv, ckpt).values()])
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +162,27 @@ def test_tensorboard_scalars_and_generation_from_the_checkpoint(tmp_path, capsys
     assert all(" | reward " in line for line in lines[1:3] + lines[4:])
     generate(["--load", str(ckpt), "--prompt", "ab>", "--loop", "all", "--task-prompts", "2"])
     assert capsys.readouterr().out.strip().splitlines() == lines  # greedy: deterministic
+
+
+def test_exit_gate_trains_exits_and_resumes_bitwise(tmp_path):
+    """The exit gate's weights travel with the checkpoint: with the gate on (exit_pdf loop credit
+    and the gate's own loss term), a run cut by ``exit_interval`` and resumed with ``--load``
+    ends with the uninterrupted run's metrics and parameters, the gate's included, and the gate
+    has moved from its initial weights."""
+    gate = ["--looped-exit-gate", "true", "--rl-loop-weights", "exit_pdf",
+            "--rl-exit-gate-coef", "0.1", "--rl-exit-entropy-coef", "0.01"]
+    full = _run(_argv(tmp_path, "a", *gate, "--save", str(tmp_path / "a")))
+    cut = _run(_argv(tmp_path, "b1", *gate, "--save", str(tmp_path / "b"), "--exit-interval", "3"))
+    assert cut == {}
+    resumed = _run(_argv(tmp_path, "b2", *gate, "--load", str(tmp_path / "b"),
+                         "--save", str(tmp_path / "b")))
+    assert resumed == full
+    assert _records(tmp_path, "a") == _records(tmp_path, "b1", "b2")
+    x = _argv(tmp_path, "x", *gate)
+    pa, pb = _named_params(x, tmp_path / "a"), _named_params(x, tmp_path / "b")
+    p0 = _named_params(x, tmp_path / "b" / "iter_0000003")
+    gates = [n for n in pa if "exit_gate" in n]
+    assert gates, list(pa)
+    assert pa.keys() == pb.keys()
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+    assert all(not torch.equal(pa[n], p0[n]) for n in gates)
