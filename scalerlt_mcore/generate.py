@@ -103,11 +103,16 @@ def sample(model, cfg, args, prompts: list, loop: int):
     return [[tok.decode(r.tolist()) for r in out.responses[n]] for n in range(len(prompts))]
 
 
+def held_out_problems(task, n: int, seed: int) -> list:
+    """``n`` problems of the task's evaluation split: prompts no training step draws."""
+    return task.sample(10**9 + seed, n, split="eval") if n else []
+
+
 def main(argv=None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     cfg = run_config(args)
     task = task_from(cfg)
-    problems = task.sample(10**9 + args.seed, args.task_prompts) if args.task_prompts else []
+    problems = held_out_problems(task, args.task_prompts, args.seed)
     prompts = args.prompt + [p.prompt for p in problems]
     readouts = loops(args.loop, cfg.model.looped_num_loops)
     model = load_model(cfg, args.load)

@@ -96,6 +96,17 @@ def test_evaluation_prompts_are_disjoint_from_training_prompts(name, options):
         assert len(train) + len(evals) == n, (len(train), len(evals), n)
 
 
+def test_generate_task_prompts_are_held_out():
+    """``python -m scalerlt_mcore.generate --task-prompts N`` scores held-out prompts, as its
+    help says: every one is of the evaluation split (it drew training prompts before)."""
+    from scalerlt_mcore.generate import held_out_problems
+
+    task = get_task("reverse", min_len=2, max_len=3, alphabet="abcd")
+    problems = held_out_problems(task, 32, seed=0)
+    assert len(problems) == 32 and {split_of(p.prompt) for p in problems} == {"eval"}
+    assert held_out_problems(task, 0, seed=0) == []
+
+
 def test_split_errors():
     with pytest.raises(ValueError, match=r"split must be one of \('train', 'eval'\), got 'test'"):
         get_task("reverse").sample(0, 1, split="test")
