@@ -87,12 +87,14 @@ class LossSpec:
     kl_coef: float = 0.0
     loop_weights: str = "final"
     constant_length: int = 0
+    entropy_weight: float = 0.0
 
     def objective(self) -> RLObjective:
         return RLObjective(normalization=self.normalization, clip_low=self.clip_low,
                            clip_high=self.clip_high, kl_coef=self.kl_coef,
                            loop_weights=self.loop_weights,
-                           constant_length=self.constant_length)
+                           constant_length=self.constant_length,
+                           entropy_weight=self.entropy_weight)
 
 
 def ref_loop_weights(scheme: str, R: int) -> list:
@@ -117,7 +119,8 @@ def ref_token_weights(spec: LossSpec, group_mask: torch.Tensor) -> torch.Tensor:
 
 
 def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None) -> torch.Tensor:
-    """sum_r w_r sum_{i,t} coef[i,t] * (-min(rho A, clip(rho) A) + kl_coef * k3).
+    """sum_r w_r sum_{i,t} coef[i,t] * (-min(rho A, clip(rho) A) + kl_coef * k3
+    + entropy_weight * p log p), p = exp(logprob) of the sampled token.
 
     logprobs/old/ref [R, b, T]; adv [b]; coef [b, T] (zero off the loss mask)."""
     R = logprobs.shape[0]
@@ -133,6 +136,8 @@ def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None) -> torch.Ten
         if spec.kl_coef > 0:
             d = ref[r].to(dt) - lp
             per_token = per_token + spec.kl_coef * (torch.exp(d) - d - 1)
+        if spec.entropy_weight > 0:
+            per_token = per_token + spec.entropy_weight * torch.exp(lp) * lp
         on = coef != 0  # never multiply an off-mask inf/nan by zero
         total = total + w * torch.where(on, per_token * coef.to(dt), 0).sum()
     return total

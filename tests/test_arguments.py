@@ -170,6 +170,7 @@ def test_batch_divisibility_names_both_numbers():
      "looped_learned_loop_weights needs rl_loop_weights learned"),
     (["--rl-exit-threshold", "0"], r"rl_exit_threshold must be in \(0, 1\], got 0"),
     (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
+    (["--grpo-entropy-term-weight", "-0.1"], "grpo_entropy_term_weight must be >= 0, got -0.1"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -355,7 +356,8 @@ def test_a_new_library_field_becomes_a_key_with_its_type_default_doc_and_choices
 
 def test_values_reach_the_library_objects():
     cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--grpo-kl-beta", "0.05",
-                      "--looped-initial-state", "zeros", "--shared-prefix-checkpoint-waves",
+                      "--grpo-entropy-term-weight", "0.01", "--looped-initial-state", "zeros",
+                      "--shared-prefix-checkpoint-waves",
                       "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
     kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
     assert set(kwargs) == set(LOOPED_FLAGS) | {
@@ -371,6 +373,7 @@ def test_values_reach_the_library_objects():
     for key, name in OBJECTIVE_FLAGS.items():
         assert getattr(objective, name) == flat[key], key
     assert objective.normalization == "constant" and objective.kl_coef == 0.05
+    assert objective.entropy_weight == 0.01
     schedule = schedule_from(cfg)
     assert (schedule.wave_size, schedule.checkpoint_waves, schedule.max_response_length) == (
         8, True, 12)
@@ -438,7 +441,8 @@ FROZEN_CLI_FLAGS = [
     "--config", "--ddp-bucket-size", "--disable-bias-linear", "--distributed-timeout-minutes",
     "--eval-interval", "--eval-iters", "--exit-interval", "--ffn-hidden-size", "--finetune",
     "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
-    "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step", "--help",
+    "--grpo-entropy-term-weight", "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta",
+    "--grpo-prompts-per-step", "--help",
     "--hidden-size", "--kv-channels", "--load", "--log-interval", "--looped-backprop-loops",
     "--looped-cascade-kernel", "--looped-exit-gate", "--looped-initial-state", "--looped-injection",
     "--looped-learned-loop-weights", "--looped-loops-warmup-iters", "--looped-num-coda-layers",

@@ -154,6 +154,39 @@ def test_two_groups_in_one_step(mcore_single, norm, wave, ck, per_mb):
     assert max(errs.values()) <= 1e-12, errs
 
 
+@pytest.mark.parametrize("dt,norm,lw,wave,ck,prompt", [
+    ("f64", "token_mean", "progressive", 2, False, "recompute"),
+    ("f64", "seq_mean", "final", 3, True, "retain"),
+    ("f32", "constant", "uniform", 1, False, "retain"),
+    ("f32", "token_mean", "progressive", 4, True, "recompute"),
+])
+def test_entropy_term_matches_naive(mcore_single, dt, norm, lw, wave, ck, prompt):
+    """Megatron-LM's GRPO entropy term (``entropy_weight``, with KL on): joint replay's loss
+    and grads equal naive training's through stock MCore, whose loss is the separately
+    written reference (``ref_rl_loss``)."""
+    dtype = DTYPES[dt]
+    R, G, P, S = 3, 6, 9, 5
+    model = build_model(R=R, arch=True).to(dtype)
+    group = make_group(G, P, S, R, seed=21, dtype=dtype, kl=True)
+    spec = LossSpec(normalization=norm, kl_coef=0.05, loop_weights=lw, entropy_weight=0.3)
+    model.zero_grad(set_to_none=True)
+    naive_losses, _ = naive_step(model, [group], spec, 2)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [group], spec, wave, checkpoint_waves=ck, prompt=prompt)
+    got = grads(model)
+    tol = TOL[dtype]
+    _assert_close_rel(out[0]["loss"], naive_losses[0], tol, "group loss")
+    errs = rel_errors(got, ref)
+    _record(dtype, errs)
+    assert max(errs.values()) <= tol, errs
+    # the term changes the gradient: without it the same step differs
+    model.zero_grad(set_to_none=True)
+    joint_step(model, [group], LossSpec(normalization=norm, kl_coef=0.05, loop_weights=lw),
+               wave, checkpoint_waves=ck, prompt=prompt)
+    assert max(rel_errors(grads(model), got).values()) > 100 * tol
+
+
 def _naive_scores(model, group, spec, per_mb):
     _, store = naive_step(model, [group], spec, per_mb, forward_only=True)
     return torch.cat([o["logprobs"] for o in store], dim=1)  # [R, G, T]

@@ -87,7 +87,7 @@ def test_saved_bytes_prediction_within_10_percent(mcore_single, name):
     dtype = next(model.parameters()).dtype
     R = model.config.looped_num_loops
     for kl, (G, P, S) in enumerate(SHAPES):
-        spec = LossSpec(kl_coef=0.1 * kl)
+        spec = LossSpec(kl_coef=0.1 * kl, entropy_weight=0.1 * kl)
         group = make_group(G, P, S, R, seed=G, dtype=torch.promote_types(dtype, torch.float32),
                            kl=bool(kl))
         for plan, ck in PLANS:
@@ -263,3 +263,26 @@ def test_trainer_logs_the_plans(mcore_single):
     m = tr.rl_step(SFT)
     assert {"plan_wave_size", "plan_retain", "plan_naive"} <= set(m)
     assert m["plan_wave_size"] >= 1 and 0 <= m["plan_naive"] <= 1
+
+
+@pytest.mark.parametrize("kl,entropy", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_objective_saved_per_position_is_measured(kl, entropy):
+    """``RLObjective.saved_per_position`` (the planner's per-position term of the loss) against
+    the bytes autograd saves for ``RLObjective.loss`` on [R, B, T] log-probs (distinct
+    storages), per position and per log-prob byte; the [B, T] token weights add the rest."""
+    from scalerlt_mcore.rl.objective import RLObjective
+
+    R, B, T = 3, 64, 128
+    objective = RLObjective(kl_coef=0.1 * kl, entropy_weight=0.1 * entropy)
+    lp = torch.randn(R, B, T).requires_grad_()
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        objective.loss(lp, lp.detach() + 0.01, torch.randn(B), torch.rand(B, T),
+                       lp.detach() - 0.01 if kl else None)
+    measured = sum(storages.values()) / lp.numel() / lp.element_size()
+    assert objective.saved_per_position <= measured <= objective.saved_per_position + 0.1

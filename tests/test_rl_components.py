@@ -17,6 +17,7 @@ from scalerlt_mcore.rl import (
     ppo_clipped_objective,
     tasks,
 )
+from scalerlt_mcore.rl.objective import RLObjective
 from scalerlt_mcore.rl.tasks import TASKS, split_of
 
 # ----------------------------------------------------------------------- tokenizer
@@ -283,6 +284,23 @@ def test_ppo_objective_per_sequence_advantage_and_gradient():
     loss.sum().backward()  # at ratio 1 the gradient is -A per token
     torch.testing.assert_close(logp_new.grad, torch.full((1, 2), -2.0, dtype=torch.float64))
     assert clipped.sum() == 0
+
+
+def test_entropy_term_known_values_and_direction():
+    """Megatron-LM's GRPO entropy term: the loss of a token gains -w * (-p log p) (p its
+    probability); a gradient step lowers a token with p > 1/e and raises one with p < 1/e. With
+    zero advantage the loss is the term alone, weighted by loop credit and token weights."""
+    p = torch.tensor([[[0.9, 0.2, 0.5]]], dtype=torch.float64)  # [R=1, B=1, T=3]
+    lp = p.log().requires_grad_()
+    weights = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64)  # the third token is off
+    obj = RLObjective(entropy_weight=0.1)
+    loss, _ = obj.loss(lp, lp.detach(), torch.zeros(1, dtype=torch.float64), weights)
+    h = -(p * p.log())[0, 0]
+    torch.testing.assert_close(loss, -0.1 * 0.5 * (h[0] + h[1]))
+    loss.backward()
+    assert lp.grad[0, 0, 0] > 0 and lp.grad[0, 0, 1] < 0 and lp.grad[0, 0, 2] == 0
+    with pytest.raises(ValueError, match="entropy_weight must be >= 0, got -1"):
+        RLObjective(entropy_weight=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -141,6 +141,7 @@ OBJECTIVE_FLAGS = {
     "grpo_clamp_eps_lower": "clip_low",
     "grpo_clamp_eps_upper": "clip_high",
     "grpo_kl_beta": "kl_coef",
+    "grpo_entropy_term_weight": "entropy_weight",
     "rl_loop_weights": "loop_weights",
     "rl_exit_gate_coef": "exit_gate_coef",
     "rl_exit_entropy_coef": "exit_entropy_coef",

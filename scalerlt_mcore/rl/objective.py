@@ -1,6 +1,8 @@
 """The RL objective over all-loop readouts, normalised over the whole group.
 
-Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t}), where the
+Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t}
+- entropy_weight * h_{r,i,t}), h = -p log p of the sampled token (Megatron-LM's GRPO entropy
+term), where the
 token weights c are computed once from the whole group's loss mask (never per wave), so the
 loss is the same number whatever the wave size. The loop weights w_r are fixed (final, uniform,
 progressive), per token from the exit gate (exit_pdf: w_{r,i,t} = p(r | i, t)), or learned
@@ -23,6 +25,10 @@ LoopWeights = Literal["final", "uniform", "progressive", "exit_pdf", "learned"]
 NORMALIZATIONS = get_args(Normalization)
 LOOP_WEIGHTS = get_args(LoopWeights)
 
+
+ENTROPY_SAVES = 3.0
+"""Tensors of shape [R, rows, T] the entropy term saves for backward: p, the log-probs it
+multiplies, and the term before the loss mask (measured: 3.09 with the token weights)."""
 
 FIXED_LOOP_WEIGHTS = ("final", "uniform", "progressive")
 """Loop weights that depend on R alone (``loop_weights``); exit_pdf and learned come from the
@@ -70,6 +76,12 @@ class RLObjective:
     reference is the policy at the start of RL (after the supervised warm-up), saved with
     checkpoints."""
 
+    entropy_weight: float = 0.0
+    """Weight of Megatron-LM's GRPO entropy term: minus entropy_weight * (-p log p) of every
+    sampled token is added to its loss, p the token's probability under the current policy;
+    it lowers tokens with p > 1/e and raises rarer ones, against the entropy collapse that
+    leaves groups all right or all wrong (0: off)."""
+
     loop_weights: LoopWeights = "final"
     """Per-loop credit over all-loop readouts: final | uniform | progressive (fixed), exit_pdf
     (per token, the exit gate's p(r), detached: credit follows the gate but the policy loss
@@ -94,12 +106,14 @@ class RLObjective:
             raise ValueError("exit_gate_coef and exit_entropy_coef must be >= 0")
         if self.clip_low <= 0 or self.clip_high <= 0:
             raise ValueError("clip_low and clip_high must be > 0")
+        if self.entropy_weight < 0:
+            raise ValueError(f"entropy_weight must be >= 0, got {self.entropy_weight}")
 
     @property
     def saved_per_position(self) -> float:
         """Tensors of shape [R, rows, T] (accumulator dtype) that ``loss`` saves for backward:
         the memory planner's per-position term for this objective."""
-        return 5.0 + 2.0 * (self.kl_coef > 0)
+        return 5.0 + 2.0 * (self.kl_coef > 0) + ENTROPY_SAVES * (self.entropy_weight > 0)
 
     def token_weights(self, loss_mask: Tensor) -> Tensor:
         """c [G, T] from the whole group's loss mask [G, T]."""
@@ -167,6 +181,8 @@ class RLObjective:
                 raise ValueError("kl_coef > 0 needs ref_logprobs")
             kl = kl_k3(logprobs, ref.to(acc)) * mask
             per_token = per_token + self.kl_coef * kl
+        if self.entropy_weight > 0:
+            per_token = per_token - self.entropy_weight * entropy_term(logprobs) * mask
         coef = self.loop_coef(R, exit_logprobs, learned, logprobs) * weights.to(acc)[None]
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach()}
@@ -200,6 +216,11 @@ class RLObjective:
                                 exit_logprobs=out.get("exit_logprobs"),
                                 learned=out.get("loop_weights"))
         return loss, {"loss": loss.detach(), **stats}
+
+
+def entropy_term(logprobs: Tensor) -> Tensor:
+    """-p log p of each sampled token from its log-prob (Megatron-LM's GRPO entropy term)."""
+    return -logprobs.exp() * logprobs
 
 
 def rl_forward_step(objective: RLObjective):
