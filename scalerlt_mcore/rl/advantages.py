@@ -64,3 +64,9 @@ def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """
     d = logp_ref - logp_new
     return (torch.expm1(d) - d).clamp_min(0.0)
+
+
+def entropy_term(logp: torch.Tensor) -> torch.Tensor:
+    """Per-token ``-p log p`` of each sampled token from its log-prob ``logp`` (Megatron-LM's
+    GRPO entropy term)."""
+    return -logp.exp() * logp

@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from .advantages import kl_k3, ppo_clipped_objective
+from .advantages import entropy_term, kl_k3, ppo_clipped_objective
 
 Normalization = Literal["token_mean", "seq_mean", "constant"]
 LoopWeights = Literal["final", "uniform", "progressive", "exit_pdf", "learned"]
@@ -216,11 +216,6 @@ class RLObjective:
                                 exit_logprobs=out.get("exit_logprobs"),
                                 learned=out.get("loop_weights"))
         return loss, {"loss": loss.detach(), **stats}
-
-
-def entropy_term(logprobs: Tensor) -> Tensor:
-    """-p log p of each sampled token from its log-prob (Megatron-LM's GRPO entropy term)."""
-    return -logprobs.exp() * logprobs
 
 
 def rl_forward_step(objective: RLObjective):
