@@ -88,6 +88,21 @@ def test_decode_matches_full_forward(mcore_single, pe, dtype, tol):
     assert err_ref <= tol
 
 
+def test_prefill_reads_out_only_the_last_prompt_positions(mcore_single):
+    """The readout (final norm + output layer) of a prefill sees one position per row and
+    loop, not every prompt position: its logits would be R x B x T x V."""
+    model, _, _ = build("learned_absolute")
+    _, prompts = sequences()
+    rows = []
+    hook = model.output_layer.register_forward_hook(lambda m, args, out: rows.append(
+        tuple(args[0].shape[:2])))  # input [S, B, H]
+    with torch.no_grad():
+        logits = model.prefill(model.new_kv_cache(3, 12), prompts, LENGTHS)
+    hook.remove()
+    assert logits.shape == (LOOPS, 3, VOCAB)
+    assert rows == [(1, 3)] * LOOPS
+
+
 def test_cache_slots_hold_each_loops_kv(mcore_single):
     """Every depth's cache slot holds the reference K/V of that (loop, layer) application;
     a core layer's slots differ between loops."""

@@ -117,20 +117,26 @@ class LoopedGPTModel(LanguageModule):
         continue after it). ``kv_cache``: decoding. ``attention_mask`` follows MCore (True =
         masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts."""
         self._check_inputs(input_ids, labels, prefix_state, kv_cache)
-        positions = self._positions(input_ids, position_ids, prefix_state, kv_cache)  # [B, S]
-        ctx = None
-        if prefix_state is not None or kv_cache is not None or return_prefix_state:
-            ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions,
-                         record=return_prefix_state,
-                         prefix_attention=self.config.looped_prefix_attention)
-        hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
-        states = self.decoder(hidden, attention_mask, ctx, self._rope(positions))
+        states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
+                                        kv_cache, return_prefix_state)
         out = LoopedOutput()
         if return_prefix_state:
             out.prefix_state = self._collect_prefix_state(ctx, states)
         if readout:
             self._readout_all(states, labels, out)
         return out
+
+    def _loop_states(self, input_ids, position_ids, attention_mask, prefix_state, kv_cache,
+                     record: bool) -> tuple:
+        """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
+        or None)."""
+        positions = self._positions(input_ids, position_ids, prefix_state, kv_cache)  # [B, S]
+        ctx = None
+        if prefix_state is not None or kv_cache is not None or record:
+            ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions,
+                         record=record, prefix_attention=self.config.looped_prefix_attention)
+        hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
+        return self.decoder(hidden, attention_mask, ctx, self._rope(positions)), ctx
 
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
         """Every loop's readout (and exit gate); a loop left graph-free by truncated backprop
@@ -243,19 +249,22 @@ class LoopedGPTModel(LanguageModule):
                 with_exit: bool = False):
         """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
         at each prompt's last token, over the whole (padded) vocabulary on every
-        tensor-parallel rank. Padding K/V is written but never attended to. ``with_exit``:
+        tensor-parallel rank. Padding K/V is written but never attended to. Only each
+        prompt's last position is read out (every position would cost R x T x V logits per
+        row, more than the layers with a real vocabulary). ``with_exit``:
         (logits, the exit distribution log p(r) [R, B] there; None without a gate)."""
         cache.lengths.zero_()
-        out = self.forward(tokens, kv_cache=cache)  # logits: R x [B, T, V/tp]
+        self._check_inputs(tokens, None, None, cache)
+        states, _ = self._loop_states(tokens, None, None, None, cache, False)  # R x [T, B, H]
         cache.lengths.copy_(lengths)
-        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.logits[0].shape[-1])
-        logits = self._full_vocab([lg.gather(1, last).squeeze(1) for lg in out.logits])
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        last = [h[lengths - 1, rows][None] for h in states]  # R x [1, B, H]
+        out = LoopedOutput()
+        self._readout_all(last, None, out)  # only the last prompt position is read out
+        logits = self._full_vocab([lg[:, 0] for lg in out.logits])
         if not with_exit:
             return logits  # [R, B, V]
-        exit_lp = out.exit_logprobs
-        if exit_lp is not None:
-            exit_lp = exit_lp.gather(2, (lengths - 1)[None, :, None].expand(exit_lp.shape[0],
-                                                                            -1, 1)).squeeze(2)
+        exit_lp = None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
         return logits, exit_lp  # [R, B, V], [R, B]
 
     @torch.no_grad()
