@@ -79,8 +79,8 @@ def load_model(cfg, load: str):
     config = model_config(cfg, device)
     tokenizer = tokenizer_from(cfg)
     model = build_model(cfg, config, run_vocab_size(cfg), device)
-    _, optimizer, scheduler = wrap_for_training(cfg, config, model)
-    load_checkpoint(load, model, optimizer, scheduler, tokenizer=tokenizer.identity())
+    _, optimizer, _ = wrap_for_training(cfg, config, model)
+    load_checkpoint(load, model, optimizer, None, tokenizer=tokenizer.identity())
     return model.eval()
 
 

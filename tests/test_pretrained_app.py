@@ -346,3 +346,83 @@ def test_mcore_checkpoint_through_the_app(tmp_path, tiny_llama):
             r"does not fit this model's architecture: decoder.layers.mlp.linear_fc1.weight: "
             r"checkpoint \(8, 256, 64\) != model \(8, 192, 64\)")):
         build(_argv(tmp_path / "gpt", ffn_hidden_size=96))
+
+
+# ---- the LR schedule of a resumed run ---------------------------------------------------------
+
+NO_CURRICULUM = dict(looped_loops_warmup_iters=0)  # every step at R loops: a full load matches
+
+def _schedule(scheduler) -> dict:
+    """The state of MCore's OptimizerParamScheduler that the flags and the steps set."""
+    return {k: getattr(scheduler, k) for k in (
+        "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd",
+        "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps")}
+
+
+def _saved_after_two_steps(tmp_path, tiny_llama, **overrides):
+    """A checkpoint at step 2 of a run whose schedule ends at its train_iters (2) -> (its path,
+    its schedule)."""
+    ckpt = tmp_path / "ckpt"
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama, train_iters=2, **NO_CURRICULUM, **overrides))
+        for step in range(2):
+            _step(trainer, step)
+        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                        reference=trainer.ref)
+        return ckpt, _schedule(trainer.scheduler)
+
+
+def _ran_two_steps(tiny_llama, **overrides) -> dict:
+    """The schedule of a run with these flags after its first two steps (the reference)."""
+    with model_parallel_context(3):
+        trainer, _, _ = build(_argv(tiny_llama, **NO_CURRICULUM, **overrides))
+        for step in range(2):
+            _step(trainer, step)
+        return _schedule(trainer.scheduler)
+
+
+def test_no_load_optim_runs_this_runs_schedule(tmp_path, tiny_llama):
+    """Regression: --no-load-optim loaded the checkpoint's LR schedule, so RL started from the
+    checkpoint of a warm-up run with other train_iters decayed over that run's steps (to min_lr
+    at once) without a word. Now, as Megatron-LM, no schedule is loaded: the run's own, where a
+    run with its flags is after the checkpoint's steps (1 warm-up + 1 RL step here)."""
+    ckpt, saved = _saved_after_two_steps(tmp_path, tiny_llama)
+    want = _ran_two_steps(tiny_llama, train_iters=40)
+    assert want["lr_decay_steps"] != saved["lr_decay_steps"]
+    with model_parallel_context(3):
+        tr, start, _ = build(_argv(tiny_llama, load=str(ckpt), train_iters=40,
+                                   no_load_optim=True, **NO_CURRICULUM))
+        assert start == 2
+        assert _schedule(tr.scheduler) == want
+        assert tr.scheduler.get_lr(tr.optimizer.param_groups[0]) > 2 * tr.cfg.training.min_lr
+
+
+def test_full_load_refuses_another_schedule_unless_told(tmp_path, tiny_llama):
+    """A full --load whose schedule differs from the run's flags is refused, naming the fields
+    (Megatron-LM's default); --override-opt-param-scheduler takes the run's shape and the
+    checkpoint's position, --use-checkpoint-opt-param-scheduler the checkpoint's shape."""
+    ckpt, saved = _saved_after_two_steps(tmp_path, tiny_llama)
+    longer = _ran_two_steps(tiny_llama, train_iters=40)
+    argv = _argv(tiny_llama, load=str(ckpt), train_iters=40, **NO_CURRICULUM)
+    with model_parallel_context(3), pytest.raises(CheckpointError, match=(
+            r"another LR schedule \(checkpoint != this run\): lr_decay_steps: "
+            rf"{saved['lr_decay_steps']} != {longer['lr_decay_steps']}.*"
+            r"--override-opt-param-scheduler true.*--use-checkpoint-opt-param-scheduler true")):
+        build(argv)
+    with model_parallel_context(3):
+        tr, start, _ = build(argv + ["--override-opt-param-scheduler", "true"])
+        assert start == 2 and _schedule(tr.scheduler) == longer
+    with model_parallel_context(3):
+        tr, _, _ = build(argv + ["--use-checkpoint-opt-param-scheduler", "true"])
+        assert _schedule(tr.scheduler) == saved
+    with model_parallel_context(3):
+        tr, _, _ = build(_argv(tiny_llama, load=str(ckpt), train_iters=2, **NO_CURRICULUM))
+        assert _schedule(tr.scheduler) == saved
+
+
+def test_both_schedule_flags_are_an_error(tiny_llama):
+    cfg = parse_args(_argv(tiny_llama, override_opt_param_scheduler=True,
+                           use_checkpoint_opt_param_scheduler=True))
+    with pytest.raises(ConfigError, match="override_opt_param_scheduler and "
+                                          "use_checkpoint_opt_param_scheduler exclude each other"):
+        validate(cfg, 1)

@@ -105,7 +105,8 @@ def test_resume_with_a_kl_penalty_needs_the_checkpoints_reference(tmp_path):
                            "--run-dir", str(tmp_path / "run"), "--no-plot"]))
     with pytest.raises(CheckpointError, match=r"iter_0000003 \(step 3, past the warm-up\) "
                                               r"holds no KL reference"):
-        run(parse_args(FAST + ["--train-iters", "4", "--load", ckpt, "--no-plot"]))
+        run(parse_args(FAST + ["--train-iters", "4", "--load", ckpt, "--no-plot",
+                               "--override-opt-param-scheduler", "true"]))
 
 
 # ---- Megatron's --manual-gc ------------------------------------------------------------------

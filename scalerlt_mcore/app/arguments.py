@@ -271,6 +271,15 @@ class TrainingArgs:
     lr_decay_iters: Optional[int] = None
     """Optimizer steps over which the learning rate decays to ``min_lr`` (one per warm-up
     step, ``grpo_iterations`` per RL step); None: all of the run's optimizer steps."""
+    override_opt_param_scheduler: bool = False
+    """With ``load`` (optimizer state loaded): the LR schedule's shape (``lr``, ``min_lr``,
+    warm-up and decay steps, decay style, weight decay) from this run's flags, its position
+    (steps taken) from the checkpoint; Megatron-LM's ``--override-opt-param-scheduler``."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """With ``load`` (optimizer state loaded): the LR schedule's shape from the checkpoint, this
+    run's flags for it ignored; Megatron-LM's ``--use-checkpoint-opt-param-scheduler``. With
+    neither, a checkpoint whose schedule differs from this run's is refused, naming the
+    fields. (``no_load_optim`` and ``finetune`` load no schedule: it is this run's.)"""
     eval_interval: int = 10
     """Greedy evaluation every this many steps; 0 disables it."""
     eval_iters: int = 16
@@ -419,8 +428,9 @@ class LoggingArgs:
     """With ``load``: load the model weights only and start at step 0 (fresh optimizer, LR
     schedule and step)."""
     no_load_optim: bool = False
-    """With ``load``: do not load the optimizer state (Adam moments start at zero); weights,
-    step and LR schedule are loaded."""
+    """With ``load``: do not load the optimizer state (Adam moments start at zero) nor the LR
+    schedule, as Megatron-LM; weights and step are loaded, and the schedule is this run's
+    (its flags), at the point a run with these flags reaches at that step."""
     no_load_rng: bool = False
     """With ``load``: do not load RNG state. Checkpoints hold none (each step's data and
     sampling derive from seed and step), so this is accepted as in Megatron and changes
@@ -1037,4 +1047,9 @@ def _check_pretrained(cfg: RunConfig) -> list[str]:
     errors += [f"{k} needs load (the checkpoint it applies to)"
                for k in ("finetune", "no_load_optim", "no_load_rng")
                if getattr(lg, k) and not lg.load]
+    t = cfg.training
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        errors.append("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler "
+                      "exclude each other: the LR schedule comes from this run's flags or from "
+                      "the checkpoint")
     return errors

@@ -157,7 +157,8 @@ def load_checkpoint(path, model, optimizer, scheduler, reference=None,
     """Restore the checkpoint ``find_checkpoint(path)`` names; returns the step to continue
     from. ``reference``: the trainer's ``KLReference``, given the checkpoint's reference when
     it holds one (else left as it is); ``tokenizer``: this run's tokenizer identity, refused
-    when the checkpoint's differs."""
+    when the checkpoint's differs; ``scheduler``: None leaves the LR schedule out (generation),
+    else ``restore_schedule``."""
     ckpt = find_checkpoint(path)
     meta = checkpoint_meta(ckpt)
     _check_tokenizer(ckpt, meta, tokenizer)
@@ -173,9 +174,34 @@ def load_checkpoint(path, model, optimizer, scheduler, reference=None,
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step(optimizer)
-    scheduler.load_state_dict(meta["scheduler"])
+    if scheduler is not None:
+        restore_schedule(scheduler, meta["scheduler"], ckpt)
     _restore_reference(state, meta, reference)
     return int(meta["step"])
+
+
+SCHEDULE_SHAPE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                  "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+"""The LR schedule's fields that a run's flags set (its position, ``num_steps``, is not one)."""
+
+
+def restore_schedule(scheduler, saved: dict, ckpt) -> None:
+    """Load the checkpoint's LR schedule ``saved`` into ``scheduler`` (MCore's
+    ``OptimizerParamScheduler``): its position always; its shape only where it equals this
+    run's, unless the scheduler overrides it (``--override-opt-param-scheduler``: this run's)
+    or takes the checkpoint's (``--use-checkpoint-opt-param-scheduler``), as Megatron-LM."""
+    if not (scheduler.override_opt_param_scheduler
+            or scheduler.use_checkpoint_opt_param_scheduler):
+        diffs = [f"{k}: {saved[k]!r} != {getattr(scheduler, k)!r}" for k in SCHEDULE_SHAPE
+                 if k in saved and saved[k] != getattr(scheduler, k)]
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {ckpt} was saved with another LR schedule (checkpoint != this "
+                f"run): {'; '.join(diffs)}. Pass --override-opt-param-scheduler true for this "
+                f"run's schedule, --use-checkpoint-opt-param-scheduler true for the "
+                f"checkpoint's, or the checkpoint run's lr / min_lr / warm-up / train_iters / "
+                f"lr_decay_iters flags")
+    scheduler.load_state_dict(saved)
 
 
 def _reference_request(meta: dict, reference) -> dict:
@@ -310,12 +336,11 @@ def load_model_weights(path, model) -> Path:
     return ckpt
 
 
-def load_step_and_schedule(path, scheduler, reference=None) -> int:
-    """The step and LR schedule of the latest checkpoint under ``path`` (no optimizer, no
+def load_step(path, reference=None) -> int:
+    """The step of the latest checkpoint under ``path`` (no optimizer, no LR schedule, no
     weights), and its KL reference when it holds one and ``reference`` is given."""
     ckpt = checkpoint_dir(path)
     meta = checkpoint_meta(ckpt)
-    scheduler.load_state_dict(meta["scheduler"])
     request = _reference_request(meta, reference)
     if request:
         _restore_reference(dist_checkpointing.load(request, str(ckpt)), meta, reference)

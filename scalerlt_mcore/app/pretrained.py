@@ -33,8 +33,9 @@ from .checkpoint import (
     is_own_checkpoint,
     load_checkpoint,
     load_model_weights,
-    load_step_and_schedule,
+    load_step,
 )
+from .runtime import scheduled_steps
 
 ARCHITECTURE_KEYS = tuple(f.name for f in dataclasses.fields(PretrainedArchitecture)
                           if f.name != "num_layers")
@@ -206,7 +207,8 @@ def resume_after_wrap(cfg, trainer, ckpt) -> int:
     if ckpt is None:
         return 0
     if cfg.logging.no_load_optim:  # its tokenizer checked with its weights (load_before_wrap)
-        start = load_step_and_schedule(ckpt, trainer.scheduler, reference=trainer.ref)
+        start = load_step(ckpt, reference=trainer.ref)
+        trainer.scheduler.step(increment=scheduled_steps(cfg, start))  # this run's schedule
     else:
         start = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler,
                                 reference=trainer.ref, tokenizer=trainer.tok.identity())

@@ -94,9 +94,7 @@ def wrap_for_training(cfg, config, model):
         clip_grad=t.clip_grad, bf16=cfg.model.bf16, fp16=cfg.model.fp16,
         params_dtype=config.params_dtype, use_distributed_optimizer=t.use_distributed_optimizer,
     ), [ddp])
-    sft = min(cfg.rl.rl_warmup_sft_steps, t.train_iters)  # one optimizer step per warm-up step
-    scheduled = 0 if cfg.rl.rl_warmup_sft_lr is not None else sft  # warm-up steps it counts
-    steps = max(t.lr_warmup_iters + 1, scheduled + (t.train_iters - sft) * cfg.rl.grpo_iterations)
+    steps = max(t.lr_warmup_iters + 1, scheduled_steps(cfg, t.train_iters))
     decay = max(t.lr_warmup_iters + 1, t.lr_decay_iters or steps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
@@ -104,12 +102,23 @@ def wrap_for_training(cfg, config, model):
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
     )
     config.no_sync_func = ddp.no_sync
     config.grad_sync_func = ddp.start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer, scheduler
+
+
+def scheduled_steps(cfg, step: int) -> int:
+    """LR-schedule steps a run with ``cfg`` takes before ``step``: ``grpo_iterations`` per RL
+    step, and one per warm-up step when the warm-up shares the schedule (no
+    ``rl_warmup_sft_lr``)."""
+    sft = min(cfg.rl.rl_warmup_sft_steps, cfg.training.train_iters)
+    warm_up = 0 if cfg.rl.rl_warmup_sft_lr is not None else min(step, sft)
+    return warm_up + max(0, step - sft) * cfg.rl.grpo_iterations
 
 
 @contextlib.contextmanager
