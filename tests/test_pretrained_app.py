@@ -359,25 +359,16 @@ def _schedule(scheduler) -> dict:
         "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps")}
 
 
-def _saved_after_two_steps(tmp_path, tiny_llama, **overrides):
-    """A checkpoint at step 2 of a run whose schedule ends at its train_iters (2) -> (its path,
-    its schedule)."""
-    ckpt = tmp_path / "ckpt"
-    with model_parallel_context(3):
-        trainer, _, _ = build(_argv(tiny_llama, train_iters=2, **NO_CURRICULUM, **overrides))
-        for step in range(2):
-            _step(trainer, step)
-        save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
-                        reference=trainer.ref)
-        return ckpt, _schedule(trainer.scheduler)
-
-
-def _ran_two_steps(tiny_llama, **overrides) -> dict:
-    """The schedule of a run with these flags after its first two steps (the reference)."""
+def _after_two_steps(tiny_llama, save=None, **overrides) -> dict:
+    """The schedule of a run with these flags after its first two steps, saved to ``save``
+    when given (a checkpoint at step 2)."""
     with model_parallel_context(3):
         trainer, _, _ = build(_argv(tiny_llama, **NO_CURRICULUM, **overrides))
         for step in range(2):
             _step(trainer, step)
+        if save is not None:
+            save_checkpoint(save, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                            reference=trainer.ref)
         return _schedule(trainer.scheduler)
 
 
@@ -386,8 +377,9 @@ def test_no_load_optim_runs_this_runs_schedule(tmp_path, tiny_llama):
     checkpoint of a warm-up run with other train_iters decayed over that run's steps (to min_lr
     at once) without a word. Now, as Megatron-LM, no schedule is loaded: the run's own, where a
     run with its flags is after the checkpoint's steps (1 warm-up + 1 RL step here)."""
-    ckpt, saved = _saved_after_two_steps(tmp_path, tiny_llama)
-    want = _ran_two_steps(tiny_llama, train_iters=40)
+    ckpt = tmp_path / "ckpt"
+    saved = _after_two_steps(tiny_llama, save=ckpt, train_iters=2)  # a 2-step schedule
+    want = _after_two_steps(tiny_llama, train_iters=40)
     assert want["lr_decay_steps"] != saved["lr_decay_steps"]
     with model_parallel_context(3):
         tr, start, _ = build(_argv(tiny_llama, load=str(ckpt), train_iters=40,
@@ -401,8 +393,9 @@ def test_full_load_refuses_another_schedule_unless_told(tmp_path, tiny_llama):
     """A full --load whose schedule differs from the run's flags is refused, naming the fields
     (Megatron-LM's default); --override-opt-param-scheduler takes the run's shape and the
     checkpoint's position, --use-checkpoint-opt-param-scheduler the checkpoint's shape."""
-    ckpt, saved = _saved_after_two_steps(tmp_path, tiny_llama)
-    longer = _ran_two_steps(tiny_llama, train_iters=40)
+    ckpt = tmp_path / "ckpt"
+    saved = _after_two_steps(tiny_llama, save=ckpt, train_iters=2)
+    longer = _after_two_steps(tiny_llama, train_iters=40)
     argv = _argv(tiny_llama, load=str(ckpt), train_iters=40, **NO_CURRICULUM)
     with model_parallel_context(3), pytest.raises(CheckpointError, match=(
             r"another LR schedule \(checkpoint != this run\): lr_decay_steps: "

@@ -1,14 +1,13 @@
 """The RL objective over all-loop readouts, normalised over the whole group.
 
-Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t}
-- entropy_weight * h_{r,i,t}), h = -p log p of the sampled token (Megatron-LM's GRPO entropy
-term), where the
-token weights c are computed once from the whole group's loss mask (never per wave), so the
-loss is the same number whatever the wave size. The loop weights w_r are fixed (final, uniform,
-progressive), per token from the exit gate (exit_pdf: w_{r,i,t} = p(r | i, t)), or learned
-(RLTT: softmax of trainable logits). With ``exit_gate_coef`` the gate's own objective is added:
-exit_gate_coef * sum_{i,t} c_{i,t} (sum_r p_r sg(l_{r,i,t}) - exit_entropy_coef * H(p_{i,t})),
-l the per-token loss above and sg stop-gradient (Ouro's entropy-regularised expected loss).
+Group loss L = sum_r w_r * sum_{i,t} c_{i,t} * (ppo_{r,i,t} + kl_coef * kl_{r,i,t} - entropy_weight
+* h_{r,i,t}), h = -p log p of the sampled token (Megatron-LM's GRPO entropy term), where the token
+weights c are computed once from the whole group's loss mask (never per wave), so the loss is the
+same number whatever the wave size. The loop weights w_r are fixed (final, uniform, progressive),
+per token from the exit gate (exit_pdf: w_{r,i,t} = p(r | i, t)), or learned (RLTT: softmax of
+trainable logits). With ``exit_gate_coef`` the gate's own objective is added: exit_gate_coef *
+sum_{i,t} c_{i,t} (sum_r p_r sg(l_{r,i,t}) - exit_entropy_coef * H(p_{i,t})), l the per-token loss
+above and sg stop-gradient (Ouro's entropy-regularised expected loss).
 """
 
 from dataclasses import dataclass
