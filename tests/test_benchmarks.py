@@ -18,7 +18,13 @@ if ROOT not in sys.path:  # `pytest` without `python -m`: the repo root holds be
 from benchmarks import gpu  # noqa: E402
 from benchmarks.harness import run_workload  # noqa: E402
 from benchmarks.measure import AgreementError, check_agreement, count_flops  # noqa: E402
-from benchmarks.report import check_targets, plot, write_json, write_markdown  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    best_joint,
+    check_targets,
+    plot,
+    write_json,
+    write_markdown,
+)
 from benchmarks.schedules import SCHEDULES, step_functions  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     Workload,
@@ -194,6 +200,18 @@ def test_targets_are_checked_against_the_causal_flop_count():
     assert flops_rows and all("flops_causal" in r["figure"] for r in flops_rows), flops_rows
     assert [(r["workload"], r["measured"], r["ok"]) for r in flops_rows] == [
         ("A", 2.8, False), ("B", 5.0, False), ("A", 2.0, False), ("B", 2.0, False)]
+
+
+def test_best_joint_variant_is_the_one_with_the_fastest_repetition():
+    """The naive/joint figures take the variant whose fastest repetition is fastest: a
+    variant slowed by other jobs in some repetitions (a higher median) is not picked for it."""
+    def timed(*walls):
+        return {"wall_s": sorted(walls)[len(walls) // 2], "wall_min_s": min(walls)}
+
+    schedules = {"joint": timed(1.00, 1.01, 1.02),  # steady, median 1.01
+                 "joint_retain": timed(0.90, 1.05, 1.40),  # faster, two slowed: median 1.05
+                 "joint_ckpt": timed(1.30, 1.31, 1.32), "naive": timed(0.5, 0.5, 0.5)}
+    assert best_joint(schedules) == "joint_retain"
 
 
 def test_loss_agreement_is_relative_to_the_size_of_its_terms(mcore_single):
