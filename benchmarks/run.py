@@ -90,8 +90,9 @@ NOTES = [
     "naive_mb1 P+S, tree P+GS, joint P+WS (prompt replay + one wave).",
     "joint_retain: the prompt producer keeps its graph and the joint replay backpropagates "
     "through it (3P+3GS, the tree mask's FLOP limit). naive_over_joint compares naive with the "
-    "joint-replay variant with the fastest repetition (`joint_variant`: other jobs only slow "
-    "repetitions down, so the minimum picks the variant steadily; the figures stay medians); "
+    "joint-replay variant with the fewest FLOPs (causal count), then the fewest saved bytes "
+    "(`joint_variant`): figures that are the same in every run; picking by wall time would "
+    "pick whichever variant the host's noise favoured; "
     "naive_over_joint_recompute keeps the recomputed-prompt figures. `auto`: the planner picks "
     "joint replay (retain) or naive (all G in one microbatch) per group from a cost model "
     "calibrated on the model at the start (fixed cost per layer call + cost per FLOP); "
