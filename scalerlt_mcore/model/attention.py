@@ -30,6 +30,12 @@ def _bhsd(x: Tensor) -> Tensor:
     return x.permute(1, 2, 0, 3)  # [s, b, n, d] -> [b, n, s, d]
 
 
+def batch_major(x: Tensor) -> Tensor:
+    """``x`` [b, h, M, d] stored as [b, M, h, d] (the layout the CUDA ops write their outputs
+    in); a copy only where it is stored otherwise."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float):
     """Softmax attention that also returns the log-sum-exp of every query's scores.
 
@@ -64,6 +70,41 @@ def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
 
 aten = torch.ops.aten
 
+OP_SIGNATURES = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        "query key value dropout_p is_causal", "attn_mask scale", 2),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        "grad_out query key value out logsumexp dropout_p is_causal", "attn_mask scale", 3),
+    "_scaled_dot_product_flash_attention": (
+        "query key value dropout_p is_causal return_debug_mask", "scale", 9),
+    "_scaled_dot_product_flash_attention_backward": (
+        "grad_out query key value out logsumexp cum_seq_q cum_seq_k max_q max_k dropout_p "
+        "is_causal philox_seed philox_offset", "scale", 3),
+    "_scaled_dot_product_efficient_attention": (
+        "query key value attn_bias compute_log_sumexp dropout_p is_causal", "scale", 4),
+    "_scaled_dot_product_efficient_attention_backward": (
+        "grad_out_ query key value attn_bias out logsumexp philox_seed philox_offset dropout_p "
+        "grad_input_mask is_causal", "scale", 4),
+}
+"""The ``.default`` overload of each fused attention op the kernels call positionally:
+(positional argument names, keyword-only names, number of outputs), the same in torch 2.11
+(the GPU check machine) through 2.14 (2.13 here); checked once at import."""
+
+
+def check_op_schemas(signatures: dict = OP_SIGNATURES) -> None:
+    """Raise naming the op whose ``.default`` schema differs from ``signatures``."""
+    for name, (positional, keywords, n_out) in signatures.items():
+        schema = getattr(aten, name).default._schema
+        found = (" ".join(a.name for a in schema.arguments if not a.kwarg_only),
+                 " ".join(a.name for a in schema.arguments if a.kwarg_only), len(schema.returns))
+        if found != (positional, keywords, n_out):
+            raise RuntimeError(
+                f"aten.{name}.default has an unsupported schema in torch {torch.__version__} "
+                f"(expected arguments ({positional}; *, {keywords}) -> {n_out} outputs): {schema}")
+
+
+check_op_schemas()
+
 
 class LseKernel:
     """A fused attention op that returns every query's log-sum-exp, and its backward op.
@@ -97,8 +138,8 @@ class CpuFlashKernel(LseKernel):
 
     name, device_types = "cpu_flash", ("cpu", "meta")
 
-    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention_for_cpu,
-                 backward_op=aten._scaled_dot_product_flash_attention_for_cpu_backward):
+    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 backward_op=aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
         super().__init__(forward_op, backward_op)
 
     def forward(self, q, k, v, causal: bool, scale: float):
@@ -126,8 +167,8 @@ class CudaFlashKernel(LseKernel):
 
     name, device_types = "flash", ("cuda", "meta")
 
-    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention,
-                 backward_op=aten._scaled_dot_product_flash_attention_backward):
+    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention.default,
+                 backward_op=aten._scaled_dot_product_flash_attention_backward.default):
         super().__init__(forward_op, backward_op)
 
     def _unsupported_dtype(self, q):
@@ -140,6 +181,7 @@ class CudaFlashKernel(LseKernel):
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, state):
         cum_q, cum_k, seed, offset = state
+        lse = lse.contiguous()  # flash-attn 2 reads it at (b*H + h)*M + row, ignoring strides
         return self.backward_op(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2],
                                 0.0, causal, seed, offset, scale=scale)
 
@@ -151,8 +193,8 @@ class CudaEfficientKernel(LseKernel):
     name, device_types = "efficient", ("cuda", "meta")
     LSE_ALIGN = 32
 
-    def __init__(self, forward_op=aten._scaled_dot_product_efficient_attention,
-                 backward_op=aten._scaled_dot_product_efficient_attention_backward):
+    def __init__(self, forward_op=aten._scaled_dot_product_efficient_attention.default,
+                 backward_op=aten._scaled_dot_product_efficient_attention_backward.default):
         super().__init__(forward_op, backward_op)
 
     def _unsupported_dtype(self, q):
@@ -168,6 +210,7 @@ class CudaEfficientKernel(LseKernel):
         padded = -(-M // self.LSE_ALIGN) * self.LSE_ALIGN
         lse_pad = lse.new_full((*lse.shape[:-1], padded), float("inf"))  # [b, h, M_pad]
         lse_pad[..., :M] = lse
+        out = batch_major(out)  # the kernel reads out's rows with stride H*D
         dq, dk, dv, _ = self.backward_op(dout, q, k, v, None, out, lse_pad, seed, offset, 0.0,
                                          [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
@@ -317,7 +360,14 @@ def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
 
 
 def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False) -> Tensor:
-    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn]."""
+    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn].
+
+    GQA without a mask goes through ``enable_gqa`` (CUDA: flash); with a mask the K/V heads
+    are repeated instead: CUDA's memory-efficient kernel takes a mask but not ``enable_gqa``,
+    and the pair would fall back to the math kernel, materialising the scores."""
+    rep = q.shape[2] // k.shape[2]
+    if allowed is not None and rep > 1:
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))  # [sk, b, np, hn]
     return F.scaled_dot_product_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
@@ -397,6 +447,8 @@ class LoopedSelfAttention(SelfAttention):
         batch = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
         cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
         cache.values[ctx.depth][pos, batch] = value.transpose(0, 1).to(cache.values.dtype)
+        if cache.fresh:  # a prefill from an empty cache: plain causal over its own K/V
+            return self.core_attention(query, key, value, None)
         span = int(pos.max()) + 1
         keys = cache.keys[ctx.depth][:span].to(query.dtype)  # [T, B, ng, hn]
         vals = cache.values[ctx.depth][:span].to(query.dtype)
