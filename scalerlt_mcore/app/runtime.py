@@ -35,16 +35,18 @@ def init_distributed(cfg) -> str:
     cuda = torch.cuda.is_available()
     if not cuda:
         enable_cpu_backend()
+    device_id = None
+    if cuda:  # before the process group: NCCL binds this device and a bad setup fails fast
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device_id)
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
         timeout = timedelta(minutes=cfg.training.distributed_timeout_minutes)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                                    timeout=timeout, device_id=device_id)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size)

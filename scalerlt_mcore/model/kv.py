@@ -163,6 +163,9 @@ class DepthKVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.signature = state_signature(config)
         self.prefix = prefix
+        self.fresh = False
+        """Set while ``prefill`` writes an emptied cache (every row's positions 0 ... T-1):
+        attention is then plain causal over the new K/V (``is_causal``, a fused kernel)."""
         if prefix is not None:
             _check_prefix_cache(prefix, self)
 

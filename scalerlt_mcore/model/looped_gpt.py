@@ -255,7 +255,11 @@ class LoopedGPTModel(LanguageModule):
         (logits, the exit distribution log p(r) [R, B] there; None without a gate)."""
         cache.lengths.zero_()
         self._check_inputs(tokens, None, None, cache)
-        states, _ = self._loop_states(tokens, None, None, None, cache, False)  # R x [T, B, H]
+        cache.fresh = cache.prefix is None
+        try:
+            states, _ = self._loop_states(tokens, None, None, None, cache, False)  # R x [T, B, H]
+        finally:
+            cache.fresh = False
         cache.lengths.copy_(lengths)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         last = [h[lengths - 1, rows][None] for h in states]  # R x [1, B, H]

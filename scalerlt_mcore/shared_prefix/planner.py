@@ -199,9 +199,9 @@ def _attention(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefi
         view = rows == 1 and m.heads == m.kv_groups
         saved.add(2 * q + q * (not view) + q * (rows > 1))  # k, v repeated; prefix queries;
         # projection input (a copy of the merged output when rows > 1)
-    elif kind == "concat":
-        keys = rows * (prefix + s) * m.kv_groups * hn * b
-        saved.add(2 * keys + s * (prefix + s) * b)  # concatenated K and V, additive mask
+    elif kind == "concat":  # concatenated K and V (heads repeated under GQA: masked SDPA)
+        keys = rows * (prefix + s) * m.heads
+        saved.add(2 * keys * hn * b + s * (prefix + s) * b)  # K, V, additive mask
 
 
 def _layer(m: ModelShape, saved: _Saved, x: str, rows: int, s: int, kind: str,
@@ -443,11 +443,15 @@ def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = F
 
 def _time_step(model, tokens) -> float:
     """Seconds of one forward + backward. ``autograd.grad`` computes the parameter gradients
-    without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched."""
+    without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched. On
+    CUDA the clock brackets the kernels, not their launches (a device sync on both sides)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    sync = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     loss = model(tokens, labels=tokens).logprobs.sum()
     torch.autograd.grad(loss, params, allow_unused=True)
+    sync()
     return time.perf_counter() - start
 
 
