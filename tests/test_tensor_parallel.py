@@ -44,7 +44,12 @@ PROMPT, RESPONSE = 6, 4
 # it is ~10x smaller than its terms, and each fp32 evaluation carries up to ~9e-7 of rounding
 # relative to the tensor (measured for naive and joint replay alike, at TP=1 and 2); two fp32
 # evaluations differ by up to the sum of their own roundings (measured 1.1e-6, printed; stock
-# naive training at TP=2 against itself at TP=1: 7.5e-7, also printed).
+# naive training at TP=2 against itself at TP=1: 7.5e-7, also printed). Stock MCore's own
+# fp32 rounding per tensor depends on the CPU's kernels (1.24e-6 for a coda layernorm weight of
+# naive training at TP=2 on one machine, 7.5e-7 on another), so the references' sanity bound is
+# over the whole gradient (max |error| / max |reference| over all tensors, as the DDP and CUDA
+# tests bound fp32); the per-tensor figure is printed beside it. Joint replay's own fp32 bound
+# stays per tensor.
 FP64_RTOL, FP32_RTOL = 1e-12, 1e-6
 WEIGHT_STD = 0.02  # MCore's init_method_std: near-uniform log-probs, PPO ratios near 1
 # Rollouts: 3 prompts x 4 samples, up to 5 new tokens; eos is token 1, pad 0 (banned).
@@ -299,6 +304,15 @@ def _worst(got: list, want: list) -> tuple:
     return worst
 
 
+def _worst_whole(got: list, want: list) -> tuple:
+    """(max over the steps of max |error| / max |reference| over the whole gradient, step)."""
+    worst = (0.0, None)
+    for step, (g, w) in enumerate(zip(got, want)):
+        diff = max((g[n].double() - w[n].double()).abs().max().item() for n in w)
+        worst = max(worst, (diff / max(w[n].abs().max().item() for n in w), step))
+    return worst
+
+
 def _note(worst: dict, key: str, err: tuple) -> tuple:
     """Keep the largest error of ``key`` over the ranks (printed by the test); ``err``."""
     worst[key] = max(worst.get(key, err), err)
@@ -312,7 +326,8 @@ def test_joint_replay_matches_naive_same_tp_layout(layout):
         a64, b64, a32, b32 = (r[dt][k] for dt in (torch.float64, torch.float32) for k in "ab")
         err64 = _note(worst, "fp64", _worst(a64, b64))
         err32 = _note(worst, "fp32 joint vs exact", _worst(a32, b64))
-        ref32 = _note(worst, "fp32 naive vs exact", _worst(b32, b64))
+        _note(worst, "fp32 naive vs exact, per tensor (not bounded)", _worst(b32, b64))
+        ref32 = _note(worst, "fp32 naive vs exact, whole gradient", _worst_whole(b32, b64))
         _note(worst, "fp32 joint vs fp32 naive (not bounded)", _worst(a32, b32))
         assert err64[0] <= FP64_RTOL, f"fp64: {err64}"
         assert err32[0] <= FP32_RTOL, f"fp32 joint replay vs exact: {err32}"
@@ -322,10 +337,12 @@ def test_joint_replay_matches_naive_same_tp_layout(layout):
 
 def test_tp_gradients_equal_tp1(layout):
     """A's reduced gradients, gathered, on every rank equal TP=1 naive training's: fp64 to
-    1e-12; fp32 A and the fp32 TP=1 run each within 1e-6 of the TP=1 fp64 gradient."""
+    1e-12; fp32 A within 1e-6 of the TP=1 fp64 gradient per tensor, the fp32 TP=1 run over
+    the whole gradient."""
     worst = {}
     exact, tp1_32 = layout["tp1"][torch.float64], layout["tp1"][torch.float32]
-    ref32 = _note(worst, "fp32 TP=1 vs exact", _worst(tp1_32, exact))
+    _note(worst, "fp32 TP=1 vs exact, per tensor (not bounded)", _worst(tp1_32, exact))
+    ref32 = _note(worst, "fp32 TP=1 vs exact, whole gradient", _worst_whole(tp1_32, exact))
     assert ref32[0] <= FP32_RTOL, f"fp32 TP=1 naive (the reference) vs exact: {ref32}"
     for r in layout["ranks"]:
         err64 = _note(worst, "fp64", _worst(r[torch.float64]["a"], exact))
