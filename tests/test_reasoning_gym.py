@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
-from scalerlt_mcore.rl.tasks import get_task
+from scalerlt_mcore.rl.task_registry import get_task
 
 CHAIN = ("reasoning_gym:chain_sum", {"min_terms": 2, "max_terms": 3, "max_digits": 1})
 SPELL = ("reasoning_gym:spell_backward", {"min_word_len": 3, "max_word_len": 5})

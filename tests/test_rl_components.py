@@ -18,7 +18,8 @@ from scalerlt_mcore.rl import (
     tasks,
 )
 from scalerlt_mcore.rl.objective import RLObjective
-from scalerlt_mcore.rl.tasks import TASKS, split_of
+from scalerlt_mcore.rl.task_registry import TASKS
+from scalerlt_mcore.rl.tasks import split_of
 
 # ----------------------------------------------------------------------- tokenizer
 
@@ -182,7 +183,7 @@ def test_kv_retrieval_draw_does_not_depend_on_the_hash_seed():
     code = ("import importlib.util as u, sys; s = u.spec_from_file_location('t', sys.argv[1]); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); "
             "print([(p.prompt, p.answer) for p in "
-            "m.get_task('kv_retrieval', num_pairs=30, key_len=2).sample(seed=4, n=3)])")
+            "m.KeyValueRetrieval(num_pairs=30, key_len=2).sample(seed=4, n=3)])")
     outs = {subprocess.run([sys.executable, "-c", code, tasks.__file__], capture_output=True,
                            text=True, env={**os.environ, "PYTHONHASHSEED": str(h)},
                            check=True).stdout.strip() for h in (1, 2, 3)}

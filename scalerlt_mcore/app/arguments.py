@@ -51,7 +51,8 @@ from ..model.config import (
 )
 from ..rl.advantages import AdvantageMode
 from ..rl.objective import RLObjective
-from ..rl.tasks import get_task, measure_lengths
+from ..rl.task_registry import get_task
+from ..rl.tasks import measure_lengths
 from ..rl.tokenizer import CharTokenizer, TokenizerType, build_tokenizer
 from ..shared_prefix import get_shared_prefix_forward_backward_func
 
@@ -336,7 +337,7 @@ class RLArgs:
     Megatron-LM's ``grpo_*`` names where it has the flag)."""
 
     rl_task: str = "modular_arithmetic"
-    """Task name (``scalerlt_mcore.rl.tasks.TASKS``)."""
+    """Task name (``scalerlt_mcore.rl.task_registry.TASKS``)."""
     rl_task_options: dict = field(default_factory=dict)
     """Options of the task, e.g. ``{modulus: 7}``; on the command line a YAML mapping,
     which replaces (does not merge with) the file's."""

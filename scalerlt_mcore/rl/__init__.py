@@ -5,13 +5,15 @@ and the tokenizer glue. No process groups, no optimizer: the app wires them.
   ``rl_forward_step``, the per-wave ``forward_step_func`` of the shared-prefix schedule.
 - ``advantages``: group advantages (GRPO, Dr. GRPO), the PPO clipped objective, k3 KL.
 - ``rollout``: batched sampling from the looped model with the depth-indexed KV cache.
-- ``tasks``: tasks with verifiable rewards (``get_task``), shipped with the package.
+- ``tasks``: tasks with verifiable rewards, shipped with the package; ``task_registry``: any task
+  by name (``get_task``, ``TASKS``, ``mix``), reasoning-gym datasets (``reasoning_gym``) included.
 - ``tokenizer``: ``CharTokenizer``, a character vocabulary for the built-in tasks.
 """
 
 from scalerlt_mcore.rl.advantages import group_advantages, kl_k3, ppo_clipped_objective
 from scalerlt_mcore.rl.objective import RLObjective, loop_weights, rl_forward_step
-from scalerlt_mcore.rl.tasks import TASKS, Problem, Task, get_task
+from scalerlt_mcore.rl.task_registry import TASKS, get_task
+from scalerlt_mcore.rl.tasks import Problem, Task
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 
 __all__ = [

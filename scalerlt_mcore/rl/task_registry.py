@@ -1,0 +1,98 @@
+"""Tasks by name: the built-in ones (``rl/tasks.py``), ``mix`` and ``reasoning_gym:<dataset>``
+(``rl/reasoning_gym.py``). Both task modules sit below this one: neither imports the other's
+builder."""
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .reasoning_gym import reasoning_gym_task
+from .tasks import KeyValueRetrieval, ModularArithmetic, Problem, Reverse, Sort, Task, _require
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort,
+                                                    KeyValueRetrieval)}
+"""Registry of built-in tasks by name (besides ``mix`` and ``reasoning_gym:<dataset>``)."""
+
+
+def get_task(name: str, **options) -> Task:
+    """The task ``name`` built with ``options``; unknown names or options raise ValueError."""
+    if name.startswith("reasoning_gym:"):
+        return reasoning_gym_task(name, options)
+    if name == "mix":
+        _require(set(options) <= {"tasks"}, f"task 'mix' takes only the option 'tasks', got "
+                 f"{sorted(options)}")
+        return MixedTask(**options)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
+                         "mix, reasoning_gym:<dataset>")
+    cls = TASKS[name]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"task {name!r} has no option {unknown[0]!r}; options: {allowed}")
+    for f in dataclasses.fields(cls):
+        if f.name in options and type(options[f.name]) is not type(f.default):
+            expected = type(f.default).__name__
+            raise ValueError(f"task option {f.name!r} expects {expected}, got {options[f.name]!r}")
+    return cls(**options)
+
+
+@dataclass
+class MixedTask(Task):
+    """Several tasks drawn with weights: ``rl_task: mix`` with ``rl_task_options:
+    {tasks: [{task: reverse, weight: 2, options: {max_len: 3}}, {task: reasoning_gym:chain_sum}]}``
+    (weight defaults to 1, options to {}). Each response is scored by its own task."""
+
+    name = "mix"
+    tasks: list = field(default_factory=list)
+    """Entries ``{task: NAME, weight: W, options: {...}}``."""
+
+    def __post_init__(self):
+        _require(isinstance(self.tasks, list) and len(self.tasks) > 0,
+                 "task 'mix' needs options {tasks: [{task: NAME, weight: W, options: {...}}]}")
+        self._tasks, self._weights = [], []
+        for i, entry in enumerate(self.tasks):
+            task, weight = _mix_entry(i, entry)
+            self._tasks.append(task)
+            self._weights.append(weight)
+
+    def sample(self, seed: int, n: int, split: str = "train") -> list[Problem]:
+        rng, out = random.Random(seed), []
+        for _ in range(n):
+            k = rng.choices(range(len(self._tasks)), weights=self._weights)[0]
+            inner = self._tasks[k].sample(rng.randrange(2**31 - 1), 1, split)[0]
+            out.append(Problem(inner.prompt, inner.answer, entry=(k, inner)))
+        return out
+
+    def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
+        k, inner = problem.entry
+        return self._tasks[k].reward(inner, completion, partial_credit=partial_credit)
+
+    @property
+    def max_prompt_chars(self):
+        return _max_or_none(t.max_prompt_chars for t in self._tasks)
+
+    @property
+    def max_answer_chars(self):
+        return _max_or_none(t.max_answer_chars for t in self._tasks)
+
+
+def _mix_entry(i: int, entry: Any) -> tuple:
+    """(task, weight) of entry ``i`` of a mix."""
+    where = f"task 'mix' entry {i}"
+    _require(isinstance(entry, dict) and "task" in entry,
+             f"{where} must be a mapping with a 'task' key, got {entry!r}")
+    unknown = sorted(set(entry) - {"task", "weight", "options"})
+    _require(not unknown, f"{where} has unknown key {unknown[0] if unknown else ''!r}; "
+             "keys: task, weight, options")
+    weight = entry.get("weight", 1)
+    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+             f"{where}: weight must be a number > 0, got {weight!r}")
+    _require(entry["task"] != "mix", f"{where}: a mix cannot contain a mix")
+    return get_task(entry["task"], **entry.get("options", {})), float(weight)
+
+
+def _max_or_none(values) -> Optional[int]:
+    values = list(values)
+    return None if None in values else max(values)
