@@ -21,9 +21,9 @@ import pytest
 import torch
 from sp_helpers import build_model, make_group
 
-from scalerlt_mcore.app import trainer
 from scalerlt_mcore.model import attention
-from scalerlt_mcore.rl import rollout
+from scalerlt_mcore.rl import batch as rl_batch
+from scalerlt_mcore.rl import rollout, sft
 from scalerlt_mcore.rl.objective import LOOP_WEIGHTS, RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
     SharedPrefixGroup,
@@ -62,7 +62,7 @@ def test_objective_loss_on_meta(scheme):
 
 def test_warm_up_loss_on_meta():
     logprobs = _meta(2, 3, 6).requires_grad_()
-    nll, stats = trainer._sft_loss("progressive", _meta(3, 6), logprobs)
+    nll, stats = sft.sft_loss("progressive", _meta(3, 6), logprobs)
     assert nll.device == META and stats["nll"].device == META
     nll.backward()
     assert logprobs.grad.device == META
@@ -125,14 +125,14 @@ def test_schedule_rejects_a_group_off_the_model_device(mcore_single):
 def test_trainer_groups_drift_and_warm_up_batch_on_meta():
     responses = torch.tensor([[[5, 6, 0], [7, 0, 0]]])  # host rollout [N=1, G=2, S=3]
     lengths, advantages = torch.tensor([[2, 1]]), torch.tensor([[1.0, -1.0]], dtype=torch.float64)
-    (g,) = trainer.build_groups([[1, 2, 3]], responses, lengths, 0, step=2, device="meta",
-                                advantages=advantages)
+    (g,) = rl_batch.build_groups([[1, 2, 3]], responses, lengths, 0, step=2, device="meta",
+                                   advantages=advantages)
     g.check_device("meta")
     assert g.group_id == 200_000 and g.tokens.shape == (2, 5)
     g.old_logprobs = _meta(2, 2, 5)
-    drift = trainer.rollout_drift(g, torch.zeros(2, 3))  # the rollout's log-probs: host
+    drift = rl_batch.rollout_drift(g, torch.zeros(2, 3))  # the rollout's log-probs: host
     assert drift.device == META and drift.shape == ()
-    batch = trainer.sft_batch([[1, 2], [1]], [[3, 4], [5]], pad_id=0, device="meta")
+    batch = sft.sft_batch([[1, 2], [1]], [[3, 4], [5]], pad_id=0, device="meta")
     assert {k: (t.device, tuple(t.shape)) for k, t in batch.items()} == {
         "tokens": (META, (2, 4)), "labels": (META, (2, 4)), "mask": (META, (2, 4))}
 
@@ -143,7 +143,7 @@ def test_rollout_drift_values():
     g.old_logprobs = torch.zeros(2, 2, 4)
     g.old_logprobs[-1, :, 1:3] = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]])  # -9: padding
     rollout_lp = torch.tensor([[-1.25, -2.0], [-0.5, 0.0]])
-    assert trainer.rollout_drift(g, rollout_lp).item() == 0.25
+    assert rl_batch.rollout_drift(g, rollout_lp).item() == 0.25
 
 
 # ---- attention ------------------------------------------------------------------------------

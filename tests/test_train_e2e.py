@@ -282,7 +282,7 @@ class _AdamBound:
 
 
 def _summary(out: list, groups: list) -> dict:
-    from scalerlt_mcore.app.trainer import summarise
+    from scalerlt_mcore.rl.stats import summarise
 
     return summarise(out, len(groups))
 

@@ -55,6 +55,7 @@ from ..rl.task_registry import get_task
 from ..rl.tasks import measure_lengths
 from ..rl.tokenizer import CharTokenizer, TokenizerType, build_tokenizer
 from ..shared_prefix import get_shared_prefix_forward_backward_func
+from ..shared_prefix.planner import Planner, shared_cost_model
 
 
 class ConfigError(ValueError):
@@ -747,6 +748,25 @@ def schedule_from(cfg: RunConfig, chooser: Optional[Callable] = None):
     if kwargs["memory_budget"] is not None:
         kwargs["memory_budget"] *= 2**20  # MiB -> bytes
     return get_shared_prefix_forward_backward_func(**kwargs, chooser=chooser)
+
+
+def planner_from(cfg: RunConfig, model, loss_per_position: float) -> Optional[Planner]:
+    """The per-group ``Planner`` when the wave size, the prompt mode or the schedule is
+    ``auto``, else None; ``loss_per_position``: the loss's saved bytes per position
+    (``RLObjective.saved_per_position``). ``auto`` calibrates the cost model on ``model``."""
+    sp = cfg.shared_prefix
+    auto = sp.shared_prefix_schedule == "auto"
+    if not (auto or "auto" in (sp.shared_prefix_wave_size, sp.shared_prefix_prompt)):
+        return None
+    budget = sp.shared_prefix_memory_budget
+    return Planner(
+        sp.shared_prefix_wave_size, sp.shared_prefix_prompt,
+        None if budget is None else budget * 2**20,
+        schedule="auto" if auto else "joint_replay",
+        cost_model=shared_cost_model(model) if auto else None,
+        checkpoint_waves=sp.shared_prefix_checkpoint_waves,
+        naive_micro_batch_size=cfg.training.micro_batch_size,
+        loss_per_position=loss_per_position)
 
 
 def task_from(cfg: RunConfig):

@@ -15,23 +15,20 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import unwrap_model
 
 from ..mcore_compat import mcore_workaround
 from ..model.config import parse_loop_sampling, sample_num_loops, set_num_loops
 from ..rl.advantages import group_advantages
-from ..rl.objective import FIXED_LOOP_WEIGHTS, loop_weights, rl_forward_step
+from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old_logprobs
+from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
-from ..shared_prefix import (
-    SavedTensorProbe,
-    SharedPrefixGroup,
-    logprobs_forward_step,
-    naive_step,
-)
-from ..shared_prefix.planner import CostModel, Planner
+from ..rl.sft import sft_batch, sft_forward_step
+from ..rl.stats import rollout_exit_metrics, sampled_entropy, summarise
+from ..shared_prefix import SavedTensorProbe, logprobs_forward_step, naive_step
 from .arguments import (
     eval_prompts,
     objective_from,
+    planner_from,
     prompts_per_step,
     schedule_from,
     task_from,
@@ -50,121 +47,10 @@ def curriculum_loops(step: int, loops: int, warmup_iters: int) -> int:
     return 1 + (loops - 1) * step // warmup_iters
 
 
-def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
-                 advantages=None) -> list:
-    """SharedPrefixGroups on ``device`` from host rollout tensors [N, G, S] and, when given,
-    their advantages [N, G]."""
-    return [SharedPrefixGroup.from_rollout(
-        prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
-        advantages=None if advantages is None else advantages[n])
-        for n, prompt in enumerate(prompts)]
-
-
-def rollout_drift(group: SharedPrefixGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
-    """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
-    the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
-    P, S = group.prompt_length, group.response_length
-    train = group.old_logprobs[-1, :, P - 1 : P - 1 + S].float()  # [G, S]
-    rollout = rollout_logprobs[:, :S].to(train.device)  # [G, S]
-    sampled = group.loss_mask[:, P - 1 : P - 1 + S] != 0  # [G, S]
-    return torch.where(sampled, (train - rollout).abs(), 0.0).max()
-
-
-def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
-    """Warm-up batch on ``device``: tokens/labels [N, T] right-padded with ``pad_id``; mask
-    [N, T] on the positions that predict the answer. Built on the host, moved once."""
-    T = max(len(p) + len(a) for p, a in zip(prompts, answers))
-    tokens = torch.full((len(prompts), T), pad_id, dtype=torch.long, device="cpu")
-    mask = torch.zeros(len(prompts), T, device="cpu")
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        tokens[i, : len(p) + len(a)] = torch.tensor(p + a, device="cpu")
-        mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
-    labels = torch.full_like(tokens, pad_id)
-    labels[:, :-1] = tokens[:, 1:]
-    return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
-
-
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
                  "time_step_s")
 """Metrics of an RL step that are wall-clock measurements (they differ between identical
 runs): throughput and the time of each phase, rollout / score / train, and of the whole step."""
-
-
-def rollout_old_logprobs(group: SharedPrefixGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
-    """Old log-probs [R, G, T] in the group's layout (position t holds the log-prob of label t)
-    from the rollout's per-loop log-probs [R, G, S'] of the sampled tokens (0 on padding)."""
-    P, S = group.prompt_length, group.response_length
-    old = torch.zeros((loop_logprobs.shape[0], *group.tokens.shape), dtype=loop_logprobs.dtype,
-                      device=group.tokens.device)
-    old[:, :, P - 1 : P - 1 + S] = loop_logprobs[:, :, :S].to(old.device)  # [R, G, S]
-    return old
-
-
-def recording_drift(forward_step, drift: list):
-    """``forward_step`` whose loss_func also appends max |training - old| final-loop log-prob
-    of the wave's trained tokens to ``drift``: with old log-probs from the rollout and the
-    update's first forward (the rollout's weights), the rollout-vs-training difference."""
-
-    def step(data_iterator, model):
-        wave = next(data_iterator)
-        output, loss_func = forward_step(iter([wave]), model)
-
-        def recorded(output, non_loss_data: bool = False):
-            logprobs = output["logprobs"] if isinstance(output, dict) else output
-            if not non_loss_data:
-                g = wave.group
-                diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
-                trained = wave.rows(g.loss_mask) != 0  # [W, T]
-                drift.append(torch.where(trained, diff.abs(), 0.0).max())
-            return loss_func(output, non_loss_data=non_loss_data)
-
-        return output, recorded
-
-    return step
-
-
-def rollout_exit_metrics(ro) -> dict:
-    """With the exit gate: the rollout's mean exit loop sum_r r p(r) over its sampled tokens,
-    and with threshold exits the mean loop that sampled them (loops counted from 1)."""
-    if ro.exit_logprobs is None:
-        return {}
-    S = ro.responses.shape[-1]
-    sampled = torch.arange(S, device="cpu")[None, None] < ro.lengths[..., None]  # [N, G, S]
-    p = ro.exit_logprobs.exp()  # [R, N, G, S]
-    r = torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device="cpu")[:, None, None, None]
-    out = {"rollout_exit_loop": float((r * p).sum(0)[sampled].mean())}
-    if ro.exit_loops is not None:
-        out["rollout_sampled_loop"] = float(ro.exit_loops[sampled].float().mean())
-    return out
-
-
-def sampled_entropy(ro) -> float:
-    """Mean -log p of the sampled response tokens under the policy (temperature 1): an unbiased
-    estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
-    entropy collapse."""
-    return float(-ro.logprobs.double().sum() / ro.lengths.sum())
-
-
-def summarise(out: list, num_groups: int) -> dict:
-    """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
-    per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
-    loss = sum(float(o["loss"]) for o in out) / num_groups
-    tokens = sum(float(o["tokens"]) for o in out)
-    clip = sum(float(o["clipped"]) for o in out) / tokens
-    kl = sum(float(o["kl"]) for o in out) / tokens
-    result = {"loss": loss, "clip_fraction": clip, "kl": kl, **_plans(out)}
-    for key in ("exit_loop", "exit_entropy"):  # with the exit gate: means per response token
-        if key in out[0]:
-            result[key] = sum(float(o[key]) for o in out) / tokens
-    return result
-
-
-def _plans(out: list) -> dict:
-    """The shared-prefix schedule's per-group plans, as means over the groups."""
-    if not out or "wave_size" not in out[0]:
-        return {}
-    return {f"plan_{k}": sum(float(o[k]) for o in out) / len(out)
-            for k in ("wave_size", "retain", "naive")}
 
 
 class KLReference:
@@ -206,7 +92,8 @@ class RLTrainer:
         self.train_drift = []  # rollout-vs-training log-prob differences of the current step
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
-        self.schedule = schedule_from(cfg, chooser=self._planner(cfg, model))
+        self.schedule = schedule_from(
+            cfg, chooser=planner_from(cfg, model, self.objective.saved_per_position))
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
@@ -232,34 +119,6 @@ class RLTrainer:
     def use_configured_loops(self) -> None:
         """Back to ``looped_num_loops`` (what a checkpoint records and a resumed run builds)."""
         set_num_loops(self.model.config, self.cfg.model.looped_num_loops)
-
-    def _planner(self, cfg, model):
-        """The per-group ``Planner`` when the wave size, the prompt mode or the schedule is
-        ``auto`` (it knows the objective's saved bytes per position), else None."""
-        sp = cfg.shared_prefix
-        auto = sp.shared_prefix_schedule == "auto"
-        if not (auto or "auto" in (sp.shared_prefix_wave_size, sp.shared_prefix_prompt)):
-            return None
-        budget = sp.shared_prefix_memory_budget
-        return Planner(
-            sp.shared_prefix_wave_size, sp.shared_prefix_prompt,
-            None if budget is None else budget * 2**20,
-            schedule="auto" if auto else "joint_replay",
-            cost_model=self._calibrate(model) if auto else None,
-            checkpoint_waves=sp.shared_prefix_checkpoint_waves,
-            naive_micro_batch_size=cfg.training.micro_batch_size,
-            loss_per_position=self.objective.saved_per_position)
-
-    def _calibrate(self, model) -> CostModel:
-        """The cost model of ``shared_prefix_schedule: auto``, measured on rank 0 and shared,
-        so every rank plans alike (every rank of the job: the ranks of a tensor-parallel group
-        must run the same schedule too, so the data-parallel size does not decide)."""
-        cost = CostModel.calibrate(model)
-        device = next(model.parameters()).device
-        values = torch.tensor([cost.call_s, cost.flop_s], dtype=torch.float64, device=device)
-        if dist.get_world_size() > 1:
-            dist.broadcast(values, src=0)
-        return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
 
     @staticmethod
     @mcore_workaround
@@ -443,7 +302,7 @@ class RLTrainer:
                                            self.groups_per_rank * self.cfg.rl.grpo_group_size)
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
-            forward_step_func=partial(_sft_forward_step, self.objective),
+            forward_step_func=partial(sft_forward_step, self.objective),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
             seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)),
             lr=self.cfg.rl.rl_warmup_sft_lr)
@@ -475,39 +334,3 @@ class RLTrainer:
             dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
             vals /= self.world
         return {**metrics, **dict(zip(keys, vals.tolist()))}
-
-
-def _sft_loss(scheme: str, mask, output, objective=None):
-    """Per-loop-weighted token-mean NLL; ``output``: logprobs [R, N, T] or a dict of them with
-    ``exit_logprobs`` [R, N, T] and ``loop_weights`` [R]; mask [N, T]. Learned loop credit
-    weights the loops with its weights, exit_pdf credit warms up with uniform weights. With
-    ``objective.exit_gate_coef`` the gate's own objective is added over the answer tokens (the
-    per-token NLL as its loss), so the gate trains, and receives a gradient, every step."""
-    out = output if isinstance(output, dict) else {"logprobs": output}
-    logprobs = out["logprobs"]
-    R, dt = logprobs.shape[0], logprobs.dtype
-    if scheme == "learned":
-        w = out["loop_weights"].to(dt)[:, None, None]
-    else:
-        w = loop_weights(scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform", R,
-                         logprobs.device).to(dt)[:, None, None]  # [R, 1, 1]
-    nll = -(w * logprobs * mask.to(dt)).sum() / mask.sum()
-    total = nll
-    if objective is not None and objective.exit_gate_coef > 0:
-        weights = mask.to(dt) / mask.sum()  # [N, T]
-        gate = objective.gate_objective(out.get("exit_logprobs"), -logprobs, weights)
-        total = nll + objective.exit_gate_coef * gate
-    return total, {"nll": nll.detach()}
-
-
-def _sft_forward_step(objective, data_iterator, model):
-    batch = next(data_iterator)
-    out = model(batch["tokens"], labels=batch["labels"])  # logprobs [R, N, T]
-    output = {"logprobs": out.logprobs}
-    if out.exit_logprobs is not None:
-        output["exit_logprobs"] = out.exit_logprobs
-    weights = unwrap_model(model).loop_weights()
-    if weights is not None:
-        output["loop_weights"] = weights
-    return output, partial(_sft_loss, objective.loop_weights, batch["mask"],
-                           objective=objective)

@@ -99,6 +99,22 @@ class SharedPrefixGroup:
     def response_length(self) -> int:
         return self.tokens.shape[1] - self.prompt_length
 
+    # ---- the group layout: position t of a [..., T] tensor belongs to labels[:, t] ----------
+
+    @property
+    def response_positions(self) -> slice:
+        """Positions P-1 .. T-2 of the group layout: those whose label is a response token
+        (S = T - P of them), the only positions a loss reads."""
+        P = self.prompt_length
+        return slice(P - 1, P - 1 + self.response_length)
+
+    def to_layout(self, tail: Tensor) -> Tensor:
+        """Values of the response positions [..., S] in the group layout [..., T]: zeros on
+        the prompt positions 0 .. P-2 and at the last position T-1."""
+        lead = tail.shape[:-1]
+        return torch.cat([tail.new_zeros(*lead, self.prompt_length - 1), tail,
+                          tail.new_zeros(*lead, 1)], dim=-1)
+
     def waves(self, wave_size: int) -> list:
         """The group's responses split into waves of ``wave_size``: ``WaveBatch`` objects."""
         rows = torch.arange(self.group_size, device=self.tokens.device)
@@ -153,9 +169,9 @@ class SharedPrefixGroup:
 
     def _check_ids(self, tag: str, vocab_size: int) -> None:
         """Token ids (all positions) and the read labels (positions P-1 .. T-2) in the vocab."""
-        start = self.prompt_length - 1
+        read = self.response_positions
         for name, ids, offset in (("tokens", self.tokens, 0),
-                                  ("labels", self.labels[:, start:-1], start)):
+                                  ("labels", self.labels[:, read], read.start)):
             outside = (ids < 0) | (ids >= vocab_size)
             if outside.any():
                 i, t = outside.nonzero()[0].tolist()
@@ -165,9 +181,10 @@ class SharedPrefixGroup:
     def _check_labels_shifted(self, tag: str) -> None:
         """Where the loss reads a label (loss_mask != 0, positions P-1 .. T-2), it must be the
         next token: labels[:, t] == tokens[:, t + 1]."""
-        start = self.prompt_length - 1
-        labels, following = self.labels[:, start:-1], self.tokens[:, start + 1 :]  # [G, S]
-        wrong = (labels != following) & (self.loss_mask[:, start:-1] != 0)
+        read = self.response_positions
+        start = read.start
+        labels, following = self.labels[:, read], self.tokens[:, start + 1 :]  # [G, S]
+        wrong = (labels != following) & (self.loss_mask[:, read] != 0)
         if wrong.any():
             i, t = wrong.nonzero()[0].tolist()
             raise ValueError(
@@ -237,6 +254,12 @@ class WaveBatch:
     def rows(self, t: Optional[Tensor], dim: int = 0) -> Optional[Tensor]:
         """``t`` restricted to this wave's rows along ``dim`` (None stays None)."""
         return None if t is None else t.index_select(dim, self.index)
+
+    def suffix(self) -> tuple:
+        """What the wave's rows run against the prefix state: their response tokens [W, S]
+        (positions P .. T-1) and the labels of the response positions [W, S]."""
+        g = self.group
+        return g.tokens[self.index, g.prompt_length :], g.labels[self.index, g.response_positions]
 
 
 def fingerprint(t: Optional[Tensor]) -> Optional[tuple]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 PROMPT_MODES = ("recompute", "retain")
 INT64 = 8
@@ -429,6 +430,18 @@ class CostModel:
         return cls(call_s=call_s, flop_s=flop_s)
 
 
+def shared_cost_model(model) -> CostModel:
+    """``CostModel.calibrate(model)`` measured on rank 0 and broadcast, so every rank plans
+    alike (every rank of the job: the ranks of a tensor-parallel group must run the same
+    schedule too, so the data-parallel size does not decide)."""
+    cost = CostModel.calibrate(model)
+    device = next(model.parameters()).device
+    values = torch.tensor([cost.call_s, cost.flop_s], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(values, src=0)
+    return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
+
+
 def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = False) -> float:
     """Forward FLOPs of ``rows`` x ``s`` tokens through every layer application (causal
     attention over ``prefix`` + own keys) and, optionally, the readouts."""
@@ -494,7 +507,7 @@ class Planner:
     def __call__(self, group, model) -> GroupPlan:
         m = ModelShape.from_model(model)
         P, G = group.prompt_length, group.group_size
-        S = group.tokens.shape[1] - P
+        S = group.response_length
         joint = self._joint(m, P, S, G, group.group_id)
         if self.schedule != "auto":
             return joint

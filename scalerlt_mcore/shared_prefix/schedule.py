@@ -99,13 +99,11 @@ class WaveModel:
         """``logprobs`` [R, W, T] as ``__call__``; with the model's exit gate ``exit_logprobs``
         [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
         learned loop credit ``loop_weights`` [R]."""
-        g, idx = wave.group, wave.index
-        P, T = g.prompt_length, g.tokens.shape[1]
-        out = self.inner.suffix_readouts(self.state, g.tokens[idx, P:],
-                                         labels=g.labels[idx, P - 1 : T - 1])  # [R, W, S]
-        result = {"logprobs": _group_layout(out.logprobs, P)}
+        tokens, labels = wave.suffix()  # [W, S]
+        out = self.inner.suffix_readouts(self.state, tokens, labels=labels)  # [R, W, S]
+        result = {"logprobs": wave.group.to_layout(out.logprobs)}
         if out.exit_logprobs is not None:
-            result["exit_logprobs"] = _group_layout(out.exit_logprobs, P)
+            result["exit_logprobs"] = wave.group.to_layout(out.exit_logprobs)
         return _with_loop_weights(result, self.inner)
 
 
@@ -376,13 +374,6 @@ class SharedPrefixSchedule:
             else:
                 run.results[n] = loss_func(output)[1]
         return _merge(run.results)
-
-
-def _group_layout(tail: Tensor, P: int) -> Tensor:
-    """Response positions [R, W, S] -> the group's layout [R, W, P + S] (zeros on the prompt
-    positions 0 .. P-2 and at the last position)."""
-    R, W = tail.shape[:2]
-    return torch.cat([tail.new_zeros(R, W, P - 1), tail, tail.new_zeros(R, W, 1)], dim=2)
 
 
 def _with_loop_weights(result: dict, inner) -> dict:

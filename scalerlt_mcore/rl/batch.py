@@ -1,0 +1,58 @@
+"""A rollout batch as shared-prefix groups: the groups, their old log-probs taken from the
+rollout, and the rollout-vs-training drift. Slices of the group layout are the group's own
+(``SharedPrefixGroup.response_positions``, ``to_layout``)."""
+
+import torch
+
+from ..shared_prefix import SharedPrefixGroup
+
+
+def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
+                 advantages=None) -> list:
+    """SharedPrefixGroups on ``device`` from host rollout tensors [N, G, S] and, when given,
+    their advantages [N, G]."""
+    return [SharedPrefixGroup.from_rollout(
+        prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
+        advantages=None if advantages is None else advantages[n])
+        for n, prompt in enumerate(prompts)]
+
+
+def rollout_old_logprobs(group: SharedPrefixGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
+    """Old log-probs [R, G, T] in the group's layout (position t holds the log-prob of label t)
+    from the rollout's per-loop log-probs [R, G, S'] of the sampled tokens (0 on padding)."""
+    S = group.response_length
+    return group.to_layout(loop_logprobs[:, :, :S].to(group.tokens.device))  # [R, G, T]
+
+
+def rollout_drift(group: SharedPrefixGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
+    the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
+    span = group.response_positions
+    train = group.old_logprobs[-1, :, span].float()  # [G, S]
+    rollout = rollout_logprobs[:, : group.response_length].to(train.device)  # [G, S]
+    sampled = group.loss_mask[:, span] != 0  # [G, S]
+    return torch.where(sampled, (train - rollout).abs(), 0.0).max()
+
+
+def recording_drift(forward_step, drift: list):
+    """``forward_step`` whose loss_func also appends max |training - old| final-loop log-prob
+    of the wave's trained tokens to ``drift``: with old log-probs from the rollout and the
+    update's first forward (the rollout's weights), the rollout-vs-training difference."""
+
+    def step(data_iterator, model):
+        wave = next(data_iterator)
+        output, loss_func = forward_step(iter([wave]), model)
+
+        def recorded(output, non_loss_data: bool = False):
+            logprobs = output["logprobs"] if isinstance(output, dict) else output
+            if not non_loss_data:
+                g = wave.group
+                diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
+                trained = wave.rows(g.loss_mask) != 0  # [W, T]
+                drift.append(torch.where(trained, diff.abs(), 0.0).max())
+            return loss_func(output, non_loss_data=non_loss_data)
+
+        return output, recorded
+
+    step.check_group = getattr(forward_step, "check_group", None)
+    return step

@@ -1,0 +1,64 @@
+"""The supervised warm-up: gold (prompt, answer) pairs as one padded batch, and its loss.
+
+The batch goes through stock MCore ``get_forward_backward_func()``; the loss is the per-loop
+weighted token-mean NLL of the answer tokens, with the objective's loop credit and, with the
+exit gate, the gate's own objective.
+"""
+
+from functools import partial
+
+import torch
+from megatron.core.utils import unwrap_model
+
+from .objective import FIXED_LOOP_WEIGHTS, loop_weights
+
+
+def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
+    """Warm-up batch on ``device``: tokens/labels [N, T] right-padded with ``pad_id``; mask
+    [N, T] on the positions that predict the answer. Built on the host, moved once."""
+    T = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    tokens = torch.full((len(prompts), T), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(prompts), T, device="cpu")
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[i, : len(p) + len(a)] = torch.tensor(p + a, device="cpu")
+        mask[i, len(p) - 1 : len(p) - 1 + len(a)] = 1
+    labels = torch.full_like(tokens, pad_id)
+    labels[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens.to(device), "labels": labels.to(device), "mask": mask.to(device)}
+
+
+def sft_loss(scheme: str, mask, output, objective=None):
+    """Per-loop-weighted token-mean NLL; ``output``: logprobs [R, N, T] or a dict of them with
+    ``exit_logprobs`` [R, N, T] and ``loop_weights`` [R]; mask [N, T]. Learned loop
+    credit weights the loops with its weights, exit_pdf credit warms up with uniform weights.
+    With ``objective.exit_gate_coef`` the gate's own objective is added over the answer tokens (the
+    per-token NLL as its loss), so the gate trains, and receives a gradient, every step."""
+    out = output if isinstance(output, dict) else {"logprobs": output}
+    logprobs = out["logprobs"]
+    R, dt = logprobs.shape[0], logprobs.dtype
+    if scheme == "learned":
+        w = out["loop_weights"].to(dt)[:, None, None]
+    else:
+        w = loop_weights(scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform", R,
+                         logprobs.device).to(dt)[:, None, None]  # [R, 1, 1]
+    nll = -(w * logprobs * mask.to(dt)).sum() / mask.sum()
+    total = nll
+    if objective is not None and objective.exit_gate_coef > 0:
+        weights = mask.to(logprobs.dtype) / mask.sum()  # [N, T]
+        gate = objective.gate_objective(out.get("exit_logprobs"), -logprobs, weights)
+        total = nll + objective.exit_gate_coef * gate
+    return total, {"nll": nll.detach()}
+
+
+def sft_forward_step(objective, data_iterator, model):
+    """MCore ``forward_step_func`` of the warm-up: the batch's per-loop log-probs (and the
+    model's exit log-probs and learned loop weights, when it has them) and ``sft_loss``."""
+    batch = next(data_iterator)
+    out = model(batch["tokens"], labels=batch["labels"])  # logprobs [R, N, T]
+    output = {"logprobs": out.logprobs}
+    if out.exit_logprobs is not None:
+        output["exit_logprobs"] = out.exit_logprobs
+    weights = unwrap_model(model).loop_weights()
+    if weights is not None:
+        output["loop_weights"] = weights
+    return output, partial(sft_loss, objective.loop_weights, batch["mask"], objective=objective)

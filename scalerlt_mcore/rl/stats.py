@@ -1,0 +1,47 @@
+"""The metrics of an RL step computed from its rollout and from the schedule's results."""
+
+import torch
+
+
+def summarise(out: list, num_groups: int) -> dict:
+    """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
+    per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
+    loss = sum(float(o["loss"]) for o in out) / num_groups
+    tokens = sum(float(o["tokens"]) for o in out)
+    clip = sum(float(o["clipped"]) for o in out) / tokens
+    kl = sum(float(o["kl"]) for o in out) / tokens
+    result = {"loss": loss, "clip_fraction": clip, "kl": kl, **_plans(out)}
+    for key in ("exit_loop", "exit_entropy"):  # with the exit gate: means per response token
+        if key in out[0]:
+            result[key] = sum(float(o[key]) for o in out) / tokens
+    return result
+
+
+def _plans(out: list) -> dict:
+    """The shared-prefix schedule's per-group plans, as means over the groups."""
+    if not out or "wave_size" not in out[0]:
+        return {}
+    return {f"plan_{k}": sum(float(o[k]) for o in out) / len(out)
+            for k in ("wave_size", "retain", "naive")}
+
+
+def rollout_exit_metrics(ro) -> dict:
+    """With the exit gate: the rollout's mean exit loop sum_r r p(r) over its sampled tokens,
+    and with threshold exits the mean loop that sampled them (loops counted from 1)."""
+    if ro.exit_logprobs is None:
+        return {}
+    S = ro.responses.shape[-1]
+    sampled = torch.arange(S, device="cpu")[None, None] < ro.lengths[..., None]  # [N, G, S]
+    p = ro.exit_logprobs.exp()  # [R, N, G, S]
+    r = torch.arange(1, p.shape[0] + 1, dtype=p.dtype, device="cpu")[:, None, None, None]
+    out = {"rollout_exit_loop": float((r * p).sum(0)[sampled].mean())}
+    if ro.exit_loops is not None:
+        out["rollout_sampled_loop"] = float(ro.exit_loops[sampled].float().mean())
+    return out
+
+
+def sampled_entropy(ro) -> float:
+    """Mean -log p of the sampled response tokens under the policy (temperature 1): an unbiased
+    estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
+    entropy collapse."""
+    return float(-ro.logprobs.double().sum() / ro.lengths.sum())
