@@ -378,9 +378,12 @@ def test_values_reach_the_library_objects():
     assert (schedule.wave_size, schedule.checkpoint_waves, schedule.max_response_length) == (
         8, True, 12)
     assert schedule.prompt == flat["shared_prefix_prompt"]
-    assert sorted(SCHEDULE_FLAGS) == ["rl_max_response_length", "shared_prefix_checkpoint_waves",
+    assert sorted(SCHEDULE_FLAGS) == ["micro_batch_size", "rl_max_response_length",
+                                      "shared_prefix_checkpoint_waves",
                                       "shared_prefix_memory_budget", "shared_prefix_prompt",
-                                      "shared_prefix_wave_size"]
+                                      "shared_prefix_schedule", "shared_prefix_wave_size"]
+    assert schedule.chooser.naive_micro_batch_size == flat["micro_batch_size"]
+    assert schedule.chooser.schedule == flat["shared_prefix_schedule"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -182,7 +182,7 @@ def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
     with pytest.raises(ValueError, match=r"group 17 \(P=12, S=5, G=4\): no joint-replay plan "
                        r"fits the memory budget of 0\.00 MiB; the smallest .* needs"):
         Planner("auto", "auto", 1000)(group, model)
-    with pytest.raises(ValueError, match="memory budget must be > 0"):
+    with pytest.raises(ValueError, match="memory_budget must be > 0"):
         Planner("auto", "auto", 0)
 
 

@@ -55,7 +55,7 @@ from ..rl.task_registry import get_task
 from ..rl.tasks import measure_lengths
 from ..rl.tokenizer import CharTokenizer, TokenizerType, build_tokenizer
 from ..shared_prefix import get_shared_prefix_forward_backward_func
-from ..shared_prefix.planner import Planner, shared_cost_model
+from ..shared_prefix.planner import shared_cost_model
 
 
 class ConfigError(ValueError):
@@ -154,14 +154,17 @@ OBJECTIVE_FLAGS = {
 the length of the ``constant`` normalisation."""
 
 SCHEDULE_FLAGS = {
+    "shared_prefix_schedule": "schedule",
     "shared_prefix_wave_size": "wave_size",
     "shared_prefix_checkpoint_waves": "checkpoint_waves",
     "rl_max_response_length": "max_response_length",
     "shared_prefix_prompt": "prompt",
     "shared_prefix_memory_budget": "memory_budget",
+    "micro_batch_size": "naive_micro_batch_size",
 }
-"""Key -> argument of ``get_shared_prefix_forward_backward_func`` (the memory budget is in
-MiB here, in bytes there)."""
+"""Key -> keyword of ``get_shared_prefix_forward_backward_func`` (the schedule and its
+``Planner``): the only route of these keys into the library (the memory budget is in MiB here,
+in bytes there: ``schedule_from`` converts it)."""
 
 
 # ----------------------------------------------------------------------- sections
@@ -741,32 +744,20 @@ def objective_from(cfg: RunConfig) -> RLObjective:
     return RLObjective(**library_kwargs(cfg, OBJECTIVE_FLAGS))
 
 
-def schedule_from(cfg: RunConfig, chooser: Optional[Callable] = None):
-    """The run's shared-prefix schedule (``SCHEDULE_FLAGS``); ``chooser``: the per-group
-    planner the trainer builds for ``auto`` (it overrides wave size, prompt and budget)."""
+def schedule_from(cfg: RunConfig, model=None, loss_per_position: Optional[float] = None):
+    """The run's shared-prefix schedule and its planner (``SCHEDULE_FLAGS``): the memory
+    budget in bytes, the loss's saved bytes per position (``loss_per_position``, by default
+    the run's ``RLObjective.saved_per_position``) and, with ``shared_prefix_schedule: auto``,
+    the cost model measured on ``model`` (on rank 0, shared by every rank; without a model,
+    measured at the first plan)."""
     kwargs = library_kwargs(cfg, SCHEDULE_FLAGS)
     if kwargs["memory_budget"] is not None:
         kwargs["memory_budget"] *= 2**20  # MiB -> bytes
-    return get_shared_prefix_forward_backward_func(**kwargs, chooser=chooser)
-
-
-def planner_from(cfg: RunConfig, model, loss_per_position: float) -> Optional[Planner]:
-    """The per-group ``Planner`` when the wave size, the prompt mode or the schedule is
-    ``auto``, else None; ``loss_per_position``: the loss's saved bytes per position
-    (``RLObjective.saved_per_position``). ``auto`` calibrates the cost model on ``model``."""
-    sp = cfg.shared_prefix
-    auto = sp.shared_prefix_schedule == "auto"
-    if not (auto or "auto" in (sp.shared_prefix_wave_size, sp.shared_prefix_prompt)):
-        return None
-    budget = sp.shared_prefix_memory_budget
-    return Planner(
-        sp.shared_prefix_wave_size, sp.shared_prefix_prompt,
-        None if budget is None else budget * 2**20,
-        schedule="auto" if auto else "joint_replay",
-        cost_model=shared_cost_model(model) if auto else None,
-        checkpoint_waves=sp.shared_prefix_checkpoint_waves,
-        naive_micro_batch_size=cfg.training.micro_batch_size,
-        loss_per_position=loss_per_position)
+    if kwargs["schedule"] == "auto":
+        kwargs["cost_model"] = shared_cost_model if model is None else shared_cost_model(model)
+    if loss_per_position is None:
+        loss_per_position = objective_from(cfg).saved_per_position
+    return get_shared_prefix_forward_backward_func(**kwargs, loss_per_position=loss_per_position)
 
 
 def task_from(cfg: RunConfig):
@@ -921,11 +912,10 @@ def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
 
 
 def _check_schedule(cfg: RunConfig) -> list[str]:
-    """The memory budget (MiB here, bytes in the library), then the schedule's own checks."""
-    budget = cfg.shared_prefix.shared_prefix_memory_budget
-    if budget is not None and budget <= 0:
-        return [f"shared_prefix_memory_budget must be > 0 MiB or null, got {budget}"]
-    return _library_errors(schedule_from, cfg, SCHEDULE_FLAGS)
+    """The schedule's and its planner's own checks (the loss's bytes per position change none
+    of them: a placeholder, so that an invalid objective is reported once, by its own check)."""
+    return _library_errors(lambda c: schedule_from(c, loss_per_position=1.0), cfg,
+                           SCHEDULE_FLAGS)
 
 
 def _check_training(t: TrainingArgs) -> list[str]:

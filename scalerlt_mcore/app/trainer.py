@@ -24,11 +24,10 @@ from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
 from ..rl.stats import rollout_exit_metrics, sampled_entropy, summarise
-from ..shared_prefix import SavedTensorProbe, logprobs_forward_step, naive_step
+from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
 from .arguments import (
     eval_prompts,
     objective_from,
-    planner_from,
     prompts_per_step,
     schedule_from,
     task_from,
@@ -92,8 +91,7 @@ class RLTrainer:
         self.train_drift = []  # rollout-vs-training log-prob differences of the current step
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
-        self.schedule = schedule_from(
-            cfg, chooser=planner_from(cfg, model, self.objective.saved_per_position))
+        self.schedule = schedule_from(cfg, model, self.objective.saved_per_position)
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
@@ -287,9 +285,7 @@ class RLTrainer:
         self.optimizer.zero_grad()
 
     def _forward_backward(self, groups: list) -> list:
-        if self.cfg.shared_prefix.shared_prefix_schedule == "naive":
-            return naive_step(self.ddp, groups, self.forward_step,
-                              self.cfg.training.micro_batch_size)
+        """The training step of the groups, each by its plan (joint replay or naive)."""
         return self._run_schedule(self.ddp, groups, self.forward_step)
 
     # ---- supervised warm-up and evaluation ------------------------------------------------

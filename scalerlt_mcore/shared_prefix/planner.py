@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 PROMPT_MODES = ("recompute", "retain")
+SCHEDULES = ("joint_replay", "naive", "auto")
 INT64 = 8
 
 
@@ -462,13 +463,24 @@ def _time_step(model, tokens) -> float:
     sync = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    loss = model(tokens, labels=tokens).logprobs.sum()
-    torch.autograd.grad(loss, params, allow_unused=True)
+    with torch.enable_grad():  # also when the first plan is made while scoring
+        loss = model(tokens, labels=tokens).logprobs.sum()
+        torch.autograd.grad(loss, params, allow_unused=True)
     sync()
     return time.perf_counter() - start
 
 
 # ---- choosing a plan ------------------------------------------------------------------------
+
+
+def _check_wave_size(wave_size) -> None:
+    if wave_size == "auto":
+        return
+    if isinstance(wave_size, bool) or not isinstance(wave_size, int):
+        raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+    if wave_size < 1:
+        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
+
 
 
 class Planner:
@@ -477,8 +489,11 @@ class Planner:
     wave_size: an integer, or "auto": the largest wave whose predicted peak (activations plus
         prefix adjoints) fits ``memory_budget`` bytes, recompute where retain does not fit.
     prompt: "retain", "recompute", or "auto" (retain unless only recompute fits the budget).
-    schedule: "joint_replay", or "auto": joint replay or naive (microbatches of
-        ``naive_micro_batch_size``, or the largest that fits) by ``cost_model``'s time.
+    schedule: "joint_replay"; "naive": every group as full sequences in microbatches of
+        ``naive_micro_batch_size`` (or the largest that fits); or "auto": joint replay or
+        naive by ``cost_model``'s time.
+    cost_model: a ``CostModel``, or a function ``model -> CostModel`` called at the first plan
+        (e.g. ``shared_cost_model``).
     """
 
     def __init__(self, wave_size="auto", prompt: str = "auto",
@@ -486,16 +501,16 @@ class Planner:
                  cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
                  naive_micro_batch_size: Optional[int] = None,
                  loss_per_position: float = RL_LOSS_PER_POSITION):
-        if wave_size != "auto" and (not isinstance(wave_size, int) or wave_size < 1):
-            raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+        _check_wave_size(wave_size)
         if prompt not in PROMPT_MODES + ("auto",):
             raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
-        if schedule not in ("joint_replay", "auto"):
-            raise ValueError(f"schedule must be 'joint_replay' or 'auto', got {schedule!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if wave_size == "auto" and memory_budget is None:
             raise ValueError("wave_size 'auto' needs memory_budget")
         if memory_budget is not None and memory_budget <= 0:
-            raise ValueError(f"memory budget must be > 0 bytes, got {memory_budget}")
+            raise ValueError(f"memory_budget must be > 0, got {memory_budget:g} bytes "
+                             f"({memory_budget / 2**20:g} MiB)")
         if schedule == "auto" and cost_model is None:
             raise ValueError("schedule 'auto' needs a cost model (CostModel.calibrate(model))")
         self.wave_size, self.prompt, self.budget = wave_size, prompt, memory_budget
@@ -505,9 +520,14 @@ class Planner:
         self.loss_per_position = loss_per_position
 
     def __call__(self, group, model) -> GroupPlan:
+        P, S, G = group.prompt_length, group.response_length, group.group_size
+        if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
+            return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
         m = ModelShape.from_model(model)
-        P, G = group.prompt_length, group.group_size
-        S = group.response_length
+        if callable(self.cost_model) and not isinstance(self.cost_model, CostModel):
+            self.cost_model = self.cost_model(model)  # calibrated at the first plan
+        if self.schedule == "naive":
+            return self._naive_or_raise(m, P, S, G, group.group_id)
         joint = self._joint(m, P, S, G, group.group_id)
         if self.schedule != "auto":
             return joint
@@ -545,6 +565,18 @@ class Planner:
             f"group {group_id} (P={P}, S={S}, G={G}): no joint-replay plan fits the memory "
             f"budget of {self.budget / 2**20:.2f} MiB; the smallest ({smallest}) needs "
             f"{need / 2**20:.2f} MiB")
+
+    def _naive_or_raise(self, m, P, S, G, group_id) -> GroupPlan:
+        plan = self._naive(m, P, S, G)
+        if plan is None:
+            rows = self.naive_micro_batch_size or 1
+            need = self.memory(m, P, S, G, GroupPlan(min(rows, G), naive=True)).peak_bytes
+            raise ValueError(
+                f"group {group_id} (P={P}, S={S}, G={G}): no naive microbatch of "
+                f"{'<= ' if self.naive_micro_batch_size is None else ''}{rows} sequences fits "
+                f"the memory budget of {self.budget / 2**20:.2f} MiB (it needs "
+                f"{need / 2**20:.2f} MiB)")
+        return plan
 
     def _naive(self, m, P, S, G) -> Optional[GroupPlan]:
         if self.naive_micro_batch_size is not None:

@@ -33,9 +33,10 @@ grad buffers (parameters and optimizer are untouched: the schedule never steps).
 must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
 step the optimizer; the error message says so.
 
-The wave size and prompt mode may be chosen per group (``chooser``, e.g. a ``Planner`` for
-``wave_size="auto"`` with a memory budget); a plan may also train a group naively (full
-sequences in microbatches, the last one sync-enabled). Each group's result dict carries its
+Each group is trained by its plan (``planner.GroupPlan``: wave size and prompt mode, or naive:
+full sequences in microbatches, the last one sync-enabled), chosen per group by the schedule's
+``Planner`` (fixed, ``wave_size="auto"`` within a memory budget, ``schedule="naive"``, or
+``"auto"`` by a cost model) or by a caller's ``chooser``. Each group's result dict carries its
 plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``.
 """
 
@@ -55,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 from .naive import FullSequenceModel
-from .planner import PROMPT_MODES, GroupPlan, Planner
+from .planner import GroupPlan, Planner
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
 
@@ -70,16 +71,14 @@ PARTIAL_GRADS = ("the step was refused after compute began: gradients of the wav
 def get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves: bool = False,
                                             max_response_length: Optional[int] = None,
                                             phase_callback: Optional[Callable] = None, *,
-                                            prompt: str = "recompute",
-                                            memory_budget: Optional[float] = None,
-                                            chooser: Optional[Callable] = None):
+                                            chooser: Optional[Callable] = None, **plan):
     """The shared-prefix schedule, called like the function ``get_forward_backward_func()``
-    returns. Microbatches that are ``SharedPrefixGroup``s go through joint replay; any other
-    step goes to stock MCore unchanged. ``phase_callback(phase, group)`` runs after each
-    phase (``PHASES``). See ``SharedPrefixSchedule`` for the keywords."""
+    returns. Microbatches that are ``SharedPrefixGroup``s go through joint replay (or a naive
+    plan); any other step goes to stock MCore unchanged. ``phase_callback(phase, group)`` runs
+    after each phase (``PHASES``); ``plan``: the ``Planner``'s keywords (``prompt``,
+    ``memory_budget``, ``schedule``, ...). See ``SharedPrefixSchedule``."""
     return SharedPrefixSchedule(wave_size, checkpoint_waves, max_response_length,
-                                phase_callback, prompt=prompt, memory_budget=memory_budget,
-                                chooser=chooser)
+                                phase_callback, chooser=chooser, **plan)
 
 
 class WaveModel:
@@ -129,25 +128,20 @@ class SharedPrefixSchedule:
     ``config.finalize_model_grads_func``; grad reduction with ``overlap_grad_reduce`` is
     launched by DDP's hooks during the single sync-enabled backward.
 
-    wave_size: responses per wave, or "auto" (needs ``memory_budget``): per group the largest
-        wave whose predicted peak fits (``planner.Planner``).
-    prompt: "recompute" (prompt producer under no_grad, recomputed with grad in the joint
-        replay), "retain" (its graph kept; the prompt is computed once) or "auto" (retain
-        unless the memory budget only fits recompute).
-    memory_budget: bytes of saved activations plus prefix adjoints allowed per group.
-    chooser: ``chooser(group, model) -> GroupPlan`` per group; overrides the three above.
+    The plan of each group (wave size, prompt mode, or naive training) comes from
+    ``chooser(group, model) -> GroupPlan``; without one, from a ``planner.Planner`` built from
+    ``wave_size`` and the keywords ``plan`` (``prompt``, ``memory_budget`` in bytes,
+    ``schedule``: joint_replay | naive | auto, ``cost_model``, ``naive_micro_batch_size``,
+    ``loss_per_position``), which checks them. ``checkpoint_waves``: recompute each wave in
+    its backward; ``max_response_length``: groups with longer responses are rejected.
     """
 
     def __init__(self, wave_size, checkpoint_waves: bool = False,
                  max_response_length: Optional[int] = None,
-                 phase_callback: Optional[Callable] = None, *, prompt: str = "recompute",
-                 memory_budget: Optional[float] = None, chooser: Optional[Callable] = None):
-        _check_wave_size(wave_size)
-        if prompt not in PROMPT_MODES + ("auto",):
-            raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
-        if chooser is None and "auto" in (wave_size, prompt):
-            chooser = Planner(wave_size, prompt, memory_budget,
-                              checkpoint_waves=checkpoint_waves)
+                 phase_callback: Optional[Callable] = None, *,
+                 chooser: Optional[Callable] = None, prompt: str = "recompute", **plan):
+        if chooser is None:
+            chooser = Planner(wave_size, prompt, checkpoint_waves=checkpoint_waves, **plan)
         self.wave_size, self.prompt, self.chooser = wave_size, prompt, chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
@@ -227,14 +221,11 @@ class SharedPrefixSchedule:
         return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
                           1.0 / len(groups), first_microbatch=first and n == 0,
                           collect_non_loss_data=collect_non_loss_data,
-                          plan=None if forward_only else self._plan(g, inner))
+                          plan=self._plan(g, inner))
                 for n, g in enumerate(groups)]
 
     def _plan(self, group: SharedPrefixGroup, inner) -> GroupPlan:
-        """The group's plan: the chooser's, or the fixed wave size and prompt mode."""
-        if self.chooser is None:
-            return GroupPlan(min(self.wave_size, group.group_size),
-                             retain=self.prompt == "retain")
+        """The group's plan, the chooser's (scoring uses its wave size)."""
         plan = self.chooser(group, inner)
         if not isinstance(plan, GroupPlan):
             raise TypeError(f"chooser must return a GroupPlan, got {type(plan).__name__}")
@@ -364,10 +355,10 @@ class SharedPrefixSchedule:
     @torch.no_grad()
     def score_group(self, run: _GroupRun):
         """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
-        calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built."""
+        calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built.
+        The waves are the plan's (a naive plan's microbatches are scored as waves)."""
         state = self._prompt_state(run)
-        size = run.group.group_size if self.wave_size == "auto" else self.wave_size
-        for n, wave in enumerate(run.group.waves(size)):
+        for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
             output, loss_func = self._forward_step(run, wave, state, n)
             if run.collect_non_loss_data:
                 run.results[n] = loss_func(output, non_loss_data=True)
@@ -434,15 +425,6 @@ def _check_deterministic(inner) -> None:
             raise ValueError(f"shared-prefix joint replay does not support dropout: module "
                              f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
                              f"(MCore builds its dropouts from --hidden-dropout)")
-
-
-def _check_wave_size(wave_size) -> None:
-    if wave_size == "auto":
-        return
-    if isinstance(wave_size, bool) or not isinstance(wave_size, int):
-        raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
-    if wave_size < 1:
-        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
 
 
 def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
