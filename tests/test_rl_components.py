@@ -313,3 +313,41 @@ def test_kl_k3_non_negative_and_zero_when_equal(dtype):
     assert (kl_k3(new, new) == 0).all()
     d = torch.tensor([0.5], dtype=torch.float64)
     torch.testing.assert_close(kl_k3(torch.zeros(1, dtype=torch.float64), d), d.exp() - d - 1)
+
+
+# ----------------------------------------------------------------------- loop credit
+
+
+def test_loop_credit_registry_is_the_one_source(monkeypatch):
+    """The RL loss, the warm-up loss, the checks and the flag's choices all read
+    ``LOOP_CREDIT``: a scheme added there (here: the first readout only) is accepted by the
+    objective and weights both losses; a model-part scheme's needs are the checks'."""
+    from scalerlt_mcore.app.arguments import KEYS, choices
+    from scalerlt_mcore.rl import loop_credit
+    from scalerlt_mcore.rl.sft import sft_loss
+
+    assert choices(KEYS["rl_loop_weights"][1]) == tuple(loop_credit.LOOP_CREDIT)
+    first = loop_credit.LoopCredit(fixed=lambda R, device: torch.eye(
+        R, dtype=torch.float64, device=device)[0])
+    monkeypatch.setitem(loop_credit.LOOP_CREDIT, "first", first)
+    R, B, T = 3, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(R, B, T, generator=gen, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    nll, _ = sft_loss("first", mask, logprobs)
+    assert nll.item() == pytest.approx(-logprobs[0].mean().item(), abs=1e-15)
+    objective = RLObjective(loop_weights="first")
+    old, adv = logprobs.clone(), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, _ = objective.loss(logprobs, old, adv, mask / mask.sum())
+    # ratio 1, unclipped: -A per token, weighted by the first loop only
+    assert loss.item() == pytest.approx(-(adv[:, None] * mask).sum().item() / mask.sum().item())
+    model = type("Model", (), {"looped_exit_gate": False, "looped_learned_loop_weights": True,
+                               "looped_num_loops": R})()
+    assert objective.model_errors(model, max_loops=R) == [
+        "looped_learned_loop_weights needs loop_weights learned (otherwise its parameters get "
+        "no gradient)"]
+    assert RLObjective(loop_weights="learned").model_errors(model, max_loops=R + 1) == [
+        f"looped_learned_loop_weights holds looped_num_loops = {R} per-loop weights, but "
+        f"looped_num_loops_sampling draws up to {R + 1} loops"]
+    with pytest.raises(ValueError, match="loop weights must be one of .*'first'"):
+        RLObjective(loop_weights="last")

@@ -967,33 +967,24 @@ def _check_rl(cfg: RunConfig) -> list[str]:
 
 
 def _check_loop_credit(cfg: RunConfig) -> list[str]:
-    """Loop credit that needs a model part: the exit gate or the learned loop weights."""
-    m, rl, errors = cfg.model, cfg.rl, []
-    gate_users = {"rl_loop_weights exit_pdf": rl.rl_loop_weights == "exit_pdf",
-                  "rl_exit_gate_coef > 0": rl.rl_exit_gate_coef > 0}
-    errors += [f"{k} needs looped_exit_gate true" for k, v in gate_users.items()
-               if v and not m.looped_exit_gate]
-    if rl.rl_loop_weights == "learned" and not m.looped_learned_loop_weights:
-        errors.append("rl_loop_weights learned needs looped_learned_loop_weights true")
+    """What the loss needs of the model and the model's parts of the loss
+    (``RLObjective.model_errors``: loop credit, exit gate), and truncated backprop's need of
+    injection."""
+    m, errors = cfg.model, []
+    try:
+        high = parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)[2]
+    except ValueError:
+        high = None  # reported by _check_pretrained
+    try:
+        errors += [_rename(e, OBJECTIVE_FLAGS)
+                   for e in objective_from(cfg).model_errors(m, max_loops=high)]
+    except _LIBRARY_ERRORS:
+        pass  # an invalid objective: reported by its own check
     # MCore DDP with overlapped reduction needs a gradient for every parameter every step
     if m.looped_backprop_loops > 0 and m.looped_injection == "none":
         errors.append("looped_backprop_loops > 0 needs looped_injection linear_concat (as "
                       "Huginn: without injection the truncated loops cut the embedding and "
                       "prelude off from every gradient)")
-    if m.looped_exit_gate and rl.rl_exit_gate_coef <= 0:
-        errors.append("looped_exit_gate needs rl_exit_gate_coef > 0 (the gate learns only from "
-                      "its own term; without it the gate parameters get no gradient)")
-    if m.looped_learned_loop_weights and rl.rl_loop_weights != "learned":
-        errors.append("looped_learned_loop_weights needs rl_loop_weights learned (otherwise "
-                      "its logits get no gradient)")
-    try:
-        high = parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)[2]
-    except ValueError:
-        return errors  # reported by _check_pretrained
-    if m.looped_learned_loop_weights and high > m.looped_num_loops:
-        errors.append(f"looped_learned_loop_weights holds looped_num_loops = "
-                      f"{m.looped_num_loops} logits, but looped_num_loops_sampling "
-                      f"{m.looped_num_loops_sampling!r} draws up to {high} loops")
     return errors
 
 

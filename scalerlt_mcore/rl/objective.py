@@ -17,40 +17,20 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from . import loop_credit
 from .advantages import entropy_term, kl_k3, ppo_clipped_objective
+from .loop_credit import FIXED_LOOP_WEIGHTS, LOOP_WEIGHTS, LoopWeights, loop_weights
+
+__all__ = ["FIXED_LOOP_WEIGHTS", "LOOP_WEIGHTS", "LoopWeights", "NORMALIZATIONS",
+           "RLObjective", "exit_stats", "loop_weights", "rl_forward_step"]
 
 Normalization = Literal["token_mean", "seq_mean", "constant"]
-LoopWeights = Literal["final", "uniform", "progressive", "exit_pdf", "learned"]
 NORMALIZATIONS = get_args(Normalization)
-LOOP_WEIGHTS = get_args(LoopWeights)
 
 
 ENTROPY_SAVES = 3.0
 """Tensors of shape [R, rows, T] the entropy term saves for backward: p, the log-probs it
 multiplies, and the term before the loss mask (measured: 3.09 with the token weights)."""
-
-FIXED_LOOP_WEIGHTS = ("final", "uniform", "progressive")
-"""Loop weights that depend on R alone (``loop_weights``); exit_pdf and learned come from the
-model's outputs."""
-
-
-def loop_weights(scheme: str, num_loops: int, device=None) -> Tensor:
-    """Per-loop credit w_r [R] in fp64 on ``device`` (sums to 1): final readout only, uniform,
-    or growing with r (RLTT). ``exit_pdf`` and ``learned`` come from the model (see
-    ``RLObjective.loop_coef``)."""
-    if scheme == "final":
-        w = torch.zeros(num_loops, dtype=torch.float64, device=device)
-        w[-1] = 1.0
-        return w
-    if scheme == "uniform":
-        return torch.full((num_loops,), 1.0 / num_loops, dtype=torch.float64, device=device)
-    if scheme == "progressive":
-        r = torch.arange(1, num_loops + 1, dtype=torch.float64, device=device)
-        return r / r.sum()
-    if scheme in LOOP_WEIGHTS:
-        raise ValueError(f"loop weights {scheme!r} come from the model's outputs (exit gate or "
-                         f"learned logits), not from R alone")
-    raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, got {scheme!r}")
 
 
 @dataclass
@@ -82,11 +62,12 @@ class RLObjective:
     leaves groups all right or all wrong (0: off)."""
 
     loop_weights: LoopWeights = "final"
-    """Per-loop credit over all-loop readouts: final | uniform | progressive (fixed), exit_pdf
-    (per token, the exit gate's p(r), detached: credit follows the gate but the policy loss
-    does not move the gate, which a policy loss could otherwise push to whichever loop's
-    surrogate is lowest; the gate learns from its own term, ``exit_gate_coef``) | learned
-    (RLTT: softmax of trainable per-loop logits, trained with the policy)."""
+    """Per-loop credit over all-loop readouts (``loop_credit.LOOP_CREDIT``): final | uniform |
+    progressive (fixed), exit_pdf (per token, the exit gate's p(r), detached: credit follows
+    the gate but the policy loss does not move the gate, which a policy loss could otherwise
+    push to whichever loop's surrogate is lowest; the gate learns from its own term,
+    ``exit_gate_coef``) | learned (RLTT: softmax of trainable per-loop logits, trained with the
+    policy)."""
 
     exit_gate_coef: float = 0.0
     """Weight of the exit gate's entropy-regularised expected loss (0: off); needs the gate."""
@@ -98,9 +79,7 @@ class RLObjective:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, "
                              f"got {self.normalization!r}")
-        if self.loop_weights not in LOOP_WEIGHTS:
-            raise ValueError(f"loop weights must be one of {LOOP_WEIGHTS}, "
-                             f"got {self.loop_weights!r}")
+        loop_credit.credit(self.loop_weights)  # a scheme of the registry
         if self.exit_gate_coef < 0 or self.exit_entropy_coef < 0:
             raise ValueError("exit_gate_coef and exit_entropy_coef must be >= 0")
         if self.clip_low <= 0 or self.clip_high <= 0:
@@ -132,22 +111,26 @@ class RLObjective:
     @property
     def needs_readouts(self) -> bool:
         """Whether the loss needs more of the model than per-loop log-probs."""
-        return self.uses_gate or self.loop_weights == "learned"
+        return self.exit_gate_coef > 0 or loop_credit.needs_readouts(self.loop_weights)
 
     def loop_coef(self, R: int, exit_logprobs=None, learned=None, like=None) -> Tensor:
-        """Loop weights broadcastable to [R, B, T']: fixed [R, 1, 1]; exit_pdf p(r) [R, B, T']
-        (detached); learned [R, 1, 1] (with grad)."""
-        if self.loop_weights == "exit_pdf":
-            if exit_logprobs is None:
-                raise ValueError("loop weights 'exit_pdf' need the model's exit gate "
-                                 "(looped_exit_gate)")
-            return exit_logprobs.detach().exp().to(like.dtype)
-        if self.loop_weights == "learned":
-            if learned is None:
-                raise ValueError("loop weights 'learned' need the model's learned loop weights "
-                                 "(looped_learned_loop_weights)")
-            return learned.to(like.dtype)[:, None, None]
-        return loop_weights(self.loop_weights, R, like.device).to(like.dtype)[:, None, None]
+        """Loop weights broadcastable to [R, B, T'] (``loop_credit.coefficients``): fixed
+        [R, 1, 1]; exit_pdf p(r) [R, B, T'] (detached); learned [R, 1, 1] (with grad)."""
+        readouts = {"exit_logprobs": exit_logprobs, "loop_weights": learned}
+        return loop_credit.coefficients(self.loop_weights, readouts, like)
+
+    def model_errors(self, model, max_loops=None) -> list:
+        """What the loss needs of the model and what the model's parts need of the loss
+        (``model``: anything with the ``looped_*`` fields; ``max_loops``: the most loops a
+        step runs) -> error messages naming the fields (empty: fine)."""
+        errors = loop_credit.model_errors(self.loop_weights, model, max_loops)
+        gate = bool(getattr(model, "looped_exit_gate", False))
+        if self.exit_gate_coef > 0 and not gate:
+            errors.insert(0, "exit_gate_coef > 0 needs looped_exit_gate true")
+        if gate and self.exit_gate_coef <= 0:
+            errors.append("looped_exit_gate needs exit_gate_coef > 0 (the gate learns only from "
+                          "its own term; without it the gate parameters get no gradient)")
+        return errors
 
     def gate_objective(self, exit_logprobs: Tensor, per_token: Tensor, weights: Tensor):
         """sum_{i,t} c_{i,t} (sum_r p_r sg(l_r) - exit_entropy_coef * H(p)): exit_logprobs and

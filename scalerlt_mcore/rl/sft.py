@@ -1,8 +1,8 @@
 """The supervised warm-up: gold (prompt, answer) pairs as one padded batch, and its loss.
 
 The batch goes through stock MCore ``get_forward_backward_func()``; the loss is the per-loop
-weighted token-mean NLL of the answer tokens, with the objective's loop credit and, with the
-exit gate, the gate's own objective.
+weighted token-mean NLL of the answer tokens, with the warm-up weights of the objective's loop
+credit (``loop_credit.warmup_weights``) and, with the exit gate, the gate's own objective.
 """
 
 from functools import partial
@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from megatron.core.utils import unwrap_model
 
-from .objective import FIXED_LOOP_WEIGHTS, loop_weights
+from .loop_credit import warmup_weights
 
 
 def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
@@ -29,18 +29,15 @@ def sft_batch(prompts: list, answers: list, pad_id: int, device=None) -> dict:
 
 def sft_loss(scheme: str, mask, output, objective=None):
     """Per-loop-weighted token-mean NLL; ``output``: logprobs [R, N, T] or a dict of them with
-    ``exit_logprobs`` [R, N, T] and ``loop_weights`` [R]; mask [N, T]. Learned loop
-    credit weights the loops with its weights, exit_pdf credit warms up with uniform weights.
+    ``exit_logprobs`` [R, N, T] and ``loop_weights`` [R]; mask [N, T]. The loop weights
+    are the warm-up weights of loop credit ``scheme`` (``loop_credit.warmup_weights``: learned
+    credit its weights, exit_pdf uniform ones).
     With ``objective.exit_gate_coef`` the gate's own objective is added over the answer tokens (the
     per-token NLL as its loss), so the gate trains, and receives a gradient, every step."""
     out = output if isinstance(output, dict) else {"logprobs": output}
     logprobs = out["logprobs"]
-    R, dt = logprobs.shape[0], logprobs.dtype
-    if scheme == "learned":
-        w = out["loop_weights"].to(dt)[:, None, None]
-    else:
-        w = loop_weights(scheme if scheme in FIXED_LOOP_WEIGHTS else "uniform", R,
-                         logprobs.device).to(dt)[:, None, None]  # [R, 1, 1]
+    dt = logprobs.dtype
+    w = warmup_weights(scheme, out, logprobs)  # [R, 1, 1]
     nll = -(w * logprobs * mask.to(dt)).sum() / mask.sum()
     total = nll
     if objective is not None and objective.exit_gate_coef > 0:
