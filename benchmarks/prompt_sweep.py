@@ -46,7 +46,9 @@ def run_point(wl: Workload, seed: int = 0) -> dict:
     times = time_round_robin(steps, wl.repetitions)
     shape = ModelShape.from_model(model)
     P, S, G = wl.prompt_length, wl.response_length, wl.group_size
-    predicted = {n: plan_memory(shape, P, S, G, GroupPlan(wl.wave_size, retain=n == "retain"))
+    loss_bytes = obj.saved_per_position  # the RL loss's saved tensors per position
+    predicted = {n: plan_memory(shape, P, S, G, GroupPlan(wl.wave_size, retain=n == "retain"),
+                                loss_per_position=loss_bytes)
                  for n in steps}
     wall = {n: median(t) for n, t in times.items()}
     return {"prompt_length": P, "group_size": G, "response_length": S,
@@ -55,22 +57,25 @@ def run_point(wl: Workload, seed: int = 0) -> dict:
             "saved_bytes": saved,
             "predicted_saved_bytes": {n: e.saved_bytes for n, e in predicted.items()},
             "predicted_peak_bytes": {n: e.peak_bytes for n, e in predicted.items()},
-            "plans": _plans(shape, group, model), "agreement_max_rel_err": agreement,
+            "plans": _plans(shape, group, model, loss_bytes),
+            "agreement_max_rel_err": agreement,
             "bench_seconds": time.perf_counter() - t0}
 
 
-def _plans(shape: ModelShape, group, model) -> list:
-    """Per budget: the planner's plan for this group (None: no plan fits) and its peak."""
+def _plans(shape: ModelShape, group, model, loss_bytes: float) -> list:
+    """Per budget: the planner's plan for this group (None: no plan fits) and its peak;
+    ``loss_bytes``: the loss's saved tensors per position."""
     out = []
     P, G = group.prompt_length, group.group_size
     S = group.tokens.shape[1] - P
     for mib in BUDGETS_MIB:
         try:
-            plan = Planner("auto", "auto", mib * 2**20)(group, model)
+            plan = Planner("auto", "auto", mib * 2**20,
+                           loss_per_position=loss_bytes)(group, model)
         except ValueError:
             out.append({"budget_mib": mib, "plan": None, "peak_bytes": None})
             continue
-        peak = plan_memory(shape, P, S, G, plan).peak_bytes
+        peak = plan_memory(shape, P, S, G, plan, loss_per_position=loss_bytes).peak_bytes
         out.append({"budget_mib": mib, "plan": asdict(plan), "peak_bytes": peak})
     return out
 

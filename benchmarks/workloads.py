@@ -62,7 +62,7 @@ def objective():
 def make_group(wl: Workload, seed: int = 0, device=None):
     """A group with random tokens on ``device``; old log-probs are filled in by
     ``attach_old_logprobs``."""
-    from scalerlt_mcore.shared_prefix import SharedPrefixGroup
+    from scalerlt_mcore.rl.batch import RLGroup
 
     gen = torch.Generator().manual_seed(seed)
     G, P, S, V = wl.group_size, wl.prompt_length, wl.response_length, wl.vocab
@@ -77,8 +77,8 @@ def make_group(wl: Workload, seed: int = 0, device=None):
         responses[i, :n] = torch.randint(1, V, (n,), generator=gen)
     advantages = torch.randn(G, generator=gen)
     old = torch.zeros(wl.num_loops, G, P + S)  # [R, G, T], placeholder
-    return SharedPrefixGroup.from_rollout(prompt, responses, lens, 0, device=device,
-                                          advantages=advantages, old_logprobs=old)
+    return RLGroup.from_rollout(prompt, responses, lens, 0, device=device,
+                                advantages=advantages, old_logprobs=old)
 
 
 @torch.no_grad()

@@ -15,8 +15,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
 from scalerlt_mcore.rl import RLObjective, rl_forward_step
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.shared_prefix import (
-    SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
     logprobs_forward_step,
 )
@@ -25,7 +25,7 @@ from scalerlt_mcore.testing import model_parallel_context
 VOCAB, PROMPT, RESPONSE, G = 64, 24, 6, 8
 
 
-def group(gen) -> SharedPrefixGroup:
+def group(gen) -> RLGroup:
     """One prompt, G random responses of uneven length (right-padded with 0)."""
     prompt = torch.randint(1, VOCAB, (PROMPT,), generator=gen)
     lengths = torch.randint(1, RESPONSE + 1, (G,), generator=gen)
@@ -34,8 +34,8 @@ def group(gen) -> SharedPrefixGroup:
         responses[i, :n] = torch.randint(1, VOCAB, (n,), generator=gen)
     # tokens = prompt + response, labels = tokens shifted by one, loss mask on the positions
     # that predict a response token; all on the model's device (here the CPU)
-    return SharedPrefixGroup.from_rollout(prompt, responses, lengths, pad_id=0,
-                                          advantages=torch.randn(G, generator=gen))
+    return RLGroup.from_rollout(prompt, responses, lengths, pad_id=0,
+                                advantages=torch.randn(G, generator=gen))
 
 
 def main() -> None:

@@ -18,11 +18,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
-from scalerlt_mcore.shared_prefix import (
-    SharedPrefixGroup,
-    get_shared_prefix_forward_backward_func,
-)
+from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 
 VOCAB = 48
 MAX_SEQ = 64
@@ -53,7 +51,7 @@ def build_model(R: int = 2, arch: bool = False, attn: str = "cascade", hidden: i
 
 def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
                kl: bool = False, group_id: int = 0, vocab: int = VOCAB,
-               device=None) -> SharedPrefixGroup:
+               device=None) -> RLGroup:
     """A group with one random prompt and G right-padded responses of uneven lengths in
     [1, S] (the first has length S, the last is shorter when S > 1), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
@@ -71,9 +69,9 @@ def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
     base = -math.log(vocab)
     old = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype)
     ref = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype) if kl else None
-    return SharedPrefixGroup.from_rollout(prompt, responses, lens, 0, device=device,
-                                          mask_dtype=dtype, group_id=group_id, advantages=adv,
-                                          old_logprobs=old, ref_logprobs=ref)
+    return RLGroup.from_rollout(prompt, responses, lens, 0, device=device, mask_dtype=dtype,
+                                group_id=group_id, advantages=adv, old_logprobs=old,
+                                ref_logprobs=ref)
 
 
 # ---- the naive reference loss (independent of RLObjective) -------------------------------

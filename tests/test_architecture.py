@@ -96,9 +96,11 @@ def _imports_as(path: Path, source: str) -> list:
 
 
 def test_schedule_has_no_rl_knowledge():
-    """The schedules take the loss from the caller's forward_step_func: no RL objective terms
-    in their code (the group only carries the tensors a caller's loss may read)."""
-    for name in ("schedule.py", "naive.py", "scoring.py"):
+    """The schedules take the loss from the caller's forward_step_func, the group carries no
+    loss's tensors (a loss declares its own, ``SharedPrefixGroup.EXTRAS``) and the planner takes
+    the loss's saved bytes from its caller: no RL objective terms in their code or data."""
+    for name in ("schedule.py", "naive.py", "scoring.py", "group.py", "planner.py"):
         text = (PACKAGE / "shared_prefix" / name).read_text()
-        found = re.findall(r"\b(ppo|kl_coef|kl|RLObjective|clip_\w+|advantages?)\b", text)
+        found = re.findall(r"\b(ppo|kl_coef|kl|RLObjective|clip_\w+|advantages?|old_logprobs|"
+                           r"ref_logprobs|GRPO|RL_\w+)\b", text)
         assert not found, f"shared_prefix/{name} mentions {sorted(set(found))}"

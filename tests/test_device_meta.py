@@ -24,6 +24,7 @@ from sp_helpers import build_model, make_group
 from scalerlt_mcore.model import attention
 from scalerlt_mcore.rl import batch as rl_batch
 from scalerlt_mcore.rl import rollout, sft
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.objective import LOOP_WEIGHTS, RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
     SharedPrefixGroup,
@@ -75,8 +76,8 @@ def test_from_rollout_builds_tokens_labels_mask():
     """Values on the CPU against the layout written out here: prompt, response, padding;
     labels shifted by one; mask on the positions that predict a response token."""
     responses = torch.tensor([[5, 6, 7, 9], [8, 9, 9, 9]])  # [G, S'] (9 = pad)
-    g = SharedPrefixGroup.from_rollout([1, 2], responses, torch.tensor([3, 1]), pad_id=9,
-                                       group_id=4, advantages=torch.tensor([0.5, -0.5]))
+    g = RLGroup.from_rollout([1, 2], responses, torch.tensor([3, 1]), pad_id=9, group_id=4,
+                             advantages=torch.tensor([0.5, -0.5]))
     assert g.tokens.tolist() == [[1, 2, 5, 6, 7], [1, 2, 8, 9, 9]]
     assert g.labels.tolist() == [[2, 5, 6, 7, 9], [2, 8, 9, 9, 9]]
     assert g.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 1, 0, 0, 0]]
@@ -139,7 +140,7 @@ def test_trainer_groups_drift_and_warm_up_batch_on_meta():
 
 def test_rollout_drift_values():
     """max |train - rollout| over the sampled tokens only (padding ignored)."""
-    g = SharedPrefixGroup.from_rollout([1, 2], torch.tensor([[5, 6], [7, 0]]), [2, 1], 0)
+    g = RLGroup.from_rollout([1, 2], torch.tensor([[5, 6], [7, 0]]), [2, 1], 0)
     g.old_logprobs = torch.zeros(2, 2, 4)
     g.old_logprobs[-1, :, 1:3] = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]])  # -9: padding
     rollout_lp = torch.tensor([[-1.25, -2.0], [-0.5, 0.0]])

@@ -103,7 +103,7 @@ def _group(gen, group_size: int, group_id: int):
     """One GRPO group: random prompt, right-padded responses of random lengths, behaviour and
     reference log-probs near the untrained model's (about -log V) so that the PPO clip is
     active for some tokens and not others."""
-    from scalerlt_mcore.shared_prefix import SharedPrefixGroup
+    from scalerlt_mcore.rl.batch import RLGroup
 
     P = int(torch.randint(4, 9, (1,), generator=gen))
     S = int(torch.randint(2, 6, (1,), generator=gen))
@@ -119,7 +119,7 @@ def _group(gen, group_size: int, group_id: int):
     labels = torch.zeros_like(tokens)
     labels[:, :-1] = tokens[:, 1:]
     base = -math.log(VOCAB)
-    return SharedPrefixGroup(
+    return RLGroup(
         tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
         advantages=torch.randn(group_size, generator=gen, dtype=torch.float64),
         old_logprobs=base + 0.3 * torch.randn(LOOPS, group_size, T, generator=gen,

@@ -23,6 +23,8 @@ from scalerlt_mcore.shared_prefix.planner import (
 
 PREDICTION_RTOL = 0.10
 MEASURED = {}
+LOSS_BYTES = LossSpec().objective().saved_per_position
+"""The loss's saved tensors per position, which the planner takes from its caller."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -134,7 +136,8 @@ def test_auto_wave_size_picks_the_largest_that_fits_and_stays_exact(mcore_single
     R, G, P, S = 2, 7, 24, 5
     model = build_model(R=R, arch=True).double()
     shape = ModelShape.from_model(model)
-    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r)).peak_bytes
+    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r),
+                                 loss_per_position=LOSS_BYTES).peak_bytes
              for W in range(1, G + 1) for r in (True, False)}
     budget = peaks[(3, True)]
     W = max(W for W in range(1, G + 1) if min(peaks[(W, True)], peaks[(W, False)]) <= budget)
@@ -145,7 +148,8 @@ def test_auto_wave_size_picks_the_largest_that_fits_and_stays_exact(mcore_single
     naive_losses, _ = naive_step(model, [group], spec, 3)
     ref = grads(model)
     model.zero_grad(set_to_none=True)
-    out = joint_step(model, [group], spec, "auto", prompt="auto", memory_budget=budget)
+    out = joint_step(model, [group], spec, "auto", prompt="auto", memory_budget=budget,
+                     loss_per_position=LOSS_BYTES)
     assert (int(out[0]["wave_size"]), int(out[0]["retain"])) == (W, peaks[(W, True)] <= budget)
     assert abs(float(out[0]["loss"]) - float(naive_losses[0])) <= 1e-12 * abs(naive_losses[0])
     assert max(rel_errors(grads(model), ref).values()) <= 1e-12
@@ -157,21 +161,23 @@ def test_auto_prompt_recomputes_where_only_recompute_fits(mcore_single):
     R, G, P, S = 2, 5, 48, 6
     model = build_model(R=R).double()
     shape = ModelShape.from_model(model)
-    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r)).peak_bytes
+    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r),
+                                 loss_per_position=LOSS_BYTES).peak_bytes
              for W in range(1, G + 1) for r in (True, False)}
     W = next(W for W in range(G, 0, -1) if peaks[(W, False)] < peaks[(W, True)]
              and all(min(peaks[(v, True)], peaks[(v, False)]) > peaks[(W, False)]
                      for v in range(W + 1, G + 1)))
-    planner = Planner("auto", "auto", peaks[(W, False)])
+    planner = Planner("auto", "auto", peaks[(W, False)], loss_per_position=LOSS_BYTES)
     group = make_group(G, P, S, R, seed=5)
     assert planner(group, model) == GroupPlan(W, retain=False)
-    assert Planner("auto", "retain", peaks[(W, False)])(group, model).wave_size < W
+    assert Planner("auto", "retain", peaks[(W, False)],
+                   loss_per_position=LOSS_BYTES)(group, model).wave_size < W
     model.zero_grad(set_to_none=True)
     naive_step(model, [group], LossSpec(), 2)
     ref = grads(model)
     model.zero_grad(set_to_none=True)
     out = joint_step(model, [group], LossSpec(), "auto", prompt="auto",
-                     memory_budget=peaks[(W, False)])
+                     memory_budget=peaks[(W, False)], loss_per_position=LOSS_BYTES)
     assert (int(out[0]["wave_size"]), int(out[0]["retain"])) == (W, 0)
     assert max(rel_errors(grads(model), ref).values()) <= 1e-12
 
@@ -181,9 +187,12 @@ def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
     group = make_group(4, 12, 5, 2, seed=1, dtype=torch.float32, group_id=17)
     with pytest.raises(ValueError, match=r"group 17 \(P=12, S=5, G=4\): no joint-replay plan "
                        r"fits the memory budget of 0\.00 MiB; the smallest .* needs"):
-        Planner("auto", "auto", 1000)(group, model)
+        Planner("auto", "auto", 1000, loss_per_position=LOSS_BYTES)(group, model)
     with pytest.raises(ValueError, match="memory_budget must be > 0"):
         Planner("auto", "auto", 0)
+    with pytest.raises(ValueError, match="a memory budget: a memory prediction needs "
+                       "loss_per_position"):
+        Planner("auto", "auto", 1000)  # the planner knows no loss: the caller says its bytes
 
 
 def test_fixed_wave_size_auto_prompt(mcore_single):
@@ -194,8 +203,10 @@ def test_fixed_wave_size_auto_prompt(mcore_single):
     G, P, S = 5, 40, 4
     group = make_group(G, P, S, 2, seed=3)
     assert Planner(2, "auto")(group, model) == GroupPlan(2, retain=True)
-    tight = plan_memory(shape, P, S, G, GroupPlan(2, retain=True)).peak_bytes - 1
-    assert Planner(2, "auto", tight)(group, model) == GroupPlan(2, retain=False)
+    tight = plan_memory(shape, P, S, G, GroupPlan(2, retain=True),
+                        loss_per_position=LOSS_BYTES).peak_bytes - 1
+    assert Planner(2, "auto", tight, loss_per_position=LOSS_BYTES)(group, model) == GroupPlan(
+        2, retain=False)
     assert Planner(9, "recompute")(group, model) == GroupPlan(G, retain=False)
 
 

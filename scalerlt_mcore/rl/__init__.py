@@ -5,7 +5,8 @@ and the tokenizer glue. No process groups, no optimizer: the app wires them.
   ``rl_forward_step``, the per-wave ``forward_step_func`` of the shared-prefix schedule.
 - ``loop_credit``: the registry of loop-credit schemes (RL loss, warm-up loss, checks).
 - ``sft``: the supervised warm-up's batch and loss.
-- ``batch``: a rollout batch as shared-prefix groups, old log-probs from the rollout, drift.
+- ``batch``: ``RLGroup`` (a shared-prefix group with the RL loss's tensors), a rollout batch
+  as groups, old log-probs from the rollout, drift.
 - ``stats``: the metrics of an RL step.
 - ``advantages``: group advantages (GRPO, Dr. GRPO), the PPO clipped objective, k3 KL.
 - ``rollout``: batched sampling from the looped model with the depth-indexed KV cache.
@@ -15,6 +16,7 @@ and the tokenizer glue. No process groups, no optimizer: the app wires them.
 """
 
 from scalerlt_mcore.rl.advantages import group_advantages, kl_k3, ppo_clipped_objective
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.loop_credit import LOOP_CREDIT, loop_weights
 from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
 from scalerlt_mcore.rl.task_registry import TASKS, get_task
@@ -26,6 +28,7 @@ __all__ = [
     "TASKS",
     "CharTokenizer",
     "Problem",
+    "RLGroup",
     "RLObjective",
     "Task",
     "get_task",

@@ -1,30 +1,53 @@
-"""A rollout batch as shared-prefix groups: the groups, their old log-probs taken from the
-rollout, and the rollout-vs-training drift. Slices of the group layout are the group's own
+"""A rollout batch as shared-prefix groups: ``RLGroup`` (a group with the RL loss's tensors),
+the groups of a rollout, their old log-probs taken from the rollout, and the rollout-vs-training
+drift. Slices of the group layout are the group's own
 (``SharedPrefixGroup.response_positions``, ``to_layout``)."""
 
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
 import torch
+from torch import Tensor
 
 from ..shared_prefix import SharedPrefixGroup
 
 
+@dataclass
+class RLGroup(SharedPrefixGroup):
+    """A GRPO group: the shared-prefix group and the RL loss's tensors (``EXTRAS``: checked,
+    moved and guarded by the schedule like the group's own)."""
+
+    advantages: Optional[Tensor] = None
+    """[G] per-response advantage (training)."""
+
+    old_logprobs: Optional[Tensor] = None
+    """[R, G, T] per-loop log-probs of labels under the behaviour policy (training)."""
+
+    ref_logprobs: Optional[Tensor] = None
+    """[R, G, T] per-loop log-probs of labels under a frozen reference (the KL term)."""
+
+    EXTRAS: ClassVar[dict] = {"advantages": ("G",), "old_logprobs": ("R", "G", "T"),
+                              "ref_logprobs": ("R", "G", "T")}
+
+
 def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
                  advantages=None) -> list:
-    """SharedPrefixGroups on ``device`` from host rollout tensors [N, G, S] and, when given,
-    their advantages [N, G]."""
-    return [SharedPrefixGroup.from_rollout(
+    """``RLGroup``s on ``device`` from host rollout tensors [N, G, S] and, when given, their
+    advantages [N, G]."""
+    return [RLGroup.from_rollout(
         prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
         advantages=None if advantages is None else advantages[n])
         for n, prompt in enumerate(prompts)]
 
 
-def rollout_old_logprobs(group: SharedPrefixGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
+def rollout_old_logprobs(group: RLGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
     """Old log-probs [R, G, T] in the group's layout (position t holds the log-prob of label t)
     from the rollout's per-loop log-probs [R, G, S'] of the sampled tokens (0 on padding)."""
     S = group.response_length
     return group.to_layout(loop_logprobs[:, :, :S].to(group.tokens.device))  # [R, G, T]
 
 
-def rollout_drift(group: SharedPrefixGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+def rollout_drift(group: RLGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
     """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
     the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
     span = group.response_positions

@@ -177,7 +177,14 @@ class RLObjective:
         return total, stats
 
     def check_group(self, group) -> None:
-        """Up-front check of what the loss needs from a group (before any compute)."""
+        """Up-front check of what the loss needs from a group (before any compute): an
+        ``RLGroup`` with advantages and old log-probs, and reference log-probs for the KL."""
+        tag = f"group {group.group_id}"
+        if not all(hasattr(group, n) for n in ("advantages", "old_logprobs", "ref_logprobs")):
+            raise TypeError(f"{tag}: the RL loss trains RLGroup objects (advantages, old and "
+                            f"reference log-probs), got {type(group).__name__}")
+        if group.advantages is None or group.old_logprobs is None:
+            raise ValueError(f"{tag}: training needs advantages and old_logprobs")
         if self.kl_coef > 0 and group.ref_logprobs is None:
             raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
                              f"ref_logprobs (reference log-probs), got None")

@@ -1,7 +1,9 @@
 """Shared-prefix training: prompt once, responses in waves, one joint replay backward.
 
 The schedule takes the per-wave loss from the caller's ``forward_step_func`` (as MCore's
-schedules do); nothing here knows the RL objective.
+schedules do); nothing here knows the RL objective, in code or in data: a loss's own tensors
+are fields of a group subclass (``SharedPrefixGroup.EXTRAS``), checked and guarded like the
+group's, and the planner takes the loss's saved bytes per position from its caller.
 """
 
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch

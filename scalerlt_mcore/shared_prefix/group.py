@@ -1,15 +1,18 @@
-"""A GRPO group as explicit tensors, its up-front checks, and the replay-input guard."""
+"""A group of responses to one prompt as explicit tensors, its up-front checks, and the
+replay-input guard. The group knows no loss: a loss that needs tensors of its own (weights,
+behaviour log-probs, ...) declares them in a subclass (``EXTRAS``), and they are checked and
+guarded like the group's own."""
 
 import numbers
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
 
-GUARDED = ("tokens", "labels", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
-"""The tensor fields the replay reads (an optional one that is None stays guarded as None)."""
+GUARDED = ("tokens", "labels", "loss_mask")
+"""The group's own tensor fields the replay reads (a subclass adds its ``EXTRAS``)."""
 
 GUARDED_SCALARS = ("prompt_length", "group_id")
 """The non-tensor fields the replay reads."""
@@ -27,40 +30,46 @@ class SharedPrefixGroup:
     labels:       [G, T] long, labels[:, t] is the token predicted at position t (tokens shifted).
     loss_mask:    [G, T] float/bool, 1 where labels[:, t] is a response token that is trained;
                   0 on prompt positions t < P - 1 and on padding.
-    advantages:   [G] per-response advantage (training only).
-    old_logprobs: [R, G, T] per-loop log-probs of labels under the behaviour policy (training).
-    ref_logprobs: optional [R, G, T] per-loop log-probs under a frozen reference (KL).
     prompt_length: P.
     group_id:     names the group in errors.
 
-    The replay reads ``labels[:, P-1 : T-1]`` (the labels of the response positions); labels at
-    the prompt positions < P - 1 and at T - 1 are never read.
+    The replay reads ``labels[:, P-1 : T-1]`` (the labels of the response positions,
+    ``response_positions``); labels at the prompt positions < P - 1 and at T - 1 are never read.
+
+    A loss's own tensors are the fields of a subclass named in its ``EXTRAS``, each optional
+    (None: absent), e.g. the RL loss's group in ``scalerlt_mcore.rl.batch``.
     """
 
     tokens: Tensor
     labels: Tensor
     loss_mask: Tensor
     prompt_length: int
-    advantages: Optional[Tensor] = None
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
     group_id: int = 0
+
+    EXTRAS: ClassVar[dict] = {}
+    """A subclass's loss-owned tensor fields: name -> shape in the symbols ``R`` (the model's
+    loops), ``G`` (responses) and ``T`` (positions), e.g. ``("R", "G", "T")``. Each is moved to
+    the device by ``from_rollout``, device-, shape- and finiteness-checked by ``check`` and
+    fingerprinted by ``ReplayGuard``, like ``tokens``; one that is None stays None."""
 
     @classmethod
     def from_rollout(cls, prompt, responses: Tensor, lengths, pad_id: int, *, device=None,
                      mask_dtype: torch.dtype = torch.float32, group_id: int = 0,
-                     advantages: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
-                     ref_logprobs: Optional[Tensor] = None) -> "SharedPrefixGroup":
+                     **extras) -> "SharedPrefixGroup":
         """The group of one prompt's sampled responses, every tensor on ``device``.
 
         prompt:    the P prompt token ids (a list or a [P] tensor).
         responses: [G, S'] right-padded response ids (any device); S = max(lengths) <= S'.
         lengths:   [G] response lengths >= 1 (host values: a list or a CPU tensor).
+        extras:    tensors of the class's ``EXTRAS`` (moved to ``device`` as given).
         Builds tokens [G, P + S] (prompt, response, ``pad_id`` padding), labels (tokens
         shifted by one, ``pad_id`` last) and the loss mask (``mask_dtype``, 1 on the positions
-        P - 1 .. P - 2 + length that predict a response token); the optional per-response
-        tensors are moved to ``device`` as given.
+        P - 1 .. P - 2 + length that predict a response token).
         """
+        unknown = sorted(set(extras) - set(cls.EXTRAS))
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no extra tensor {unknown[0]!r} (its EXTRAS: "
+                            f"{sorted(cls.EXTRAS)})")
         prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)  # [P]
         lens = _host_lengths(lengths, responses, f"group {group_id}")  # [G] on the host
         P, S, G = prompt.shape[0], int(lens.max()), responses.shape[0]
@@ -74,22 +83,25 @@ class SharedPrefixGroup:
         span = torch.arange(P + S, device=device)[None, :]  # [1, T]
         ends = (P - 1 + lens).to(device)[:, None]  # [G, 1]
         mask = ((span >= P - 1) & (span < ends)).to(mask_dtype)  # [G, T]
-        extra = {n: None if t is None else t.to(device) for n, t in (
-            ("advantages", advantages), ("old_logprobs", old_logprobs),
-            ("ref_logprobs", ref_logprobs))}
+        moved = {n: None if t is None else t.to(device) for n, t in extras.items()}
         return cls(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
-                   group_id=group_id, **extra)
+                   group_id=group_id, **moved)
+
+    @classmethod
+    def guarded_fields(cls) -> tuple:
+        """Every tensor field the replay reads: the group's own, then the ``EXTRAS``."""
+        return GUARDED + tuple(cls.EXTRAS)
 
     def check_device(self, device) -> None:
         """Raise if a tensor of the group is not on ``device`` (the model's), naming the field
         and both devices."""
         device = torch.device(device)
-        for name in GUARDED:
+        for name in self.guarded_fields():
             t = getattr(self, name)
             if t is not None and not _same_device(t.device, device):
                 raise ValueError(f"group {self.group_id}: {name} is on {t.device}, the model on "
                                  f"{device}; build the group on the model's device "
-                                 f"(SharedPrefixGroup.from_rollout(..., device=...))")
+                                 f"({type(self).__name__}.from_rollout(..., device=...))")
 
     @property
     def group_size(self) -> int:
@@ -121,17 +133,15 @@ class SharedPrefixGroup:
         return [WaveBatch(self, idx) for idx in rows.split(wave_size)]
 
     def guarded(self) -> dict:
-        return {n: getattr(self, n) for n in GUARDED if getattr(self, n) is not None}
+        return {n: getattr(self, n) for n in self.guarded_fields() if getattr(self, n) is not None}
 
     def check(self, num_loops: int, max_response_length: Optional[int] = None,
-              training: bool = True, vocab_size: Optional[int] = None,
-              max_positions: Optional[int] = None) -> None:
+              vocab_size: Optional[int] = None, max_positions: Optional[int] = None) -> None:
         """Reject a malformed group before any compute; errors name the group, the tensor and
         the position. ``vocab_size``: token ids and read labels must lie in [0, vocab_size);
-        ``max_positions``: the model's position table (sequences must fit it)."""
+        ``max_positions``: the model's position table (sequences must fit it). Which extra
+        tensors a loss needs is the loss's check (``forward_step_func.check_group``)."""
         tag = f"group {self.group_id}"
-        if training and (self.advantages is None or self.old_logprobs is None):
-            raise ValueError(f"{tag}: training needs advantages and old_logprobs")
         self._check_shapes(tag, num_loops)
         self._check_prompt_shared(tag)
         if vocab_size is not None:
@@ -152,8 +162,9 @@ class SharedPrefixGroup:
         if self.tokens.dim() != 2:
             raise ValueError(f"{tag}: tokens must be [G, T], got {tuple(self.tokens.shape)}")
         G, T = self.tokens.shape
-        expected = {"labels": (G, T), "loss_mask": (G, T), "advantages": (G,),
-                    "old_logprobs": (num_loops, G, T), "ref_logprobs": (num_loops, G, T)}
+        sizes = {"R": num_loops, "G": G, "T": T}
+        expected = {"labels": (G, T), "loss_mask": (G, T)}
+        expected.update({n: tuple(sizes[d] for d in dims) for n, dims in self.EXTRAS.items()})
         for name, shape in expected.items():
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
@@ -273,8 +284,8 @@ def fingerprint(t: Optional[Tensor]) -> Optional[tuple]:
 
 class ReplayGuard:
     """Fingerprints every field of a group the replay reads at first use and verifies them
-    before replays: the tensors (``GUARDED``; an optional one that was None must stay None) and
-    ``prompt_length`` and ``group_id``."""
+    before replays: the tensors (``guarded_fields``: the group's own and its ``EXTRAS``; one that
+    was None must stay None) and ``prompt_length`` and ``group_id``."""
 
     def __init__(self, group: SharedPrefixGroup):
         self.group = group
@@ -283,7 +294,8 @@ class ReplayGuard:
 
     def _prints(self) -> dict:
         prints = {n: getattr(self.group, n) for n in GUARDED_SCALARS}
-        prints.update({n: fingerprint(getattr(self.group, n)) for n in GUARDED})
+        prints.update({n: fingerprint(getattr(self.group, n))
+                       for n in self.group.guarded_fields()})
         return prints
 
     def verify(self, where: str) -> None:

@@ -60,7 +60,8 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
     check_group = getattr(forward_step_func, "check_group", None)  # the loss's own needs
-    for g in groups if check_group is not None else ():
+    loss_runs = not (forward_only and collect_non_loss_data)
+    for g in groups if check_group is not None and loss_runs else ():
         check_group(g)
     batches = naive_microbatches(groups, micro_batch_size)
     # MCore divides every microbatch loss by their number; the step loss is the mean over

@@ -272,7 +272,8 @@ def graph_free_prefix_bytes(m: ModelShape, P: int) -> int:
     return prefix_bytes(m, P) * (m.depths - m.trained_depths) // m.depths
 
 
-def wave_bytes(m: ModelShape, P: int, S: int, W: int, loss_per_position: float) -> int:
+def wave_bytes(m: ModelShape, P: int, S: int, W: int,
+               loss_per_position: Optional[float]) -> int:
     """One wave against the prefix state (the prefix K/V storage not included)."""
     saved = _Saved()
     R, H, b = m.loops, m.hidden, m.dtype_bytes
@@ -285,7 +286,7 @@ def wave_bytes(m: ModelShape, P: int, S: int, W: int, loss_per_position: float) 
     return saved.total + _loss_bytes(m, W, P + S, loss_per_position)
 
 
-def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: float) -> int:
+def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: Optional[float]) -> int:
     """One naive microbatch of ``rows`` full sequences of length T."""
     saved = _Saved()
     _block(m, saved, rows, T, "causal")
@@ -293,7 +294,10 @@ def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: float) -> i
     return saved.total + _loss_bytes(m, rows, T, loss_per_position)
 
 
-def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: float) -> int:
+def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: Optional[float]) -> int:
+    """What the caller's loss saves: ``per_position`` accumulator tensors of [R, rows, T]."""
+    if per_position is None:
+        raise ValueError(NEEDS_LOSS_BYTES)
     return int(per_position * m.loops * rows * T * m.acc_bytes)
 
 
@@ -321,14 +325,14 @@ def leaf_copy_bytes(m: ModelShape, P: int, checkpoint_waves: bool) -> int:
 # ---- whole steps ----------------------------------------------------------------------------
 
 
-RL_LOSS_PER_POSITION = 5.0
-"""Accumulator-dtype tensors of shape [R, rows, T] the RL objective's PPO loss saves
-(``RLObjective.saved_per_position`` gives it per objective)."""
+NEEDS_LOSS_BYTES = ("a memory prediction needs loss_per_position: the number of accumulator "
+                    "tensors of shape [R, rows, T] the caller's loss saves for backward (the "
+                    "loss's own figure, e.g. its saved_per_position)")
 
 
 def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                  checkpoint_waves: bool = False,
-                 loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+                 loss_per_position: Optional[float] = None) -> MemoryEstimate:
     """Peak memory of joint replay of one group (prompt P, G responses of <= S tokens)."""
     T, W = P + S, min(plan.wave_size, G)
     n = -(-G // W)
@@ -355,7 +359,7 @@ def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
 
 
 def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
-                 loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+                 loss_per_position: Optional[float] = None) -> MemoryEstimate:
     """Peak memory of naive training of one group in microbatches of full sequences."""
     peak = naive_bytes(m, P + S, min(micro_batch_size, G), loss_per_position)
     return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=0)
@@ -363,7 +367,7 @@ def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
 
 def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                 checkpoint_waves: bool = False,
-                loss_per_position: float = RL_LOSS_PER_POSITION) -> MemoryEstimate:
+                loss_per_position: Optional[float] = None) -> MemoryEstimate:
     if plan.naive:
         return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
     return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
@@ -494,13 +498,15 @@ class Planner:
         naive by ``cost_model``'s time.
     cost_model: a ``CostModel``, or a function ``model -> CostModel`` called at the first plan
         (e.g. ``shared_cost_model``).
+    loss_per_position: the caller's loss's saved accumulator tensors of [R, rows, T] per
+        position (needed with a memory budget); the planner knows no loss.
     """
 
     def __init__(self, wave_size="auto", prompt: str = "auto",
                  memory_budget: Optional[float] = None, schedule: str = "joint_replay",
                  cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
                  naive_micro_batch_size: Optional[int] = None,
-                 loss_per_position: float = RL_LOSS_PER_POSITION):
+                 loss_per_position: Optional[float] = None):
         _check_wave_size(wave_size)
         if prompt not in PROMPT_MODES + ("auto",):
             raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
@@ -513,6 +519,8 @@ class Planner:
                              f"({memory_budget / 2**20:g} MiB)")
         if schedule == "auto" and cost_model is None:
             raise ValueError("schedule 'auto' needs a cost model (CostModel.calibrate(model))")
+        if memory_budget is not None and loss_per_position is None:
+            raise ValueError(f"a memory budget: {NEEDS_LOSS_BYTES}")
         self.wave_size, self.prompt, self.budget = wave_size, prompt, memory_budget
         self.schedule, self.cost_model = schedule, cost_model
         self.checkpoint_waves = checkpoint_waves

@@ -1,6 +1,6 @@
 """Shared-prefix joint replay as a drop-in for MCore's ``get_forward_backward_func()``.
 
-Per GRPO group (one prompt, G responses):
+Per group (one prompt, G responses):
   1. prompt producer   - the prompt under no_grad (``prompt="recompute"``) or with grad, its
                          graph kept (``"retain"``); its prefix state becomes grad leaves;
   2. waves 1..n-1      - W responses each against the leaves, backward under no_sync:
@@ -21,9 +21,10 @@ Up-front checks, before any compute (no phase runs, no grad changes when one fai
 group's ``SharedPrefixGroup.check`` (shapes, shared prompt, token ids and labels in the model's
 vocabulary, labels the tokens shifted by one, lengths within the position table); stochastic
 layers (dropout) are rejected, since the replay would draw other masks than the prompt producer;
-and, if ``forward_step_func`` has a ``check_group`` attribute, ``forward_step_func.check_group(
-group)`` is called for every group, so a loss can reject what it cannot use (e.g. the RL
-objective: KL without reference log-probs) before any compute.
+and, if ``forward_step_func`` has a ``check_group`` attribute and the loss is computed (any step
+but forward_only with ``collect_non_loss_data``), ``forward_step_func.check_group(group)`` is
+called for every group, so a loss can reject what it cannot use (e.g. a group without the extra
+tensors it reads) before any compute.
 
 A refused step: every field the replay reads is fingerprinted after the up-front checks and
 verified before each group's prompt producer, every wave (re)compute and the joint replay
@@ -176,7 +177,9 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
         inner, config = unwrap_model(model), get_model_config(model)
-        self._check_groups(groups, inner, forward_only, config, forward_step_func)
+        loss_runs = not (forward_only and collect_non_loss_data)  # the loss's needs matter
+        check_group = getattr(forward_step_func, "check_group", None) if loss_runs else None
+        self._check_groups(groups, inner, forward_only, config, check_group)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
                           collect_non_loss_data, first_val_step)
         if forward_only:
@@ -192,7 +195,7 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, inner, forward_only, config, forward_step_func) -> None:
+    def _check_groups(self, groups, inner, forward_only, config, check_group) -> None:
         device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
@@ -202,14 +205,12 @@ class SharedPrefixSchedule:
         learned = getattr(inner, "position_embedding_type", None) == "learned_absolute"
         limits = dict(vocab_size=getattr(inner, "vocab_size", None),
                       max_positions=inner.max_sequence_length if learned else None)
-        check_group = getattr(forward_step_func, "check_group", None)
         for g in groups:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
             g.check_device(device)
-            g.check(inner.config.looped_num_loops, self.max_response_length,
-                    training=not forward_only, **limits)
+            g.check(inner.config.looped_num_loops, self.max_response_length, **limits)
             if check_group is not None:
                 check_group(g)
 
