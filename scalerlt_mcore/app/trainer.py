@@ -23,7 +23,7 @@ from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old
 from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
-from ..rl.stats import rollout_exit_metrics, sampled_entropy, summarise
+from ..rl.stats import rollout_metrics, summarise
 from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
 from .arguments import (
     eval_prompts,
@@ -224,13 +224,10 @@ class RLTrainer:
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
         return self._reduce({
-            "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "response_length": ro.lengths.float().mean().item(), **train,
-            "entropy": sampled_entropy(ro),
-            "rollout_logprob_max_diff": drift, "tokens_per_s": tokens / (t_end - t0),
-            "time_rollout_s": t_rollout - t0, "time_score_s": t_train - t_score,
-            "time_train_s": t_end - t_train, "time_step_s": t_end - t0, "loops": loops,
-            **rollout_exit_metrics(ro),
+            **rollout_metrics(rewards, ro), **train, "rollout_logprob_max_diff": drift,
+            "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
+            "time_score_s": t_train - t_score, "time_train_s": t_end - t_train,
+            "time_step_s": t_end - t0, "loops": loops,
         })
 
     def _attach_logprobs(self, groups, ro) -> float:

@@ -25,6 +25,15 @@ def _plans(out: list) -> dict:
             for k in ("wave_size", "retain", "naive")}
 
 
+def rollout_metrics(rewards, ro) -> dict:
+    """The rollout's metrics: mean and std of its rewards [N, G], mean response length, the
+    sampled tokens' entropy estimate (``sampled_entropy``) and, with the exit gate, its exit
+    loops (``rollout_exit_metrics``)."""
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "response_length": ro.lengths.float().mean().item(),
+            "entropy": sampled_entropy(ro), **rollout_exit_metrics(ro)}
+
+
 def rollout_exit_metrics(ro) -> dict:
     """With the exit gate: the rollout's mean exit loop sum_r r p(r) over its sampled tokens,
     and with threshold exits the mean loop that sampled them (loops counted from 1)."""
