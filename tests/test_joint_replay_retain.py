@@ -156,6 +156,10 @@ def test_plan_arguments_are_checked(mcore_single):
         get_shared_prefix_forward_backward_func("auto")
     with pytest.raises(ValueError, match="GroupPlan.wave_size must be an integer >= 1"):
         GroupPlan(0)
+    with pytest.raises(ValueError, match=r"a chooser replaces the schedule's planner: give "
+                       r"\['memory_budget'\] to it"):
+        get_shared_prefix_forward_backward_func(2, chooser=lambda g, m: GroupPlan(2),
+                                                memory_budget=1.0)
 
 
 # ---- the guards and bf16 hold under retain ----------------------------------------------------

@@ -143,6 +143,9 @@ class SharedPrefixSchedule:
                  chooser: Optional[Callable] = None, prompt: str = "recompute", **plan):
         if chooser is None:
             chooser = Planner(wave_size, prompt, checkpoint_waves=checkpoint_waves, **plan)
+        elif any(v is not None for v in plan.values()):
+            raise ValueError(f"a chooser replaces the schedule's planner: give "
+                             f"{sorted(k for k, v in plan.items() if v is not None)} to it")
         self.wave_size, self.prompt, self.chooser = wave_size, prompt, chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
