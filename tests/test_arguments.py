@@ -447,6 +447,7 @@ FROZEN_CLI_FLAGS = [
     "--grpo-entropy-term-weight", "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta",
     "--grpo-prompts-per-step", "--help", "--hidden-size", "--kv-channels", "--load",
     "--log-interval", "--looped-backprop-loops", "--looped-cascade-kernel", "--looped-exit-gate",
+    "--looped-family",
     "--looped-initial-state", "--looped-injection", "--looped-learned-loop-weights",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
     "--looped-num-loops-sampling", "--looped-num-prelude-layers", "--looped-prefix-attention",

@@ -100,7 +100,8 @@ def exit_log_distribution(gate_logits):
 class RecurrentTransformerBlock(MegatronModule):
     """Prelude layers run once; core layers (``layers``, named as in MCore's block) run
     ``looped_num_loops`` times; coda layers run after every loop. ``forward`` returns the
-    readout input (pre-final-norm) of every loop."""
+    readout input of every loop: pre-final-norm, or with ``looped_normed_state`` (Ouro) the
+    state the final norm closed the loop with."""
 
     def __init__(self, config, submodules: LoopedBlockSubmodules):
         super().__init__(config=config)
@@ -176,6 +177,8 @@ class RecurrentTransformerBlock(MegatronModule):
             with loop_grad_context(self.config, r):
                 x = state if self.injection is None else self.injection(state, embed)
                 state = run(self.layers, x)
+                if self.config.looped_normed_state:
+                    state = self.final_layernorm(state)  # what the next loop and readout see
                 readouts.append(run(self.coda, state))
         return readouts
 

@@ -13,6 +13,7 @@ Injection = Literal["none", "linear_concat"]
 InitialState = Literal["embed", "zeros"]
 PrefixAttention = Literal["concat", "cascade"]
 CascadeKernel = Literal["auto", "flash", "efficient", "cpu_flash", "matmul"]
+Family = Literal["gpt", "ouro"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 """Position embeddings of ``LoopedGPTModel`` (its ``position_embedding_type`` argument)."""
 Normalization = TransformerConfig.__annotations__["normalization"]
@@ -22,6 +23,7 @@ INJECTIONS = get_args(Injection)
 INITIAL_STATES = get_args(InitialState)
 PREFIX_ATTENTIONS = get_args(PrefixAttention)
 CASCADE_KERNELS = get_args(CascadeKernel)
+FAMILIES = get_args(Family)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
@@ -73,6 +75,13 @@ class LoopedTransformerConfig(TransformerConfig):
     prod_{j<r} (1 - lambda_j) over the R loops (the last loop takes the remaining mass). Off:
     no gate parameters (the model stays MCore's GPTModel function at R = 1)."""
 
+    looped_family: Family = "gpt"
+    """Layer and loop layout: ``gpt`` (MCore's pre-norm layers; each loop's readout applies the
+    final norm to that loop's state, and the next loop continues from the unnormed state) or
+    ``ouro`` (Ouro / LoopLM: every layer also normalises its attention and MLP outputs before
+    the residual add, the sandwich norms; the final norm closes every loop and the *normed*
+    state feeds the next loop, the readout and the exit gate; no prelude or coda)."""
+
     looped_learned_loop_weights: bool = False
     """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
     equal), whose softmax weights the loops' readouts in the RL loss, trained with the policy."""
@@ -94,6 +103,12 @@ class LoopedTransformerConfig(TransformerConfig):
         return self.looped_num_prelude_layers + self.looped_num_loops * per_loop
 
     @property
+    def looped_normed_state(self) -> bool:
+        """The final norm closes every loop (``looped_family`` ``ouro``): the block returns
+        normed states and the readout applies no norm of its own."""
+        return self.looped_family == "ouro"
+
+    @property
     def looped_num_graph_free_loops(self) -> int:
         """Loops run under ``no_grad`` by truncated backprop: R - k when 0 < k < R, else 0."""
         k, loops = self.looped_backprop_loops, self.looped_num_loops
@@ -113,6 +128,10 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             allowed, value = get_args(f.type), getattr(cfg, f.name)
             if value not in allowed:
                 raise ValueError(f"{f.name} must be one of {allowed}, got {value!r}")
+    if cfg.looped_normed_state and (cfg.looped_num_prelude_layers or cfg.looped_num_coda_layers):
+        raise ValueError(f"looped_family 'ouro' loops the whole stack: looped_num_prelude_layers "
+                         f"and looped_num_coda_layers must be 0, got "
+                         f"{cfg.looped_num_prelude_layers} and {cfg.looped_num_coda_layers}")
     if cfg.pipeline_model_parallel_size != 1:
         raise NotImplementedError(
             f"pipeline_model_parallel_size must be 1 (the looped GPT has no pipeline "

@@ -120,18 +120,18 @@ def read_hf_architecture(path) -> PretrainedArchitecture:
     where = Path(path) / "config.json"
     arch = _architecture_name(cfg, where)
     _reject_unsupported(cfg, arch, where)
-    heads = _required(cfg, "num_attention_heads", where)
-    hidden = _required(cfg, "hidden_size", where)
-    scaling, factor = _rope_scaling(cfg, where)
+    heads = required_int(cfg, "num_attention_heads", where)
+    hidden = required_int(cfg, "hidden_size", where)
+    scaling, factor = rope_scaling(cfg, where)
     return PretrainedArchitecture(
-        num_layers=_required(cfg, "num_hidden_layers", where), hidden_size=hidden,
-        ffn_hidden_size=_required(cfg, "intermediate_size", where),
+        num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
+        ffn_hidden_size=required_int(cfg, "intermediate_size", where),
         num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads") or heads,
         kv_channels=cfg.get("head_dim") or hidden // heads,
-        vocab_size=_required(cfg, "vocab_size", where),
+        vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_base=float(_rope_parameters(cfg).get("rope_theta", 10000.0)),
+        rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
         use_rope_scaling=scaling, rope_scaling_factor=factor,
         add_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
@@ -146,10 +146,12 @@ def _architecture_name(cfg: dict, where: Path) -> str:
     return names[0]
 
 
-def _required(cfg: dict, key: str, where: Path):
-    if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
-        raise ValueError(f"{where}: {key} must be a positive integer, got {cfg.get(key)!r}")
-    return cfg[key]
+def required_int(cfg: dict, key: str, where: Path, default: Optional[int] = None) -> int:
+    """``cfg[key]`` (or ``default`` where absent), which must be a positive integer."""
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def _reject_unsupported(cfg: dict, arch: str, where: Path) -> None:
@@ -161,16 +163,16 @@ def _reject_unsupported(cfg: dict, arch: str, where: Path) -> None:
                            "Llama attention biases (o_proj included) are not supported"),
         "use_sliding_window": (not cfg.get("use_sliding_window", False),
                                "sliding-window attention is not supported"),
-        "partial_rotary_factor": (_rope_parameters(cfg).get("partial_rotary_factor", 1.0) == 1.0,
+        "partial_rotary_factor": (rope_parameters(cfg).get("partial_rotary_factor", 1.0) == 1.0,
                                   "partial rotary embeddings are not supported"),
     }
     for key, (ok, why) in checks.items():
         if not ok:
-            value = cfg.get(key, _rope_parameters(cfg).get(key))
+            value = cfg.get(key, rope_parameters(cfg).get(key))
             raise ValueError(f"{where}: {key}={value!r}: {why}")
 
 
-def _rope_parameters(cfg: dict) -> dict:
+def rope_parameters(cfg: dict) -> dict:
     """RoPE settings in either layout: ``rope_parameters`` (transformers >= 5) or
     ``rope_theta`` + ``rope_scaling`` (earlier)."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -180,9 +182,9 @@ def _rope_parameters(cfg: dict) -> dict:
     return params
 
 
-def _rope_scaling(cfg: dict, where: Path) -> tuple:
+def rope_scaling(cfg: dict, where: Path) -> tuple:
     """(use_rope_scaling, rope_scaling_factor) -- default RoPE or MCore's llama3 scaling."""
-    params = _rope_parameters(cfg)
+    params = rope_parameters(cfg)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return False, 8.0
@@ -201,7 +203,7 @@ def _rope_scaling(cfg: dict, where: Path) -> tuple:
 
 def load_hf_state_dict(path, arch: PretrainedArchitecture) -> dict:
     """Every weight of HF directory ``path`` under MCore ``GPTModel`` names (N layers)."""
-    reader = _SafetensorsReader(Path(path))
+    reader = SafetensorsReader(Path(path))
     out = {"embedding.word_embeddings.weight": reader.get("model.embed_tokens.weight"),
            "decoder.final_layernorm.weight": reader.get("model.norm.weight")}
     if arch.untie_embeddings_and_output_weights:
@@ -242,7 +244,17 @@ def pack_qkv(q, k, v, arch: PretrainedArchitecture):
     return torch.cat([q, k, v], dim=1).reshape(groups * (rep + 2) * hn, *tail)
 
 
-class _SafetensorsReader:
+def unpack_qkv(qkv, arch: PretrainedArchitecture) -> tuple:
+    """The inverse of ``pack_qkv``: MCore's linear_qkv (weight or bias) -> (q, k, v)."""
+    groups, hn = arch.num_query_groups, arch.kv_channels
+    rep = arch.num_attention_heads // groups
+    tail = qkv.shape[1:]
+    per_group = qkv.reshape(groups, (rep + 2) * hn, *tail)  # [ng, (rep + 2) * hn, (H)]
+    q, k, v = per_group.split([rep * hn, hn, hn], dim=1)
+    return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
+
+
+class SafetensorsReader:
     """Tensors by name from a directory's ``*.safetensors`` files (sharded or single)."""
 
     def __init__(self, root: Path):
@@ -261,12 +273,17 @@ class _SafetensorsReader:
             except Exception as e:  # safetensors raises its own error types
                 raise ValueError(f"cannot read {file}: {e}") from e
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, shape: Optional[tuple] = None) -> torch.Tensor:
+        """Tensor ``name``; with ``shape``, one of another shape is refused, naming both."""
         if name not in self.where:
             files = ", ".join(f.name for f in self.files)
             raise ValueError(f"tensor {name!r} is missing from {files} in {self.files[0].parent}")
         with self._open(str(self.where[name]), "pt") as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} in {self.where[name]} has shape "
+                             f"{tuple(tensor.shape)}, config.json implies {tuple(shape)}")
+        return tensor
 
 
 # ---- one call ------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class LoopedGPTModel(LanguageModule):
     def readout_and_gate(self, hidden: Tensor, gate: bool = True) -> tuple:
         """hidden [S, B, H] -> (logits [B, S, V / tp], exit-gate logits [B, S] from the same
         normed state, or None without a gate or with ``gate=False``)."""
-        normed = self.decoder.final_layernorm(hidden)
+        normed = (hidden if self.config.looped_normed_state  # the block normed it (Ouro)
+                  else self.decoder.final_layernorm(hidden))
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
         logits, _ = self.output_layer(normed, weight=weight)

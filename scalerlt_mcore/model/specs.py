@@ -21,6 +21,12 @@ from .block import (
     LoopedBlockSubmodules,
     RecurrentTransformerBlock,
 )
+from .sandwich import (
+    SandwichMLP,
+    SandwichMLPSubmodules,
+    SandwichSelfAttention,
+    SandwichSelfAttentionSubmodules,
+)
 
 try:
     import transformer_engine  # noqa: F401
@@ -43,6 +49,20 @@ def get_looped_gpt_layer_local_spec(qk_layernorm: bool = False,
     """Local (PyTorch / MCore) backend: runs on CPU and GPU."""
     return _looped(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
                                             normalization=normalization))
+
+
+def get_looped_sandwich_layer_local_spec(normalization: str = "RMSNorm") -> ModuleSpec:
+    """Local backend, sandwich norms (``looped_family`` ``ouro``): the looped layer spec with
+    a norm after the attention and after the MLP, each before its residual add."""
+    spec = get_looped_gpt_layer_local_spec(normalization=normalization)
+    norm = LocalSpecProvider().layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
+    attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    attention.module = SandwichSelfAttention
+    attention.submodules = SandwichSelfAttentionSubmodules(
+        **vars(attention.submodules), post_layernorm=norm)
+    mlp.module = SandwichMLP
+    mlp.submodules = SandwichMLPSubmodules(**vars(mlp.submodules), post_layernorm=norm)
+    return spec
 
 
 def get_looped_gpt_layer_te_spec(qk_layernorm: bool = False) -> ModuleSpec:
@@ -80,6 +100,12 @@ def get_looped_gpt_block_spec(config, use_transformer_engine: bool = False,
                               layer_spec: Optional[ModuleSpec] = None) -> ModuleSpec:
     """The recurrent block's spec: every layer from ``layer_spec`` (default: the backend's
     looped layer spec), the config's injection and the backend's final norm."""
+    family = getattr(config, "looped_family", "gpt")
+    if layer_spec is None and family == "ouro":
+        if use_transformer_engine or qk_layernorm:
+            raise NotImplementedError("looped_family 'ouro' has a local-backend layer spec only "
+                                      "(no Transformer Engine, no qk_layernorm)")
+        layer_spec = get_looped_sandwich_layer_local_spec(config.normalization)
     if layer_spec is None:
         layer_spec = (get_looped_gpt_layer_te_spec(qk_layernorm) if use_transformer_engine
                       else get_looped_gpt_layer_local_spec(qk_layernorm, config.normalization))

@@ -1,0 +1,241 @@
+"""Import public looped checkpoints in their own format (``config.json`` + ``*.safetensors``).
+
+Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote code). The names
+below are those of the public modeling code (``modeling_ouro.py`` / ``configuration_ouro.py``);
+the mapping is written once as tables and read in both directions (import here, export in
+``hf_export.py``), so import -> export -> import is the identity.
+
+Ouro (``looped_family`` ``ouro``), the whole N-layer stack looped ``total_ut_steps`` times:
+
+    config.json                      -> looped GPT
+    total_ut_steps                   -> looped_num_loops (R)
+    early_exit_threshold             -> the rollouts' threshold exit (``exit_threshold``)
+    num_hidden_layers                -> num_layers (core; no prelude, coda or injection)
+    hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+    rms_norm_eps, rope_theta, rope_scaling (default / llama3), vocab_size,
+    tie_word_embeddings              -> as for Llama (``hf_import.PretrainedArchitecture``)
+
+    weights (model.layers.{i}.)      -> decoder.layers.{i}.
+    input_layernorm                  -> input_layernorm
+    self_attn.{q,k,v}_proj           -> self_attention.linear_qkv (packed per query group)
+    self_attn.o_proj                 -> self_attention.linear_proj
+    input_layernorm_2                -> self_attention.post_layernorm (sandwich norm)
+    post_attention_layernorm         -> pre_mlp_layernorm
+    mlp.{gate,up}_proj               -> mlp.linear_fc1 ([gate; up])
+    mlp.down_proj                    -> mlp.linear_fc2
+    post_attention_layernorm_2       -> mlp.post_layernorm (sandwich norm)
+    model.embed_tokens               -> embedding.word_embeddings
+    model.norm                       -> decoder.final_layernorm (closes every loop)
+    model.early_exit_gate (+ bias)   -> decoder.exit_gate.linear (looped_exit_gate)
+    lm_head (untied only)            -> output_layer
+
+Refused, naming the field: other activations, sliding-window layers, RoPE scaling other than
+llama3 with MCore's fixed factors, a fixed ``early_exit_step``, a partial rotary factor.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import LoopedTransformerConfig
+from .hf_import import (
+    PretrainedArchitecture,
+    SafetensorsReader,
+    pack_qkv,
+    read_hf_config,
+    required_int,
+    rope_parameters,
+    rope_scaling,
+    unpack_qkv,
+)
+from .looped_gpt import LoopedGPTModel
+from .retrofit import load_converted_state_dict
+from .specs import get_looped_gpt_block_spec
+
+LOOPED_MODEL_TYPES = ("ouro",)
+"""``model_type`` values this importer reads."""
+
+OURO_ARCHITECTURE = "OuroForCausalLM"
+
+OURO_TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+            "model.norm.weight": "decoder.final_layernorm.weight",
+            "model.early_exit_gate.weight": "decoder.exit_gate.linear.weight",
+            "model.early_exit_gate.bias": "decoder.exit_gate.linear.bias"}
+"""Ouro tensor -> looped-GPT tensor, outside the layers (``lm_head`` when untied)."""
+
+OURO_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+              "input_layernorm_2.weight": "self_attention.post_layernorm.weight",
+              "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+              "post_attention_layernorm_2.weight": "mlp.post_layernorm.weight",
+              "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+              "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
+"""Per layer, the one-to-one tensors (``model.layers.{i}.`` -> ``decoder.layers.{i}.``);
+q/k/v and gate/up are packed (``pack_qkv``, ``[gate; up]``)."""
+
+
+@dataclass(frozen=True)
+class LoopedSource:
+    """A public looped checkpoint's structure: the layer shapes and the loop layout."""
+
+    model_type: str
+    """``config.json``'s ``model_type``."""
+    arch: PretrainedArchitecture
+    """Layer shapes, RoPE, vocabulary, tying (Megatron-LM's names)."""
+    num_loops: int
+    """R (Ouro ``total_ut_steps``)."""
+    exit_threshold: Optional[float] = None
+    """Exit CDF threshold of the threshold exit (Ouro ``early_exit_threshold``)."""
+    looped: dict = field(default_factory=dict)
+    """The ``LoopedTransformerConfig`` ``looped_*`` fields the source fixes."""
+
+    def config(self, num_loops: Optional[int] = None, **extra) -> LoopedTransformerConfig:
+        """The looped GPT config of this source (``num_loops`` overrides R)."""
+        return LoopedTransformerConfig(
+            num_layers=self.arch.num_layers, looped_num_loops=num_loops or self.num_loops,
+            **self.looped, **self.arch.config_kwargs(), **extra)
+
+
+# ---- config.json ---------------------------------------------------------------------------
+
+
+def is_looped_source(path) -> bool:
+    """True when directory ``path`` holds a config.json of a supported looped ``model_type``."""
+    file = Path(path) / "config.json"
+    return file.is_file() and read_hf_config(path).get("model_type") in LOOPED_MODEL_TYPES
+
+
+def read_looped_source(path) -> LoopedSource:
+    """The structure of looped checkpoint ``path``; an unsupported option raises, naming it."""
+    cfg = read_hf_config(path)
+    where = Path(path) / "config.json"
+    kind = cfg.get("model_type")
+    if kind not in LOOPED_MODEL_TYPES:
+        raise ValueError(f"{where}: unknown model_type {kind!r}; supported looped model types: "
+                         f"{', '.join(LOOPED_MODEL_TYPES)}")
+    return _read_ouro(cfg, where)
+
+
+def _read_ouro(cfg: dict, where: Path) -> LoopedSource:
+    _reject(cfg, where, {
+        "hidden_act": (cfg.get("hidden_act", "silu") == "silu", "only 'silu' (SwiGLU)"),
+        "use_sliding_window": (not cfg.get("use_sliding_window", False),
+                               "sliding-window attention is not supported"),
+        "layer_types": (set(cfg.get("layer_types") or ["full_attention"]) == {"full_attention"},
+                        "only full_attention layers are supported"),
+        "early_exit_step": (cfg.get("early_exit_step") is None,
+                            "a fixed exit step is not mapped (pick the readout instead)"),
+        "partial_rotary_factor": (rope_parameters(cfg).get("partial_rotary_factor", 1.0) == 1.0,
+                                  "partial rotary embeddings are not supported"),
+    })
+    threshold = cfg.get("early_exit_threshold", 1.0)
+    if threshold is not None and not (isinstance(threshold, (int, float))
+                                      and 0 < threshold <= 1):
+        raise ValueError(f"{where}: early_exit_threshold must be in (0, 1], got {threshold!r}")
+    return LoopedSource(
+        model_type="ouro", arch=_llama_like_arch(cfg, where, qkv_bias=False),
+        num_loops=required_int(cfg, "total_ut_steps", where, default=4),
+        exit_threshold=None if threshold is None else float(threshold),
+        looped={"looped_family": "ouro", "looped_exit_gate": True})
+
+
+def _llama_like_arch(cfg: dict, where: Path, qkv_bias: bool) -> PretrainedArchitecture:
+    heads = required_int(cfg, "num_attention_heads", where)
+    hidden = required_int(cfg, "hidden_size", where)
+    scaling, factor = rope_scaling(cfg, where)
+    return PretrainedArchitecture(
+        num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
+        ffn_hidden_size=required_int(cfg, "intermediate_size", where),
+        num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or hidden // heads,
+        vocab_size=required_int(cfg, "vocab_size", where),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
+        use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
+
+
+def _reject(cfg: dict, where: Path, checks: dict) -> None:
+    for key, (ok, why) in checks.items():
+        if not ok:
+            value = cfg.get(key, rope_parameters(cfg).get(key))
+            raise ValueError(f"{where}: {key}={value!r}: {why}")
+
+
+# ---- safetensors ---------------------------------------------------------------------------
+
+
+def ouro_shapes(arch: PretrainedArchitecture) -> dict:
+    """Ouro tensor name -> its shape under ``arch`` (every tensor of the checkpoint)."""
+    h, f, v, hn = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * hn, arch.num_query_groups * hn
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+           "model.early_exit_gate.weight": (1, h), "model.early_exit_gate.bias": (1,)}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = (v, h)
+    layer = {"input_layernorm.weight": (h,), "input_layernorm_2.weight": (h,),
+             "post_attention_layernorm.weight": (h,), "post_attention_layernorm_2.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+             "mlp.down_proj.weight": (h, f)}
+    for i in range(arch.num_layers):
+        out.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return out
+
+
+def load_looped_state_dict(path, source: LoopedSource) -> dict:
+    """Every weight of looped checkpoint ``path`` under looped-GPT names; a missing tensor or
+    one whose shape config.json does not imply is refused, naming it."""
+    reader, shapes = SafetensorsReader(Path(path)), ouro_shapes(source.arch)
+    hf = {name: reader.get(name, shape) for name, shape in shapes.items()}
+    return ouro_to_looped(hf, source.arch)
+
+
+def ouro_to_looped(hf: dict, arch: PretrainedArchitecture) -> dict:
+    """Ouro-named tensors -> looped-GPT-named tensors (the tables above)."""
+    out = {ours: hf[theirs] for theirs, ours in OURO_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(arch.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.update({dst + ours: hf[src + theirs] for theirs, ours in OURO_LAYER.items()})
+        qkv = [hf[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
+        out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*qkv, arch)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
+                                                        hf[src + "mlp.up_proj.weight"]])
+    return out
+
+
+def looped_to_ouro(sd: dict, arch: PretrainedArchitecture) -> dict:
+    """The inverse of ``ouro_to_looped``: a looped-GPT state dict -> Ouro-named tensors."""
+    out = {theirs: sd[ours] for theirs, ours in OURO_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for i in range(arch.num_layers):
+        dst, src = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.update({dst + theirs: sd[src + ours] for theirs, ours in OURO_LAYER.items()})
+        q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch)
+        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v})
+        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return out
+
+
+# ---- one call ------------------------------------------------------------------------------
+
+
+def looped_gpt_from_pretrained(path, num_loops: Optional[int] = None,
+                               max_sequence_length: int = 4096, **config) -> LoopedGPTModel:
+    """A ``LoopedGPTModel`` (local spec) holding looped checkpoint ``path``'s weights.
+
+    ``num_loops``: R (default: the checkpoint's own); ``config``: further
+    ``LoopedTransformerConfig`` fields (e.g. ``use_cpu_initialization=True``)."""
+    source = read_looped_source(path)
+    cfg = source.config(num_loops, **config)
+    model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg),
+                           max_sequence_length=max_sequence_length, **source.arch.model_kwargs())
+    load_converted_state_dict(model, load_looped_state_dict(path, source))
+    return model

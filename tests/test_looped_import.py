@@ -1,0 +1,195 @@
+"""Public looped checkpoints imported in their own format: Ouro (``model_type`` "ouro").
+
+The reference is tests/reference_ouro.py, a plain-PyTorch Ouro written from the public modeling
+code that reads the checkpoint's own tensor names (it shares no code with the importer). The
+checkpoints are tiny random ones written in Ouro's format (no download).
+
+- per-loop logits and the exit distribution equal the reference on a right-padded batch, fp64,
+  R in {1, 2, 4} (relative error <= 1e-10 on the non-padding positions);
+- greedy rollouts through the depth-indexed KV cache with Ouro's threshold exit pick the same
+  loops and tokens as the reference recomputed on the whole sequence;
+- joint replay with ``exit_pdf`` credit and the gate's own term equals naive training through
+  stock MCore (fp64 <= 1e-12), the gate's gradient included;
+- bad input: unknown model_type, a missing tensor, a wrong shape, an option that cannot be
+  matched -- one-line errors naming it.
+"""
+
+import json
+
+import pytest
+import torch
+from reference_ouro import load_ouro, ouro_forward, threshold_exit_step, write_ouro_checkpoint
+from safetensors.torch import load_file, save_file
+from sp_helpers import LossSpec, grads, make_group, rel_errors
+
+from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained, read_looped_source
+from scalerlt_mcore.rl.rollout import generate
+
+TOL = 1e-10
+VOCAB = 64
+MEASURED = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    for case, err in MEASURED.items():
+        print(f"\n[looped import] {case}: max relative error {err:.2e} (fp64)")
+
+
+@pytest.fixture(scope="module")
+def ouro_dir(tmp_path_factory):
+    return write_ouro_checkpoint(tmp_path_factory.mktemp("ouro"), seed=3)
+
+
+def padded_batch(seed: int = 1) -> tuple:
+    """tokens [3, 10] right-padded (lengths 10, 7, 4) and the attention mask (1 = token)."""
+    tokens = torch.randint(3, VOCAB, (3, 10), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, 7:] = mask[2, 4:] = 0
+    return tokens.masked_fill(mask == 0, 0), mask
+
+
+def rel(got, want, on, case: str) -> float:
+    MEASURED[case] = float((got - want)[..., on].abs().max() / want[..., on].abs().max())
+    return MEASURED[case]
+
+
+def imported(path, loops=None):
+    return looped_gpt_from_pretrained(path, num_loops=loops, use_cpu_initialization=True,
+                                      max_sequence_length=64).double().eval()
+
+
+# ---- 1. the same function as the public code ----------------------------------------------
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_ouro_per_loop_logits_and_exit_pdf(mcore_single, ouro_dir, R):
+    cfg, w = load_ouro(ouro_dir)
+    tokens, mask = padded_batch()
+    want = ouro_forward(cfg, w, tokens, mask, total_ut_steps=R)
+    model = imported(ouro_dir, R)
+    with torch.no_grad():
+        logits = model(tokens).logits  # R x [B, S, V]
+        exit_lp = model(tokens, labels=tokens).exit_logprobs  # [R, B, S]
+    on = mask.bool()
+    got = torch.stack(logits)  # [R, B, S, V]
+    assert got.shape == want["logits"].shape == (R, 3, 10, VOCAB)
+    assert rel(got.permute(0, 3, 1, 2), want["logits"].permute(0, 3, 1, 2), on,
+               f"ouro R={R} logits") <= TOL
+    assert rel(exit_lp.exp(), want["exit_pdf"], on, f"ouro R={R} exit pdf") <= TOL
+
+
+def test_ouro_config_fields_are_mapped(ouro_dir):
+    src = read_looped_source(ouro_dir)
+    a = src.arch
+    assert (src.model_type, src.num_loops, src.exit_threshold) == ("ouro", 4, 1.0)
+    assert src.looped == {"looped_family": "ouro", "looped_exit_gate": True}
+    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
+            a.num_query_groups, a.kv_channels, a.vocab_size) == (2, 32, 48, 4, 2, 8, VOCAB)
+    assert (a.rotary_base, a.norm_epsilon, a.add_qkv_bias) == (1e6, 1e-6, False)
+    assert a.untie_embeddings_and_output_weights and not a.use_rope_scaling
+
+
+def test_tied_ouro_is_imported(mcore_single, tmp_path):
+    path = write_ouro_checkpoint(tmp_path, seed=4, tie_word_embeddings=True)
+    cfg, w = load_ouro(path)
+    assert "lm_head.weight" not in w
+    tokens, mask = padded_batch(2)
+    want = ouro_forward(cfg, w, tokens, mask, total_ut_steps=2)["logits"]
+    with torch.no_grad():
+        got = torch.stack(imported(path, 2)(tokens).logits)
+    assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
+               "ouro tied R=2 logits") <= TOL
+
+
+# ---- 2. rollouts: the KV cache and the threshold exit -------------------------------------
+
+
+def test_ouro_threshold_rollout_matches_reference(mcore_single, ouro_dir):
+    """Greedy decoding with Ouro's early exit (threshold 0.6): at every step the reference
+    recomputes the whole sequence, takes the first UT step whose exit CDF reaches the
+    threshold and that step's argmax token."""
+    cfg, w = load_ouro(ouro_dir)
+    model = imported(ouro_dir, 4)
+    prompts = [[5, 9, 11, 3], [7, 8]]
+    out = generate(model, prompts, 1, 5, eos_id=-1, pad_id=0, temperature=0.0,
+                   exit_mode="threshold", exit_threshold=0.6)
+    loops_used = set()
+    for n, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for t in range(5):
+            ref = ouro_forward(cfg, w, torch.tensor([seq]))
+            step = int(threshold_exit_step(ref["exit_pdf"][:, 0, -1], 0.6))
+            token = int(ref["logits"][step, 0, -1].argmax())
+            assert int(out.exit_loops[n, 0, t]) == step + 1
+            assert int(out.responses[n, 0, t]) == token
+            lp = torch.log_softmax(ref["logits"][step, 0, -1], -1)[token]
+            assert out.logprobs.dtype == torch.float32  # the rollout stores fp32 log-probs
+            assert abs(float(out.logprobs[n, 0, t]) - float(lp)) <= 1e-6 * abs(float(lp))
+            loops_used.add(step)
+            seq.append(token)
+    assert len(loops_used) > 1, loops_used  # the threshold exit is exercised
+
+
+# ---- 3. joint replay through the imported gate --------------------------------------------
+
+
+def test_ouro_joint_replay_exit_pdf_matches_naive(mcore_single, ouro_dir):
+    from test_exit_gate import _joint, _naive
+
+    R = 3
+    model = looped_gpt_from_pretrained(ouro_dir, num_loops=R, use_cpu_initialization=True,
+                                       max_sequence_length=64).double()
+    group = make_group(5, 8, 4, R, seed=71, dtype=torch.float64, kl=True, vocab=VOCAB)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.05)
+    naive_loss = _naive(model, [group], spec, "exit_pdf", 0.5, 0.1, per_mb=2)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = _joint(model, [group], spec, "exit_pdf", 0.5, 0.1, 2, False)
+    assert abs(float(out[0]["loss"]) - naive_loss) <= 1e-12 * abs(naive_loss)
+    errs = rel_errors(grads(model), ref)
+    assert {"decoder.exit_gate.linear.weight", "decoder.layers.0.mlp.post_layernorm.weight",
+            "decoder.layers.1.self_attention.post_layernorm.weight"} <= set(errs)
+    assert max(errs.values()) <= 1e-12, {n: e for n, e in errs.items() if e > 1e-12}
+
+
+# ---- 4. bad input -------------------------------------------------------------------------
+
+
+def _edited(src, dst, config=None, drop=None, reshape=None):
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config or {})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+BAD = [
+    (dict(config={"model_type": "gpt_neox"}), r"unknown model_type 'gpt_neox'"),
+    (dict(drop="model.layers.1.input_layernorm_2.weight"),
+     r"tensor 'model.layers.1.input_layernorm_2.weight' is missing"),
+    (dict(reshape="model.layers.0.self_attn.k_proj.weight"),
+     r"tensor 'model.layers.0.self_attn.k_proj.weight' .* has shape \(15, 32\), config.json "
+     r"implies \(16, 32\)"),
+    (dict(config={"use_sliding_window": True}), r"use_sliding_window=True: sliding-window"),
+    (dict(config={"hidden_act": "gelu"}), r"hidden_act='gelu': only 'silu'"),
+    (dict(config={"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
+     r"RoPE scaling type 'yarn' is not supported"),
+    (dict(config={"early_exit_step": 2}), r"early_exit_step=2: a fixed exit step"),
+    (dict(config={"total_ut_steps": 0}), r"total_ut_steps must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize("edit, message", BAD, ids=[m[:24] for _, m in BAD])
+def test_bad_input_is_named(mcore_single, ouro_dir, tmp_path, edit, message):
+    path = _edited(ouro_dir, tmp_path / "bad", **edit)
+    with pytest.raises(ValueError, match=message) as err:
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
+    assert "\n" not in str(err.value)
