@@ -10,6 +10,8 @@ checkpoints are tiny random ones written in Ouro's format (no download).
   loops and tokens as the reference recomputed on the whole sequence;
 - joint replay with ``exit_pdf`` credit and the gate's own term equals naive training through
   stock MCore (fp64 <= 1e-12), the gate's gradient included;
+- export writes the source format back: import -> export -> import is bitwise (Ouro, and a
+  Llama / Qwen2 kept at R = 1), a retrofitted model is refused saying why;
 - bad input: unknown model_type, a missing tensor, a wrong shape, an option that cannot be
   matched -- one-line errors naming it.
 """
@@ -18,10 +20,13 @@ import json
 
 import pytest
 import torch
+from hf_helpers import randomize
 from reference_ouro import load_ouro, ouro_forward, threshold_exit_step, write_ouro_checkpoint
 from safetensors.torch import load_file, save_file
 from sp_helpers import LossSpec, grads, make_group, rel_errors
 
+from scalerlt_mcore.model.hf_export import ExportError, save_hf
+from scalerlt_mcore.model.hf_import import looped_gpt_from_hf, read_hf_architecture
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained, read_looped_source
 from scalerlt_mcore.rl.rollout import generate
 
@@ -40,6 +45,21 @@ def _report():
 @pytest.fixture(scope="module")
 def ouro_dir(tmp_path_factory):
     return write_ouro_checkpoint(tmp_path_factory.mktemp("ouro"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny random Llama / Qwen2 directories saved by transformers (test_pretrained_import's)."""
+    from test_pretrained_import import BUILDERS
+
+    out = {}
+    for k, (name, build) in enumerate(BUILDERS.items()):
+        torch.manual_seed(k)
+        model = build()
+        randomize(model, seed=10 + k)
+        out[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out[name])
+    return out
 
 
 def padded_batch(seed: int = 1) -> tuple:
@@ -193,3 +213,74 @@ def test_bad_input_is_named(mcore_single, ouro_dir, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message) as err:
         looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
     assert "\n" not in str(err.value)
+
+
+# ---- 5. export: the source format back, bitwise ---------------------------------------------
+
+
+def _files(path) -> dict:
+    return load_file(str(path / "model.safetensors"))
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    """The same tensors (``_extra_state`` entries of MCore modules skipped), bit for bit."""
+    a, b = ({k: v for k, v in d.items() if not k.endswith("_extra_state")} for d in (a, b))
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ouro_export_round_trip_is_bitwise(mcore_single, ouro_dir, tmp_path):
+    (ouro_dir / "tokenizer.json").write_text("{}")
+    (ouro_dir / "modeling_ouro.py").write_text("# remote code\n")
+    first = looped_gpt_from_pretrained(ouro_dir, use_cpu_initialization=True,
+                                       max_sequence_length=64)
+    out = save_hf(first, tmp_path / "out", source=ouro_dir, exit_threshold=0.8)
+    assert _bitwise(_files(out), _files(ouro_dir))  # the source's names and bits
+    written = json.loads((out / "config.json").read_text())
+    source = json.loads((ouro_dir / "config.json").read_text())
+    assert written == {**source, "early_exit_threshold": 0.8, "max_position_embeddings": 64}
+    assert (out / "tokenizer.json").is_file() and (out / "modeling_ouro.py").is_file()
+    second = looped_gpt_from_pretrained(out, use_cpu_initialization=True,
+                                        max_sequence_length=64)
+    assert _bitwise(first.state_dict(), second.state_dict())
+    assert read_looped_source(out).exit_threshold == 0.8
+
+
+def test_export_without_source_writes_a_complete_config(mcore_single, ouro_dir, tmp_path):
+    model = looped_gpt_from_pretrained(ouro_dir, num_loops=3, use_cpu_initialization=True,
+                                       max_sequence_length=64)
+    out = save_hf(model, tmp_path / "bare")
+    src = read_looped_source(out)
+    assert src.num_loops == 3 and src.arch == read_looped_source(ouro_dir).arch
+    assert _bitwise(_files(out), _files(ouro_dir))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_plain_model_exports_as_itself(mcore_single, hf_dirs, tmp_path, name):
+    """Llama (untied, llama3 RoPE) / Qwen2 (tied, QKV biases) at R = 1: the source's tensors
+    bit for bit, and transformers reads the directory back to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    src = hf_dirs[name]
+    model = looped_gpt_from_hf(src, use_cpu_initialization=True)
+    out = save_hf(model, tmp_path / name, source=src)
+    assert _bitwise(_files(out), _files(src))
+    assert read_hf_architecture(out) == read_hf_architecture(src)
+    again = looped_gpt_from_hf(out, use_cpu_initialization=True)
+    assert _bitwise(model.state_dict(), again.state_dict())
+    tokens = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(src).eval()(input_ids=tokens).logits
+        b = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=tokens).logits
+    assert torch.equal(a, b)
+
+
+def test_retrofitted_model_export_is_refused(mcore_single, hf_dirs, tmp_path):
+    model = looped_gpt_from_hf(hf_dirs["llama"], mapping="1,2,1", num_loops=2,
+                               use_cpu_initialization=True)
+    with pytest.raises(ExportError, match=r"looped_num_loops=2, looped_num_prelude_layers=1, "
+                       r"looped_num_coda_layers=1, looped_injection='linear_concat' is not the "
+                       r"function of any plain transformer, and the Retrofitted Recurrence "
+                       r"huginn_raven layout is not written"):
+        save_hf(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

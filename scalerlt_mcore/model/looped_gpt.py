@@ -69,6 +69,9 @@ class LoopedGPTModel(LanguageModule):
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.rope_settings = dict(rotary_base=rotary_base, rope_scaling=rope_scaling,
+                                  rope_scaling_factor=rope_scaling_factor,
+                                  rotary_percent=rotary_percent)  # for export (hf_export.py)
         self.model_type = ModelType.encoder_or_decoder
         self.embedding = LanguageModelEmbedding(
             config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,

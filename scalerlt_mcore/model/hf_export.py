@@ -1,0 +1,231 @@
+"""Write a looped GPT back in a public format: ``config.json`` + ``model.safetensors`` (+ the
+tokenizer and remote-code files of the source directory, when given).
+
+Formats (``export_format`` picks one, or refuses saying why):
+
+- ``ouro`` (``OuroForCausalLM``): a ``looped_family`` ``ouro`` model, R written as
+  ``total_ut_steps``; names from ``looped_import`` (its tables read backwards);
+- ``llama`` / ``qwen2``: a plain model -- R = 1, no prelude, coda, injection or exit gate --
+  is the same function as the Llama / Qwen2 it would be imported from (``hf_import``), Qwen2
+  when it has QKV biases (or its source says so).
+
+A retrofitted model (prelude / core / coda, injection, R > 1) is refused: it is not the
+function of any plain Llama / Qwen2, and the Retrofitted Recurrence ``huginn_raven`` layout
+is not written. Tensors keep the model's dtype, so import -> export -> import is bitwise.
+"""
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .hf_import import MCORE_LLAMA3_SCALING, PretrainedArchitecture, read_hf_config, unpack_qkv
+from .looped_import import OURO_ARCHITECTURE, looped_to_ouro
+
+ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "llama": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+"""Export format -> the ``architectures`` name written."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
+"""Files copied from the source directory when present."""
+
+
+class ExportError(ValueError):
+    """A model that cannot be written in the asked format; the message says why."""
+
+
+def architecture_of(model) -> PretrainedArchitecture:
+    """The layer shapes, RoPE and tying of a built ``LoopedGPTModel`` (HF terms)."""
+    c, rope = model.config, model.rope_settings
+    return PretrainedArchitecture(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups or c.num_attention_heads,
+        kv_channels=c.kv_channels, vocab_size=model.vocab_size,
+        norm_epsilon=c.layernorm_epsilon, rotary_base=float(rope["rotary_base"]),
+        use_rope_scaling=bool(rope["rope_scaling"]),
+        rope_scaling_factor=float(rope["rope_scaling_factor"]), add_qkv_bias=c.add_qkv_bias,
+        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights)
+
+
+# ---- which format ---------------------------------------------------------------------------
+
+
+def export_format(model, source_config: Optional[dict] = None) -> str:
+    """``ouro``, ``llama`` or ``qwen2`` for ``model`` (``source_config``: the config.json it was
+    imported from, which decides between Llama and Qwen2); otherwise ``ExportError``."""
+    c = model.config
+    _check_layers(model)
+    if c.looped_family == "ouro":
+        return "ouro"
+    looped = [f"{name}={value!r}" for name, value, plain in (
+        ("looped_num_loops", c.looped_num_loops, 1),
+        ("looped_num_prelude_layers", c.looped_num_prelude_layers, 0),
+        ("looped_num_coda_layers", c.looped_num_coda_layers, 0),
+        ("looped_injection", c.looped_injection, "none"),
+        ("looped_exit_gate", c.looped_exit_gate, False)) if value != plain]
+    if looped:
+        raise ExportError(
+            f"cannot export as plain Llama / Qwen2: {', '.join(looped)} is not the function of "
+            f"any plain transformer, and the Retrofitted Recurrence huginn_raven layout is not "
+            f"written (export needs looped_num_loops 1 without prelude, coda, injection or exit "
+            f"gate, or looped_family ouro)")
+    named = (source_config or {}).get("architectures") or []
+    kind = "qwen2" if named == ["Qwen2ForCausalLM"] or (not named and c.add_qkv_bias) else "llama"
+    if (kind == "qwen2") != bool(c.add_qkv_bias):
+        raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: add_qkv_bias={c.add_qkv_bias}"
+                          f" (Qwen2 has QKV biases, Llama none)")
+    return kind
+
+
+def _check_layers(model) -> None:
+    c = model.config
+    checks = {"normalization": (c.normalization == "RMSNorm", "RMSNorm"),
+              "gated_linear_unit": (bool(c.gated_linear_unit), "SwiGLU"),
+              "activation_func": (c.activation_func is torch.nn.functional.silu, "silu"),
+              "add_bias_linear": (not c.add_bias_linear, "no linear biases"),
+              "position_embedding_type": (model.position_embedding_type == "rope", "rope"),
+              "rotary_percent": (model.rope_settings["rotary_percent"] == 1.0, "1.0"),
+              "looped_learned_loop_weights": (not c.looped_learned_loop_weights,
+                                              "none: learned loop credit has no place in the "
+                                              "format")}
+    for key, (ok, need) in checks.items():
+        if not ok:
+            raise ExportError(f"cannot export {key}={getattr(c, key, None)!r}: the format "
+                              f"needs {need}")
+
+
+# ---- tensors --------------------------------------------------------------------------------
+
+
+def hf_state_dict(model, kind: str) -> dict:
+    """The model's tensors under the names of format ``kind``; every tensor of the model is
+    used (one left over is refused, naming it)."""
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    arch = architecture_of(model)
+    out = looped_to_ouro(sd, arch) if kind == "ouro" else _to_llama(sd, arch)
+    used = _used_names(sd, arch, kind)
+    left = sorted(set(sd) - used)
+    if left:
+        raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: tensors with no place in "
+                          f"the format: {', '.join(left[:4])}")
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def _to_llama(sd: dict, arch: PretrainedArchitecture) -> dict:
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for i in range(arch.num_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        q, k, v = unpack_qkv(sd[mc + "self_attention.linear_qkv.weight"], arch)
+        gate, up = sd[mc + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({
+            hf + "input_layernorm.weight": sd[mc + "input_layernorm.weight"],
+            attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+            attn + "o_proj.weight": sd[mc + "self_attention.linear_proj.weight"],
+            hf + "post_attention_layernorm.weight": sd[mc + "pre_mlp_layernorm.weight"],
+            hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
+            hf + "mlp.down_proj.weight": sd[mc + "mlp.linear_fc2.weight"]})
+        if arch.add_qkv_bias:
+            qb, kb, vb = unpack_qkv(sd[mc + "self_attention.linear_qkv.bias"], arch)
+            out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb,
+                        attn + "v_proj.bias": vb})
+    return out
+
+
+def _used_names(sd: dict, arch: PretrainedArchitecture, kind: str) -> set:
+    """The looped-GPT tensors the format ``kind`` holds."""
+    top = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    if arch.untie_embeddings_and_output_weights:
+        top.add("output_layer.weight")
+    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight",
+                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if kind == "ouro":
+        top |= {"decoder.exit_gate.linear.weight", "decoder.exit_gate.linear.bias"}
+        per_layer += ["self_attention.post_layernorm.weight", "mlp.post_layernorm.weight"]
+    if arch.add_qkv_bias:
+        per_layer.append("self_attention.linear_qkv.bias")
+    return top | {f"decoder.layers.{i}.{n}" for i in range(arch.num_layers) for n in per_layer}
+
+
+# ---- config.json ----------------------------------------------------------------------------
+
+
+def hf_config(model, kind: str, base: Optional[dict] = None,
+              exit_threshold: Optional[float] = None) -> dict:
+    """config.json of the export: ``base`` (the source's, unknown fields kept) with every field
+    the model fixes written over it."""
+    arch, c = architecture_of(model), model.config
+    out = dict(base or {})
+    out.update(architectures=[ARCHITECTURES[kind]], model_type=kind,
+               vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+               intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
+               num_attention_heads=arch.num_attention_heads,
+               num_key_value_heads=arch.num_query_groups, head_dim=arch.kv_channels,
+               hidden_act="silu", max_position_embeddings=model.max_sequence_length,
+               rms_norm_eps=arch.norm_epsilon,
+               tie_word_embeddings=not arch.untie_embeddings_and_output_weights)
+    out.update(_rope_fields(arch, out))
+    out["torch_dtype" if "dtype" not in out else "dtype"] = str(
+        next(model.parameters()).dtype).removeprefix("torch.")
+    if kind == "ouro":
+        out.update(total_ut_steps=c.looped_num_loops, use_sliding_window=False)
+        if "layer_types" in out:
+            out["layer_types"] = ["full_attention"] * arch.num_layers
+        if exit_threshold is not None:
+            out["early_exit_threshold"] = exit_threshold
+    if kind == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def _rope_fields(arch: PretrainedArchitecture, cfg: dict) -> dict:
+    scaling = None
+    if arch.use_rope_scaling:
+        scaling = {"rope_type": "llama3", "factor": arch.rope_scaling_factor,
+                   **MCORE_LLAMA3_SCALING}
+    if "rope_parameters" in cfg:  # transformers >= 5 layout
+        return {"rope_parameters": {"rope_type": "default", **(scaling or {}),
+                                    "rope_theta": arch.rotary_base}}
+    return {"rope_theta": arch.rotary_base, "rope_scaling": scaling}
+
+
+# ---- one call -------------------------------------------------------------------------------
+
+
+def save_hf(model, out_dir, source=None, exit_threshold: Optional[float] = None,
+            kind: Optional[str] = None) -> Path:
+    """Write ``model`` to ``out_dir`` in its public format (``export_format``; ``kind`` forces
+    one): config.json (over ``source``'s config.json when given), model.safetensors, and the
+    tokenizer / remote-code files of directory ``source``. Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    base = read_hf_config(source) if source is not None else None
+    chosen = export_format(model, base)
+    if kind is not None and kind != chosen:
+        raise ExportError(f"cannot export as {kind!r}: this model is written as {chosen!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model, chosen)
+    config = hf_config(model, chosen, base, exit_threshold)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if source is not None:
+        _copy_side_files(Path(source), out, config)
+    return out
+
+
+def _copy_side_files(source: Path, out: Path, config: dict) -> None:
+    code = {f"{ref.split('.')[0]}.py" for ref in (config.get("auto_map") or {}).values()
+            if isinstance(ref, str)}
+    for name in (*TOKENIZER_FILES, *sorted(code)):
+        if (source / name).is_file() and source.resolve() != out.resolve():
+            shutil.copyfile(source / name, out / name)
