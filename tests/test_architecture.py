@@ -17,6 +17,7 @@ FLOORS = {
     "app": 5,  # the main job
     "train": 6,  # ``python -m scalerlt_mcore.train``
     "generate": 6,  # ``python -m scalerlt_mcore.generate``
+    "export": 6,  # ``python -m scalerlt_mcore.export``
 }
 """First component under ``scalerlt_mcore`` -> floor."""
 

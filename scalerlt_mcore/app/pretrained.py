@@ -1,6 +1,7 @@
 """Starting from weights, the Megatron way.
 
 - ``--pretrained-checkpoint DIR`` (weights only): a Hugging Face Llama / Qwen2 directory, a
+  public looped checkpoint in its own format (Ouro, ``model/looped_import.py``), a
   stock MCore ``GPTModel`` distributed checkpoint or a ``--save`` directory of this trainer,
   loaded into the freshly built model before MCore DDP and the optimizer copy its parameters.
   The run's flags describe the architecture; a source that differs is refused, naming what
@@ -20,6 +21,12 @@ from ..model.hf_import import (
     PretrainedArchitecture,
     load_hf_state_dict,
     read_hf_architecture,
+)
+from ..model.looped_import import (
+    LoopedSource,
+    is_looped_source,
+    load_looped_state_dict,
+    read_looped_source,
 )
 from ..model.mcore_import import is_dist_checkpoint, load_mcore_gpt_state_dict, source_layers
 from ..model.retrofit import LayerMapping, load_converted_state_dict, retrofit_state_dict
@@ -80,16 +87,32 @@ def resolve_pretrained(cfg) -> list[str]:
         if source_kind(path) != "hf":
             raise ConfigError(f"use_checkpoint_args needs a Hugging Face directory "
                               f"(config.json); {path} has none")
-        arch = read_hf_architecture(path)
+        looped = read_looped_source(path) if is_looped_source(path) else None
+        arch = read_hf_architecture(path) if looped is None else looped.arch
         for key in ARCHITECTURE_KEYS:
             setattr(m, key, getattr(arch, key))
         m.num_layers = arch.num_layers - m.looped_num_prelude_layers - m.looped_num_coda_layers
         lines.append(f"architecture from {Path(path) / 'config.json'}: {arch}")
+        if looped is not None:
+            lines.append(_take_loop_layout(cfg, looped))
     if m.looped_retrofit and re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):  # else: validate
         prelude, core, coda = (int(x) for x in m.looped_retrofit.split(","))
         m.looped_num_prelude_layers, m.num_layers, m.looped_num_coda_layers = prelude, core, coda
         m.looped_injection = "linear_concat"
     return lines
+
+
+def _take_loop_layout(cfg, source: LoopedSource) -> str:
+    """``--use-checkpoint-args`` of a looped source: its loop layout, loop count and exit
+    threshold become the run's; a line for the log."""
+    for key, value in source.looped.items():
+        setattr(cfg.model, key, value)
+    cfg.model.looped_num_loops = source.num_loops
+    taken = {**source.looped, "looped_num_loops": source.num_loops}
+    if source.exit_threshold is not None:
+        cfg.rl.rl_exit_threshold = taken["rl_exit_threshold"] = source.exit_threshold
+    return f"loop layout from {source.model_type}: " + ", ".join(
+        f"{k} {v}" for k, v in taken.items())
 
 
 def _resolve_tokenizer(cfg) -> list[str]:
@@ -132,6 +155,8 @@ def load_pretrained(cfg, model) -> str:
     if cfg.model.tensor_model_parallel_size > 1 and kind == "hf":
         raise ConfigError("a Hugging Face import needs tensor_model_parallel_size 1 (convert to "
                           "an MCore checkpoint for tensor parallelism)")
+    if kind == "hf" and is_looped_source(path):
+        return _load_looped(cfg, model, path)
     if kind == "hf":
         arch = read_hf_architecture(path)
         _check_architecture(cfg, arch, path)
@@ -143,6 +168,26 @@ def load_pretrained(cfg, model) -> str:
     load_converted_state_dict(model, retrofit_state_dict(weights, mapping))
     return (f"pretrained weights from {path} ({'Hugging Face' if kind == 'hf' else 'MCore'}, "
             f"vocabulary {model.vocab_size}): {mapping.describe()}")
+
+
+def _load_looped(cfg, model, path) -> str:
+    """A public looped checkpoint (Ouro): the run must have its architecture and loop layout
+    (any loop count); its layers map one to one (no retrofit)."""
+    source, m = read_looped_source(path), cfg.model
+    _check_architecture(cfg, source.arch, path)
+    diffs = [f"{k}: checkpoint {v!r} != run {getattr(m, k)!r}" for k, v in source.looped.items()
+             if getattr(m, k) != v]
+    if m.looped_retrofit or m.num_layers != source.arch.num_layers:
+        diffs.append(f"num_layers: checkpoint {source.arch.num_layers} != run {m.num_layers} "
+                     f"(a looped checkpoint's layers map one to one; no looped_retrofit)")
+    if diffs:
+        raise ConfigError(f"pretrained checkpoint {path} ({source.model_type}) has another "
+                          f"model than this run ({'; '.join(diffs)}): set those flags, or pass "
+                          f"--use-checkpoint-args")
+    load_converted_state_dict(model, load_looped_state_dict(path, source))
+    return (f"pretrained weights from {path} ({source.model_type}, vocabulary "
+            f"{model.vocab_size}): {source.arch.num_layers} layers looped "
+            f"{m.looped_num_loops} times (checkpoint: {source.num_loops})")
 
 
 def run_architecture(cfg) -> dict:

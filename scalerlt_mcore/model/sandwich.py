@@ -12,11 +12,12 @@ with MCore's own bias-dropout-add doing the residual adds. Both need bias-free l
 """
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 from .attention import LoopedSelfAttention
 
@@ -71,3 +72,16 @@ class SandwichMLP(MLP):
 
     def forward(self, hidden_states, *args, **kwargs):
         return _normed(self, super().forward(hidden_states, *args, **kwargs), "MLP")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """MCore's MLP sharded state dict (it asks every child for one, which a torch norm
+        lacks) with the output norm's tensors added as replicated, as MCore saves norms."""
+        norm = self._modules.pop("post_layernorm")
+        try:
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._modules["post_layernorm"] = norm
+        out.update(sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets,
+                                              metadata))
+        return out
