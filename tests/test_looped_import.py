@@ -1,4 +1,5 @@
-"""Public looped checkpoints imported in their own format: Ouro (``model_type`` "ouro").
+"""Public looped checkpoints imported in their own format: Ouro (``model_type`` "ouro") and
+Huginn-0125 (``huginn_raven``; tests/reference_huginn.py, the same kind of reference).
 
 The reference is tests/reference_ouro.py, a plain-PyTorch Ouro written from the public modeling
 code that reads the checkpoint's own tensor names (it shares no code with the importer). The
@@ -21,9 +22,15 @@ import json
 import pytest
 import torch
 from hf_helpers import randomize
+from reference_huginn import (
+    documented_initial_state,
+    huginn_forward,
+    load_huginn,
+    write_huginn_checkpoint,
+)
 from reference_ouro import load_ouro, ouro_forward, threshold_exit_step, write_ouro_checkpoint
 from safetensors.torch import load_file, save_file
-from sp_helpers import LossSpec, grads, make_group, rel_errors
+from sp_helpers import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 
 from scalerlt_mcore.model.hf_export import ExportError, save_hf
 from scalerlt_mcore.model.hf_import import looped_gpt_from_hf, read_hf_architecture
@@ -284,3 +291,87 @@ def test_retrofitted_model_export_is_refused(mcore_single, hf_dirs, tmp_path):
                        r"huginn_raven layout is not written"):
         save_hf(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+# ---- 6. Huginn (huginn_raven) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def huginn_dir(tmp_path_factory):
+    return write_huginn_checkpoint(tmp_path_factory.mktemp("huginn"), seed=6)
+
+
+def huginn_model(path, loops, state="random", seed=5, step=3):
+    model = looped_gpt_from_pretrained(path, num_loops=loops, use_cpu_initialization=True,
+                                       max_sequence_length=64, looped_initial_state=state)
+    model.set_initial_state_draw(seed, step)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("state", ["random", "zeros"])
+def test_huginn_per_loop_logits(mcore_single, huginn_dir, R, state):
+    """Loop r's readout is the public model run with num_steps = r from the same initial
+    state: the documented (seed, step) draw, or zeros."""
+    cfg, w = load_huginn(huginn_dir)
+    tokens, mask = padded_batch(4)
+    positions = torch.arange(10)[None].expand(3, 10)
+    s0 = (documented_initial_state(5, 3, 64, 32, positions) if state == "random"
+          else torch.zeros(3, 10, 32, dtype=torch.float64))
+    want = torch.stack([huginn_forward(cfg, w, tokens, r + 1, s0) for r in range(R)])
+    with torch.no_grad():
+        got = torch.stack(huginn_model(huginn_dir, R, state)(tokens).logits)
+    assert got.shape == want.shape == (R, 3, 10, VOCAB)
+    assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
+               f"huginn {state} R={R} logits") <= TOL
+
+
+def test_huginn_config_fields_are_mapped(huginn_dir):
+    src = read_looped_source(huginn_dir)
+    assert (src.model_type, src.num_loops, src.core_layers, src.backprop_loops,
+            src.max_sequence_length) == ("huginn_raven", 4, 2, 2, 64)
+    assert src.looped == {"looped_family": "huginn", "looped_num_prelude_layers": 1,
+                          "looped_num_coda_layers": 1, "looped_injection": "linear_concat",
+                          "looped_initial_state": "random"}
+    a = src.arch
+    assert (a.hidden_size, a.num_attention_heads, a.num_query_groups, a.kv_channels,
+            a.ffn_hidden_size, a.rotary_base) == (32, 4, 4, 8, 48, 50000.0)
+    assert not a.untie_embeddings_and_output_weights
+
+
+def test_huginn_joint_replay_matches_naive(mcore_single, huginn_dir):
+    """Joint replay with the drawn initial state: the prompt producer and the replay read the
+    same rows of the (seed, step) table as the naive full sequences (fp64, 1e-12)."""
+    R = 2
+    model = looped_gpt_from_pretrained(huginn_dir, num_loops=R, use_cpu_initialization=True,
+                                       max_sequence_length=64).double()
+    model.set_initial_state_draw(7, 1)
+    group = make_group(4, 7, 4, R, seed=72, dtype=torch.float64, vocab=VOCAB)
+    spec = LossSpec(normalization="seq_mean", loop_weights="uniform")
+    naive = naive_step(model, [group], spec, per_mb=2)[0]
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = joint_step(model, [group], spec, wave_size=2)
+    assert abs(float(out[0]["loss"]) - float(naive[0])) <= 1e-12 * abs(float(naive[0]))
+    errs = rel_errors(grads(model), ref)
+    assert {"decoder.injection.weight", "decoder.layers.0.self_attention.qk_bias",
+            "decoder.coda.0.post_mlp_residual_layernorm.weight"} <= set(errs)
+    assert max(errs.values()) <= 1e-12, {n: e for n, e in errs.items() if e > 1e-12}
+
+
+HUGINN_BAD = [
+    (dict(qk_bias=False), r"qk_bias=False: only True is supported"),
+    (dict(test_time_noise=0.1), r"test_time_noise=0.1: only 0 is supported"),
+    (dict(n_layers=5), r"n_layers=5 != n_layers_in_prelude \+ n_layers_in_recurrent_block \+ "
+                       r"n_layers_in_coda = 4"),
+    (dict(auto_map={"AutoModelForCausalLM": "raven_modeling_minimal_llama.RavenForCausalLM"}),
+     r"a Retrofitted Recurrence huginn_raven checkpoint .* is not supported yet"),
+]
+
+
+@pytest.mark.parametrize("edit, message", HUGINN_BAD, ids=[m[:20] for _, m in HUGINN_BAD])
+def test_huginn_bad_input_is_named(mcore_single, huginn_dir, tmp_path, edit, message):
+    path = _edited(huginn_dir, tmp_path / "bad", config=edit)
+    with pytest.raises(ValueError, match=message) as err:
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
+    assert "\n" not in str(err.value)

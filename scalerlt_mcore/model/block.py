@@ -152,8 +152,10 @@ class RecurrentTransformerBlock(MegatronModule):
                                                       tp_group=tp_group))
         return out
 
-    def forward(self, hidden, attention_mask=None, ctx=None, rotary_pos_emb=None) -> list:
-        """hidden [s, b, h] -> R tensors [s, b, h], one per loop."""
+    def forward(self, hidden, attention_mask=None, ctx=None, rotary_pos_emb=None,
+                initial_state=None) -> list:
+        """hidden [s, b, h] -> R tensors [s, b, h], one per loop. ``initial_state`` [s, b, h]:
+        s_0 of ``looped_initial_state`` ``random`` (drawn by the model)."""
         depth = 0
 
         def run(layers, x):
@@ -171,7 +173,7 @@ class RecurrentTransformerBlock(MegatronModule):
             return x
 
         embed = run(self.prelude, hidden)
-        state = embed if self.config.looped_initial_state == "embed" else torch.zeros_like(embed)
+        state = self._initial_state(embed, initial_state)
         readouts = []
         for r in range(self.config.looped_num_loops):
             with loop_grad_context(self.config, r):
@@ -179,8 +181,19 @@ class RecurrentTransformerBlock(MegatronModule):
                 state = run(self.layers, x)
                 if self.config.looped_normed_state:
                     state = self.final_layernorm(state)  # what the next loop and readout see
-                readouts.append(run(self.coda, state))
+                coda_in = (self.final_layernorm(state) if self.config.looped_norm_before_coda
+                           else state)
+                readouts.append(run(self.coda, coda_in))
         return readouts
+
+    def _initial_state(self, embed, drawn):
+        kind = self.config.looped_initial_state
+        if kind == "random":
+            if drawn is None or drawn.shape != embed.shape:
+                raise ValueError("looped_initial_state 'random' needs the drawn initial state of "
+                                 "every position (LoopedGPTModel draws it)")
+            return drawn.to(embed.dtype)
+        return embed if kind == "embed" else torch.zeros_like(embed)
 
 
 def loop_grad_context(config, loop: int):

@@ -10,10 +10,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 # The choices of the model's string options, listed once; the tuples are derived from them.
 Injection = Literal["none", "linear_concat"]
-InitialState = Literal["embed", "zeros"]
+InitialState = Literal["embed", "zeros", "random"]
 PrefixAttention = Literal["concat", "cascade"]
 CascadeKernel = Literal["auto", "flash", "efficient", "cpu_flash", "matmul"]
-Family = Literal["gpt", "ouro"]
+Family = Literal["gpt", "ouro", "huginn"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 """Position embeddings of ``LoopedGPTModel`` (its ``position_embedding_type`` argument)."""
 Normalization = TransformerConfig.__annotations__["normalization"]
@@ -49,7 +49,10 @@ class LoopedTransformerConfig(TransformerConfig):
     ``linear_concat`` (s_r = core(W [s_{r-1}; e]), W initialised to [I | 0])."""
 
     looped_initial_state: InitialState = "embed"
-    """Deterministic initial state s_0: ``embed`` (the prelude output e) or ``zeros``."""
+    """Deterministic initial state s_0: ``embed`` (the prelude output e), ``zeros``, or
+    ``random`` (Huginn's draw made deterministic: per absolute position, the same for every
+    sequence, a truncated normal (std sqrt(2 / (5 H)), cut at 3 std) times the embedding scale,
+    from a generator seeded by (seed, step) of ``LoopedGPTModel.set_initial_state_draw``)."""
 
     looped_prefix_attention: PrefixAttention = "cascade"
     """Attention of a suffix batch to a shared prefix K/V: ``concat`` (expand the prefix per
@@ -80,7 +83,10 @@ class LoopedTransformerConfig(TransformerConfig):
     final norm to that loop's state, and the next loop continues from the unnormed state) or
     ``ouro`` (Ouro / LoopLM: every layer also normalises its attention and MLP outputs before
     the residual add, the sandwich norms; the final norm closes every loop and the *normed*
-    state feeds the next loop, the readout and the exit gate; no prelude or coda)."""
+    state feeds the next loop, the readout and the exit gate; no prelude or coda) or
+    ``huginn`` (Huginn-0125: every layer normalises after each residual add, per-head query and
+    key biases, interleaved RoPE, the embedding scaled by sqrt(H); the final norm is applied to
+    each loop's state before the coda and again before the readout; needs ``linear_concat``)."""
 
     looped_learned_loop_weights: bool = False
     """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
@@ -93,6 +99,8 @@ class LoopedTransformerConfig(TransformerConfig):
     """Attention-probability dropout (0, as for ``hidden_dropout``)."""
 
     def __post_init__(self):
+        if self.looped_family == "huginn":
+            self.rotary_interleaved = True  # Huginn's complex-pair RoPE
         super().__post_init__()
         validate_looped_config(self)
 
@@ -107,6 +115,16 @@ class LoopedTransformerConfig(TransformerConfig):
         """The final norm closes every loop (``looped_family`` ``ouro``): the block returns
         normed states and the readout applies no norm of its own."""
         return self.looped_family == "ouro"
+
+    @property
+    def looped_norm_before_coda(self) -> bool:
+        """The final norm also precedes the coda (``looped_family`` ``huginn``)."""
+        return self.looped_family == "huginn"
+
+    @property
+    def looped_embedding_scale(self) -> float:
+        """Factor of the token embeddings: sqrt(H) for ``huginn``, else 1."""
+        return math.sqrt(self.hidden_size) if self.looped_family == "huginn" else 1.0
 
     @property
     def looped_num_graph_free_loops(self) -> int:
@@ -132,6 +150,13 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         raise ValueError(f"looped_family 'ouro' loops the whole stack: looped_num_prelude_layers "
                          f"and looped_num_coda_layers must be 0, got "
                          f"{cfg.looped_num_prelude_layers} and {cfg.looped_num_coda_layers}")
+    if cfg.looped_family == "huginn" and cfg.looped_injection != "linear_concat":
+        raise ValueError(f"looped_family 'huginn' needs looped_injection 'linear_concat' (its "
+                         f"adapter), got {cfg.looped_injection!r}")
+    if cfg.looped_family != "gpt" and cfg.tensor_model_parallel_size > 1:
+        raise NotImplementedError(f"looped_family {cfg.looped_family!r} with "
+                                  f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: "
+                                  f"its layers are not supported under tensor parallelism yet")
     if cfg.pipeline_model_parallel_size != 1:
         raise NotImplementedError(
             f"pipeline_model_parallel_size must be 1 (the looped GPT has no pipeline "

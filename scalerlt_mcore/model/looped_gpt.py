@@ -1,5 +1,6 @@
 """The looped GPT: MCore embedding -> recurrent block -> shared readout after every loop."""
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +20,21 @@ from .config import POSITION_EMBEDDING_TYPES
 from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
+
+
+def initial_state_table(seed: int, step: int, length: int, hidden: int,
+                        scale: float) -> Tensor:
+    """Huginn's random initial state made deterministic: [length, hidden] (one row per absolute
+    position, the same for every sequence), fp64 on the host, a normal (mean 0, std
+    sqrt(2 / (5 hidden))) truncated at 3 std (``torch.nn.init.trunc_normal_``) times ``scale``
+    (the embedding scale), from a CPU generator seeded with
+    (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1)."""
+    gen = torch.Generator(device="cpu").manual_seed(
+        (seed * 1_000_003 + step * 10_007 + 271_828) % (2**31 - 1))
+    std = math.sqrt(2 / (5 * hidden))
+    table = torch.empty(length, hidden, dtype=torch.float64, device="cpu")
+    torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
+    return table * scale
 
 
 @dataclass
@@ -139,7 +155,30 @@ class LoopedGPTModel(LanguageModule):
             ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions,
                          record=record, prefix_attention=self.config.looped_prefix_attention)
         hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
-        return self.decoder(hidden, attention_mask, ctx, self._rope(positions)), ctx
+        if self.config.looped_embedding_scale != 1.0:
+            hidden = hidden * self.config.looped_embedding_scale  # Huginn's sqrt(H)
+        drawn = (self.initial_state(positions) if self.config.looped_initial_state == "random"
+                 else None)
+        return self.decoder(hidden, attention_mask, ctx, self._rope(positions),
+                            initial_state=drawn), ctx
+
+    # ---- the drawn initial state (looped_initial_state random) -----------------------------
+
+    def set_initial_state_draw(self, seed: int, step: int = 0) -> None:
+        """Draw s_0 of ``looped_initial_state`` ``random`` from (seed, step) from now on (the
+        same table for the prompt producer, the replay and the rollouts of a step)."""
+        self._state_draw, self._state_table = (int(seed), int(step)), None
+
+    def initial_state(self, positions: Tensor) -> Tensor:
+        """s_0 [S, B, H] at absolute positions [B, S]: rows of ``initial_state_table``."""
+        draw = getattr(self, "_state_draw", (0, 0))
+        cached = getattr(self, "_state_table", None)
+        if cached is None or cached[0] != draw:
+            table = initial_state_table(*draw, self.max_sequence_length, self.config.hidden_size,
+                                        self.config.looped_embedding_scale)
+            self._state_table = cached = (draw, table)
+        p = next(self.parameters())
+        return cached[1].to(p.device, p.dtype)[positions].transpose(0, 1)  # [S, B, H]
 
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
         """Every loop's readout (and exit gate); a loop left graph-free by truncated backprop

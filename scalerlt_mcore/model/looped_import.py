@@ -54,7 +54,7 @@ from .looped_gpt import LoopedGPTModel
 from .retrofit import load_converted_state_dict
 from .specs import get_looped_gpt_block_spec
 
-LOOPED_MODEL_TYPES = ("ouro",)
+LOOPED_MODEL_TYPES = ("ouro", "huginn_raven")
 """``model_type`` values this importer reads."""
 
 OURO_ARCHITECTURE = "OuroForCausalLM"
@@ -84,17 +84,25 @@ class LoopedSource:
     arch: PretrainedArchitecture
     """Layer shapes, RoPE, vocabulary, tying (Megatron-LM's names)."""
     num_loops: int
-    """R (Ouro ``total_ut_steps``)."""
+    """R (Ouro ``total_ut_steps``, Huginn ``mean_recurrence``)."""
+    core_layers: int = 0
+    """Layers of the recurrent core (Ouro: all; Huginn ``n_layers_in_recurrent_block``)."""
+    max_sequence_length: Optional[int] = None
+    """Positions the source was built for (Huginn ``block_size``), else None."""
     exit_threshold: Optional[float] = None
     """Exit CDF threshold of the threshold exit (Ouro ``early_exit_threshold``)."""
+    backprop_loops: int = 0
+    """Loops that build a graph in the source's training (Huginn ``mean_backprop_depth``)."""
     looped: dict = field(default_factory=dict)
     """The ``LoopedTransformerConfig`` ``looped_*`` fields the source fixes."""
 
     def config(self, num_loops: Optional[int] = None, **extra) -> LoopedTransformerConfig:
-        """The looped GPT config of this source (``num_loops`` overrides R)."""
-        return LoopedTransformerConfig(
-            num_layers=self.arch.num_layers, looped_num_loops=num_loops or self.num_loops,
-            **self.looped, **self.arch.config_kwargs(), **extra)
+        """The looped GPT config of this source (``num_loops`` overrides R; ``extra``: further
+        fields, e.g. ``looped_initial_state="zeros"`` over Huginn's drawn state)."""
+        return LoopedTransformerConfig(**{
+            "num_layers": self.core_layers or self.arch.num_layers,
+            "looped_num_loops": num_loops or self.num_loops,
+            **self.looped, **self.arch.config_kwargs(), **extra})
 
 
 # ---- config.json ---------------------------------------------------------------------------
@@ -114,6 +122,8 @@ def read_looped_source(path) -> LoopedSource:
     if kind not in LOOPED_MODEL_TYPES:
         raise ValueError(f"{where}: unknown model_type {kind!r}; supported looped model types: "
                          f"{', '.join(LOOPED_MODEL_TYPES)}")
+    if kind == "huginn_raven":
+        return _read_huginn(cfg, where)
     return _read_ouro(cfg, where)
 
 
@@ -188,8 +198,11 @@ def ouro_shapes(arch: PretrainedArchitecture) -> dict:
 def load_looped_state_dict(path, source: LoopedSource) -> dict:
     """Every weight of looped checkpoint ``path`` under looped-GPT names; a missing tensor or
     one whose shape config.json does not imply is refused, naming it."""
-    reader, shapes = SafetensorsReader(Path(path)), ouro_shapes(source.arch)
-    hf = {name: reader.get(name, shape) for name, shape in shapes.items()}
+    reader = SafetensorsReader(Path(path))
+    if source.model_type == "huginn_raven":
+        hf = {name: reader.get(name, shape) for name, shape in huginn_shapes(source).items()}
+        return huginn_to_looped(hf, source)
+    hf = {name: reader.get(name, shape) for name, shape in ouro_shapes(source.arch).items()}
     return ouro_to_looped(hf, source.arch)
 
 
@@ -221,6 +234,140 @@ def looped_to_ouro(sd: dict, arch: PretrainedArchitecture) -> dict:
                     dst + "self_attn.v_proj.weight": v})
         gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2)
         out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return out
+
+
+# ---- Huginn (huginn_raven, raven_modeling_minimal.py) ---------------------------------------
+
+HUGINN_ARCHITECTURE = "RavenForCausalLM"
+
+HUGINN_TOP = {"transformer.wte.weight": "embedding.word_embeddings.weight",
+              "transformer.ln_f.weight": "decoder.final_layernorm.weight",
+              "transformer.adapter.weight": "decoder.injection.weight"}
+"""Huginn tensor -> looped-GPT tensor, outside the blocks (``lm_head`` when untied)."""
+
+HUGINN_BLOCK = {"norm_1.weight": "input_layernorm.weight",
+                "attn.qk_bias": "self_attention.qk_bias",
+                "attn.proj.weight": "self_attention.linear_proj.weight",
+                "norm_2.weight": "post_attn_residual_layernorm.weight",
+                "norm_3.weight": "pre_mlp_layernorm.weight",
+                "mlp.fc.weight": "mlp.linear_fc1.weight",
+                "mlp.proj.weight": "mlp.linear_fc2.weight",
+                "norm_4.weight": "post_mlp_residual_layernorm.weight"}
+"""Per block, the one-to-one tensors; ``attn.Wqkv`` ([q; k; v]) is packed per head."""
+
+HUGINN_STACKS = {"prelude": "prelude", "core_block": "layers", "coda": "coda"}
+"""``transformer.<stack>.{i}`` -> ``decoder.<stack>.{i}``."""
+
+HUGINN_FIXED = {"injection_type": "linear", "block_class_name": "SandwichBlock",
+                "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU", "bias": False,
+                "qk_bias": True, "test_time_noise": 0}
+"""config.json fields the mapping needs at these values (absent: the public default)."""
+
+
+def _read_huginn(cfg: dict, where: Path) -> LoopedSource:
+    auto = " ".join(str(v) for v in (cfg.get("auto_map") or {}).values())
+    if "llama" in auto.lower():
+        raise ValueError(f"{where}: a Retrofitted Recurrence huginn_raven checkpoint (auto_map "
+                         f"{auto!r}, a Llama-style modeling file) is not supported yet")
+    for key, value in HUGINN_FIXED.items():
+        if cfg.get(key, value) != value:
+            raise ValueError(f"{where}: {key}={cfg[key]!r}: only {value!r} is supported")
+    if not str(cfg.get("norm_class_name", "RMSNorm")).startswith("RMSNorm"):
+        raise ValueError(f"{where}: norm_class_name={cfg['norm_class_name']!r}: only RMSNorm")
+    hidden, heads = (required_int(cfg, k, where) for k in ("n_embd", "n_heads"))
+    if cfg.get("num_key_value_heads", heads) != heads:
+        raise ValueError(f"{where}: num_key_value_heads={cfg['num_key_value_heads']!r}: Huginn's "
+                         f"qk bias needs one K/V head per query head ({heads})")
+    prelude, core, coda = (required_int(cfg, f"n_layers_in_{k}", where, default=d) for k, d in
+                           (("prelude", 2), ("recurrent_block", 4), ("coda", 2)))
+    if cfg.get("n_layers", prelude + core + coda) != prelude + core + coda:
+        raise ValueError(f"{where}: n_layers={cfg['n_layers']!r} != n_layers_in_prelude + "
+                         f"n_layers_in_recurrent_block + n_layers_in_coda = "
+                         f"{prelude + core + coda}")
+    arch = PretrainedArchitecture(
+        num_layers=prelude + core + coda, hidden_size=hidden,
+        ffn_hidden_size=required_int(cfg, "intermediate_size", where), num_attention_heads=heads,
+        num_query_groups=heads, kv_channels=hidden // heads,
+        vocab_size=required_int(cfg, "vocab_size", where),
+        norm_epsilon=float(cfg.get("norm_eps", 1e-6)),
+        rotary_base=float(cfg.get("rope_base", 50000.0)), use_rope_scaling=False,
+        rope_scaling_factor=8.0, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not cfg.get("tie_embeddings", True))
+    return LoopedSource(
+        model_type="huginn_raven", arch=arch,
+        num_loops=required_int(cfg, "mean_recurrence", where, default=32), core_layers=core,
+        max_sequence_length=required_int(cfg, "block_size", where, default=4096),
+        looped={"looped_family": "huginn", "looped_num_prelude_layers": prelude,
+                "looped_num_coda_layers": coda, "looped_injection": "linear_concat",
+                "looped_initial_state": "random"},
+        backprop_loops=int(cfg.get("mean_backprop_depth", 0)))
+
+
+def _huginn_stacks(source: LoopedSource) -> dict:
+    """``transformer.<stack>`` -> (``decoder.<stack>``, its block count)."""
+    counts = {"prelude": source.looped["looped_num_prelude_layers"],
+              "core_block": source.core_layers,
+              "coda": source.looped["looped_num_coda_layers"]}
+    return {theirs: (HUGINN_STACKS[theirs], n) for theirs, n in counts.items()}
+
+
+def huginn_freqs_cis(arch: PretrainedArchitecture, length: int) -> torch.Tensor:
+    """The public model's persistent RoPE buffer ``freqs_cis`` [1, length, 1, hd / 2, 2] (cos,
+    sin in fp32; ``precompute_freqs_cis``): not a weight, written back on export."""
+    dim = arch.kv_channels
+    inv = 1.0 / (arch.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+    return torch.stack([freqs.cos()[None, :, None], freqs.sin()[None, :, None]], dim=4)
+
+
+def huginn_shapes(source: LoopedSource) -> dict:
+    """Huginn tensor name -> its shape (every weight; ``freqs_cis`` is not read)."""
+    a = source.arch
+    h, f, v, hd, n = a.hidden_size, a.ffn_hidden_size, a.vocab_size, a.kv_channels, \
+        a.num_attention_heads
+    out = {"transformer.wte.weight": (v, h), "transformer.ln_f.weight": (h,),
+           "transformer.adapter.weight": (h, 2 * h)}
+    if a.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = (v, h)
+    block = {"norm_1.weight": (h,), "attn.Wqkv.weight": (3 * h, h),
+             "attn.qk_bias": (2, 1, n, hd), "attn.proj.weight": (h, h), "norm_2.weight": (h,),
+             "norm_3.weight": (h,), "mlp.fc.weight": (2 * f, h), "mlp.proj.weight": (h, f),
+             "norm_4.weight": (h,)}
+    for stack, (_, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            out.update({f"transformer.{stack}.{i}.{k}": s for k, s in block.items()})
+    return out
+
+
+def huginn_to_looped(hf: dict, source: LoopedSource) -> dict:
+    """Huginn-named tensors -> looped-GPT-named tensors (the tables above)."""
+    arch, h = source.arch, source.arch.hidden_size
+    out = {ours: hf[theirs] for theirs, ours in HUGINN_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for stack, (ours_stack, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            src, dst = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
+            out.update({dst + o: hf[src + t] for t, o in HUGINN_BLOCK.items()})
+            q, k, v = hf[src + "attn.Wqkv.weight"].split([h, h, h])
+            out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(q, k, v, arch)
+    return out
+
+
+def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
+    """The inverse of ``huginn_to_looped`` (plus the ``freqs_cis`` buffer)."""
+    arch = source.arch
+    out = {theirs: sd[ours] for theirs, ours in HUGINN_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for stack, (ours_stack, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            dst, src = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
+            out.update({dst + t: sd[src + o] for t, o in HUGINN_BLOCK.items()})
+            out[dst + "attn.Wqkv.weight"] = torch.cat(
+                unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch))
+    out["freqs_cis"] = huginn_freqs_cis(arch, source.max_sequence_length or 4096)
     return out
 
 

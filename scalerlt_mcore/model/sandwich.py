@@ -1,23 +1,36 @@
-"""Sandwich layers (Ouro / LoopLM): a norm on each sublayer's output before the residual add.
+"""Sandwich layers: the norms MCore's ``TransformerLayer`` lacks, added by spec.
 
-MCore's ``TransformerLayer`` normalises only a sublayer's input. The post-sublayer norms come by
-spec: ``SandwichSelfAttention`` / ``SandwichMLP`` are the looped self-attention and MCore's MLP
-with one more norm submodule (``post_layernorm``) applied to their output, so the layer computes
+Ouro / LoopLM normalises each sublayer's *output* before the residual add.
+``SandwichSelfAttention`` / ``SandwichMLP`` are the looped self-attention and MCore's MLP with
+one more norm submodule (``post_layernorm``) applied to their output, so MCore's layer computes
 
     x = x + post_attn_norm(attention(input_layernorm(x)))
     x = x + post_mlp_norm(mlp(pre_mlp_layernorm(x)))
 
 with MCore's own bias-dropout-add doing the residual adds. Both need bias-free linear layers
 (a bias would be added after the norm by MCore's bias-dropout-add).
+
+Huginn normalises *after* the residual add, which MCore's layer cannot express:
+``ResidualNormTransformerLayer`` (a ``TransformerLayer`` subclass with two more norm submodules)
+computes
+
+    x = post_attn_residual_norm(x + attention(input_layernorm(x)))
+    x = post_mlp_residual_norm(x + mlp(pre_mlp_layernorm(x)))
+
+and ``QKBiasSelfAttention`` adds Huginn's per-head query and key biases (no value bias) before
+RoPE.
 """
 
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import sharded_state_dict_default
+from torch import nn
 
 from .attention import LoopedSelfAttention
 
@@ -85,3 +98,66 @@ class SandwichMLP(MLP):
         out.update(sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets,
                                               metadata))
         return out
+
+
+# ---- Huginn: norms after the residual adds, query/key biases ------------------------------
+
+
+@dataclass
+class ResidualNormLayerSubmodules(TransformerLayerSubmodules):
+    """``TransformerLayerSubmodules`` with the norms applied after each residual add."""
+
+    post_attn_residual_layernorm: Union[ModuleSpec, type] = None
+    """Norm of (input + attention output)."""
+
+    post_mlp_residual_layernorm: Union[ModuleSpec, type] = None
+    """Norm of (its input + MLP output): the layer's output."""
+
+
+class ResidualNormTransformerLayer(TransformerLayer):
+    """MCore ``TransformerLayer`` whose residual sums are normalised (Huginn's block): its
+    attention, MLP and input norms are MCore's, built by MCore from the same spec fields."""
+
+    def __init__(self, config, submodules: ResidualNormLayerSubmodules, **kwargs):
+        super().__init__(config=config, submodules=submodules, **kwargs)
+        for name in ("post_attn_residual_layernorm", "post_mlp_residual_layernorm"):
+            setattr(self, name, build_module(getattr(submodules, name), config=config,
+                                             hidden_size=config.hidden_size,
+                                             eps=config.layernorm_epsilon))
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None,
+                rotary_pos_emb=None, **unused):
+        """hidden_states [s, b, h] -> ([s, b, h], None), as ``TransformerLayer.forward``."""
+        attn = _no_bias(self.self_attention(
+            self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            inference_context=inference_context, rotary_pos_emb=rotary_pos_emb), "attention")
+        x = self.post_attn_residual_layernorm(hidden_states + attn)
+        mlp = _no_bias(self.mlp(self.pre_mlp_layernorm(x)), "MLP")
+        return self.post_mlp_residual_layernorm(x + mlp), None
+
+
+def _no_bias(output_with_bias, what: str):
+    output, bias = output_with_bias
+    if bias is not None:
+        raise ValueError(f"residual-norm layer {what}: linear biases are not supported "
+                         f"(add_bias_linear must be False)")
+    return output
+
+
+class QKBiasSelfAttention(LoopedSelfAttention):
+    """``LoopedSelfAttention`` with a bias per query head and per key head (``qk_bias``
+    [2, 1, heads, head_dim]: query, key), added before RoPE; no value bias. Needs as many K/V
+    heads as query heads (Huginn's layout)."""
+
+    def __init__(self, config, submodules, **kwargs):
+        super().__init__(config=config, submodules=submodules, **kwargs)
+        heads = config.num_attention_heads
+        if (config.num_query_groups or heads) != heads:
+            raise ValueError(f"qk bias needs num_query_groups == num_attention_heads ({heads}), "
+                             f"got {config.num_query_groups}")
+        zeros = torch.zeros(2, 1, heads, config.kv_channels, dtype=config.params_dtype)
+        self.qk_bias = nn.Parameter(zeros)
+
+    def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
+        query, key, value = super().get_query_key_value_tensors(hidden_states, *args, **kwargs)
+        return query + self.qk_bias[0], key + self.qk_bias[1], value  # [s, b, n, hn]

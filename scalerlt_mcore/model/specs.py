@@ -22,6 +22,9 @@ from .block import (
     RecurrentTransformerBlock,
 )
 from .sandwich import (
+    QKBiasSelfAttention,
+    ResidualNormLayerSubmodules,
+    ResidualNormTransformerLayer,
     SandwichMLP,
     SandwichMLPSubmodules,
     SandwichSelfAttention,
@@ -65,6 +68,24 @@ def get_looped_sandwich_layer_local_spec(normalization: str = "RMSNorm") -> Modu
     return spec
 
 
+def get_looped_residual_norm_layer_local_spec(normalization: str = "RMSNorm") -> ModuleSpec:
+    """Local backend, Huginn's block (``looped_family`` ``huginn``): norms after both residual
+    adds (``ResidualNormTransformerLayer``) and per-head query/key biases."""
+    spec = get_looped_gpt_layer_local_spec(normalization=normalization)
+    norm = LocalSpecProvider().layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
+    spec.module = ResidualNormTransformerLayer
+    spec.submodules = ResidualNormLayerSubmodules(
+        **vars(spec.submodules), post_attn_residual_layernorm=norm,
+        post_mlp_residual_layernorm=norm)
+    spec.submodules.self_attention.module = QKBiasSelfAttention
+    return spec
+
+
+FAMILY_LAYER_SPECS = {"ouro": get_looped_sandwich_layer_local_spec,
+                      "huginn": get_looped_residual_norm_layer_local_spec}
+"""``looped_family`` -> its local-backend layer spec (``gpt``: MCore's, by backend)."""
+
+
 def get_looped_gpt_layer_te_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """Transformer Engine backend (fused layernorm-linear, TE GEMMs): GPU hosts only."""
     if not HAVE_TE:
@@ -101,11 +122,11 @@ def get_looped_gpt_block_spec(config, use_transformer_engine: bool = False,
     """The recurrent block's spec: every layer from ``layer_spec`` (default: the backend's
     looped layer spec), the config's injection and the backend's final norm."""
     family = getattr(config, "looped_family", "gpt")
-    if layer_spec is None and family == "ouro":
+    if layer_spec is None and family in FAMILY_LAYER_SPECS:
         if use_transformer_engine or qk_layernorm:
-            raise NotImplementedError("looped_family 'ouro' has a local-backend layer spec only "
-                                      "(no Transformer Engine, no qk_layernorm)")
-        layer_spec = get_looped_sandwich_layer_local_spec(config.normalization)
+            raise NotImplementedError(f"looped_family {family!r} has a local-backend layer spec "
+                                      f"only (no Transformer Engine, no qk_layernorm)")
+        layer_spec = FAMILY_LAYER_SPECS[family](config.normalization)
     if layer_spec is None:
         layer_spec = (get_looped_gpt_layer_te_spec(qk_layernorm) if use_transformer_engine
                       else get_looped_gpt_layer_local_spec(qk_layernorm, config.normalization))
