@@ -17,6 +17,7 @@ checkpoints are tiny random ones written in Ouro's format (no download).
   matched -- one-line errors naming it.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -375,3 +376,18 @@ def test_huginn_bad_input_is_named(mcore_single, huginn_dir, tmp_path, edit, mes
     with pytest.raises(ValueError, match=message) as err:
         looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
     assert "\n" not in str(err.value)
+
+
+def test_huginn_export_round_trip_is_bitwise(mcore_single, huginn_dir, tmp_path):
+    first = looped_gpt_from_pretrained(huginn_dir, use_cpu_initialization=True,
+                                       max_sequence_length=64)
+    out = save_hf(first, tmp_path / "out", source=huginn_dir)
+    assert _bitwise(_files(out), _files(huginn_dir))  # freqs_cis included
+    written = json.loads((out / "config.json").read_text())
+    assert written == json.loads((huginn_dir / "config.json").read_text())
+    second = looped_gpt_from_pretrained(out, use_cpu_initialization=True,
+                                        max_sequence_length=64)
+    assert _bitwise(first.state_dict(), second.state_dict())
+    bare = read_looped_source(save_hf(first, tmp_path / "bare"))  # no source: a full config
+    assert bare.backprop_loops == 4  # mean_backprop_depth: the model's (no truncation) = R
+    assert dataclasses.replace(bare, backprop_loops=2) == read_looped_source(huginn_dir)

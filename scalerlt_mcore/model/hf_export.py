@@ -5,6 +5,8 @@ Formats (``export_format`` picks one, or refuses saying why):
 
 - ``ouro`` (``OuroForCausalLM``): a ``looped_family`` ``ouro`` model, R written as
   ``total_ut_steps``; names from ``looped_import`` (its tables read backwards);
+- ``huginn_raven`` (``RavenForCausalLM``): a ``looped_family`` ``huginn`` model, R written as
+  ``mean_recurrence``, with the public model's ``freqs_cis`` buffer;
 - ``llama`` / ``qwen2``: a plain model -- R = 1, no prelude, coda, injection or exit gate --
   is the same function as the Llama / Qwen2 it would be imported from (``hf_import``), Qwen2
   when it has QKV biases (or its source says so).
@@ -22,10 +24,16 @@ from typing import Optional
 import torch
 
 from .hf_import import MCORE_LLAMA3_SCALING, PretrainedArchitecture, read_hf_config, unpack_qkv
-from .looped_import import OURO_ARCHITECTURE, looped_to_ouro
+from .looped_import import (
+    HUGINN_ARCHITECTURE,
+    OURO_ARCHITECTURE,
+    LoopedSource,
+    looped_to_huginn,
+    looped_to_ouro,
+)
 
-ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "llama": "LlamaForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "huginn_raven": HUGINN_ARCHITECTURE,
+                 "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 """Export format -> the ``architectures`` name written."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -60,8 +68,8 @@ def export_format(model, source_config: Optional[dict] = None) -> str:
     imported from, which decides between Llama and Qwen2); otherwise ``ExportError``."""
     c = model.config
     _check_layers(model)
-    if c.looped_family == "ouro":
-        return "ouro"
+    if c.looped_family != "gpt":
+        return {"ouro": "ouro", "huginn": "huginn_raven"}[c.looped_family]
     looped = [f"{name}={value!r}" for name, value, plain in (
         ("looped_num_loops", c.looped_num_loops, 1),
         ("looped_num_prelude_layers", c.looped_num_prelude_layers, 0),
@@ -105,15 +113,46 @@ def _check_layers(model) -> None:
 def hf_state_dict(model, kind: str) -> dict:
     """The model's tensors under the names of format ``kind``; every tensor of the model is
     used (one left over is refused, naming it)."""
-    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    sd = _ReadTracker({k: v for k, v in model.state_dict().items()
+                       if not k.endswith("._extra_state")})
     arch = architecture_of(model)
-    out = looped_to_ouro(sd, arch) if kind == "ouro" else _to_llama(sd, arch)
-    used = _used_names(sd, arch, kind)
-    left = sorted(set(sd) - used)
+    if kind == "ouro":
+        out = looped_to_ouro(sd, arch)
+    elif kind == "huginn_raven":
+        out = looped_to_huginn(sd, huginn_source(model))
+    else:
+        out = _to_llama(sd, arch)
+    left = sorted(set(sd) - sd.read)
     if left:
         raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: tensors with no place in "
                           f"the format: {', '.join(left[:4])}")
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+class _ReadTracker(dict):
+    """A state dict that records which tensors the format's mapping read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def huginn_source(model) -> LoopedSource:
+    """The Huginn structure of a ``looped_family`` huginn model (for ``looped_to_huginn``)."""
+    c = model.config
+    arch = architecture_of(model)
+    total = c.looped_num_prelude_layers + c.num_layers + c.looped_num_coda_layers
+    return LoopedSource(
+        model_type="huginn_raven", arch=PretrainedArchitecture(**{**vars(arch),
+                                                                  "num_layers": total}),
+        num_loops=c.looped_num_loops, core_layers=c.num_layers,
+        max_sequence_length=model.max_sequence_length, backprop_loops=c.looped_backprop_loops,
+        looped={"looped_num_prelude_layers": c.looped_num_prelude_layers,
+                "looped_num_coda_layers": c.looped_num_coda_layers})
 
 
 def _to_llama(sd: dict, arch: PretrainedArchitecture) -> dict:
@@ -140,22 +179,6 @@ def _to_llama(sd: dict, arch: PretrainedArchitecture) -> dict:
     return out
 
 
-def _used_names(sd: dict, arch: PretrainedArchitecture, kind: str) -> set:
-    """The looped-GPT tensors the format ``kind`` holds."""
-    top = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
-    if arch.untie_embeddings_and_output_weights:
-        top.add("output_layer.weight")
-    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight",
-                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
-                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    if kind == "ouro":
-        top |= {"decoder.exit_gate.linear.weight", "decoder.exit_gate.linear.bias"}
-        per_layer += ["self_attention.post_layernorm.weight", "mlp.post_layernorm.weight"]
-    if arch.add_qkv_bias:
-        per_layer.append("self_attention.linear_qkv.bias")
-    return top | {f"decoder.layers.{i}.{n}" for i in range(arch.num_layers) for n in per_layer}
-
-
 # ---- config.json ----------------------------------------------------------------------------
 
 
@@ -163,6 +186,8 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
               exit_threshold: Optional[float] = None) -> dict:
     """config.json of the export: ``base`` (the source's, unknown fields kept) with every field
     the model fixes written over it."""
+    if kind == "huginn_raven":
+        return _huginn_config(model, base)
     arch, c = architecture_of(model), model.config
     out = dict(base or {})
     out.update(architectures=[ARCHITECTURES[kind]], model_type=kind,
@@ -184,6 +209,25 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
             out["early_exit_threshold"] = exit_threshold
     if kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def _huginn_config(model, base: Optional[dict]) -> dict:
+    src, c = huginn_source(model), model.config
+    a = src.arch
+    out = dict(base or {})
+    out.update(architectures=[HUGINN_ARCHITECTURE], model_type="huginn_raven",
+               n_embd=a.hidden_size, n_heads=a.num_attention_heads, n_layers=a.num_layers,
+               block_size=model.max_sequence_length, vocab_size=a.vocab_size,
+               tie_embeddings=not a.untie_embeddings_and_output_weights,
+               intermediate_size=a.ffn_hidden_size, bias=False, norm_eps=a.norm_epsilon,
+               n_layers_in_prelude=c.looped_num_prelude_layers,
+               n_layers_in_recurrent_block=c.num_layers,
+               n_layers_in_coda=c.looped_num_coda_layers, mean_recurrence=c.looped_num_loops,
+               qk_bias=True, rope_base=a.rotary_base, injection_type="linear")
+    if c.looped_backprop_loops or "mean_backprop_depth" not in out:
+        out["mean_backprop_depth"] = c.looped_backprop_loops or c.looped_num_loops
+    out["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     return out
 
 

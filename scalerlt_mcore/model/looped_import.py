@@ -1,9 +1,12 @@
 """Import public looped checkpoints in their own format (``config.json`` + ``*.safetensors``).
 
-Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote code). The names
-below are those of the public modeling code (``modeling_ouro.py`` / ``configuration_ouro.py``);
-the mapping is written once as tables and read in both directions (import here, export in
-``hf_export.py``), so import -> export -> import is the identity.
+Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote code) and
+``huginn_raven`` (Huginn-0125, ``RavenForCausalLM``). The names below are those of the public
+modeling code (``modeling_ouro.py`` / ``configuration_ouro.py``; ``raven_modeling_minimal.py``
+/ ``raven_config_minimal.py``); the mapping is written once as tables and read in both
+directions (import here, export in ``hf_export.py``), so import -> export -> import is the
+identity. A ``huginn_raven`` checkpoint whose ``auto_map`` names a Llama-style modeling file
+(Retrofitted Recurrence) is told apart and refused (not supported yet).
 
 Ouro (``looped_family`` ``ouro``), the whole N-layer stack looped ``total_ut_steps`` times:
 
@@ -29,8 +32,34 @@ Ouro (``looped_family`` ``ouro``), the whole N-layer stack looped ``total_ut_ste
     model.early_exit_gate (+ bias)   -> decoder.exit_gate.linear (looped_exit_gate)
     lm_head (untied only)            -> output_layer
 
+Huginn (``looped_family`` ``huginn``): prelude / core / coda, the adapter on [state; prelude
+output], the recurrent state starting from ``looped_initial_state`` ``random`` (the public code
+draws it at random on every forward; here a documented deterministic draw of (seed, step),
+``LoopedGPTModel.set_initial_state_draw``) or ``zeros``:
+
+    config.json                      -> looped GPT
+    mean_recurrence                  -> looped_num_loops (R)
+    mean_backprop_depth              -> ``LoopedSource.backprop_loops`` (looped_backprop_loops)
+    n_layers_in_prelude / _recurrent_block / _coda -> prelude / num_layers (core) / coda
+    n_embd, n_heads (K/V heads = heads), intermediate_size, norm_eps, rope_base (interleaved
+    RoPE), vocab_size, tie_embeddings, block_size -> the layer shapes, RoPE, max positions
+    (embedding scale sqrt(n_embd): Huginn's ``init_values["embed_scale"]``)
+
+    weights (transformer.)           -> decoder. / embedding. / output_layer
+    wte, ln_f, adapter               -> embedding.word_embeddings, decoder.final_layernorm,
+                                        decoder.injection ([H, 2H], state first)
+    {prelude,core_block,coda}.{i}.   -> decoder.{prelude,layers,coda}.{i}.
+      norm_1, attn.Wqkv ([q; k; v]), attn.qk_bias, attn.proj -> input_layernorm,
+        self_attention.linear_qkv (packed per head), self_attention.qk_bias, .linear_proj
+      norm_2 (after the attention's residual add) -> post_attn_residual_layernorm
+      norm_3, mlp.fc ([gate; up]), mlp.proj -> pre_mlp_layernorm, mlp.linear_fc1, .linear_fc2
+      norm_4 (after the MLP's residual add) -> post_mlp_residual_layernorm
+    lm_head (untied only)            -> output_layer;  freqs_cis (a RoPE buffer): not read
+
 Refused, naming the field: other activations, sliding-window layers, RoPE scaling other than
-llama3 with MCore's fixed factors, a fixed ``early_exit_step``, a partial rotary factor.
+llama3 with MCore's fixed factors, a fixed ``early_exit_step``, a partial rotary factor; for
+Huginn: an adapter bias, no qk bias, test-time noise, fewer K/V heads than query heads, a block,
+MLP, norm or injection class other than the public one, inconsistent layer counts.
 """
 
 from dataclasses import dataclass, field
