@@ -1,4 +1,4 @@
-"""The main job from a looped checkpoint in its own format (Ouro), and back out.
+"""The main job from a looped checkpoint in its own format (Ouro, Huginn), and back out.
 
 The source is a tiny random Ouro written by tests/reference_ouro.py in Ouro's format, run
 through configs/ouro_tiny_cpu.yaml (exit_pdf credit, the gate's own term, threshold-exit
@@ -23,6 +23,7 @@ from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.testing import model_parallel_context
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "ouro_tiny_cpu.yaml")
+HUGINN_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "huginn_tiny_cpu.yaml")
 SMALL = dict(global_batch_size=8, micro_batch_size=4, grpo_group_size=4,
              shared_prefix_wave_size=2, train_iters=4, rl_warmup_sft_steps=1, eval_iters=2,
              lr_warmup_iters=0, seed=3)
@@ -50,7 +51,8 @@ def test_use_checkpoint_args_takes_the_loop_layout(ouro_dir):
     assert (m.looped_family, m.looped_exit_gate, m.looped_num_loops) == ("ouro", True, 4)
     assert cfg.rl.rl_exit_threshold == 0.7
     assert notes[-1] == ("loop layout from ouro: looped_family ouro, looped_exit_gate True, "
-                         "looped_num_loops 4, rl_exit_threshold 0.7")
+                         "looped_num_loops 4, max_position_embeddings 64, rl_exit_threshold 0.7")
+    assert m.max_position_embeddings == 64  # config.json's max_position_embeddings
 
 
 def test_app_model_is_the_public_function(ouro_dir):
@@ -62,7 +64,8 @@ def test_app_model_is_the_public_function(ouro_dir):
         model = trainer.model.double().eval()
         with torch.no_grad():
             got = torch.stack(model(tokens).logits)
-    assert start == 0 and "(ouro, vocabulary 64): 2 layers looped 4 times" in notes[-1]
+    assert start == 0 and ("(ouro, vocabulary 64): 0 prelude, 2 core layers looped 4 times "
+                           "(checkpoint: 4), 0 coda") in notes[-1]
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-10
 
 
@@ -114,3 +117,55 @@ def test_resume_and_export(tmp_path, ouro_dir):
                                               max_sequence_length=64).state_dict()
         for name, value in at_two.items():
             assert torch.equal(back[name], value), name
+
+
+# ---- Huginn ---------------------------------------------------------------------------------
+
+
+def test_huginn_through_the_app(tmp_path):
+    """--use-checkpoint-args takes Huginn's layout (prelude / core / coda, adapter, drawn
+    initial state, R = mean_recurrence, its loop sampling and backprop depth); the model the
+    app builds is the public function at num_steps = R; a short run trains and exports back
+    to the source's tensor names."""
+    from reference_huginn import (
+        documented_initial_state,
+        huginn_forward,
+        load_huginn,
+        write_huginn_checkpoint,
+    )
+
+    path = write_huginn_checkpoint(tmp_path / "huginn", seed=8)
+    argv = ["--config", HUGINN_CONFIG, "--pretrained-checkpoint", str(path),
+            "--use-checkpoint-args", "--save", str(tmp_path / "ckpt")]
+    for key, value in {**SMALL, "train_iters": 3}.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    cfg = parse_args(argv)
+    notes = resolve_pretrained(cfg)
+    m = cfg.model
+    assert (m.looped_family, m.looped_num_prelude_layers, m.num_layers, m.looped_num_coda_layers,
+            m.looped_num_loops, m.looped_backprop_loops, m.looped_num_loops_sampling) == (
+        "huginn", 1, 2, 1, 4, 2, "poisson_lognormal")
+    assert "looped_initial_state random" in notes[-1]
+    ref_cfg, w = load_huginn(path)
+    tokens = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    s0 = documented_initial_state(0, 0, 64, 32, torch.arange(9)[None].expand(2, 9))
+    want = huginn_forward(ref_cfg, w, tokens, 4, s0)
+    with model_parallel_context(3):
+        trainer, _, _ = build(argv)
+        model = trainer.model
+        with torch.no_grad():
+            got = model.double()(tokens).logits[-1]
+        model.float()
+        for step in range(3):
+            _step(trainer, step)
+        save_checkpoint(tmp_path / "ckpt", 3, model, trainer.optimizer, trainer.scheduler,
+                        reference=trainer.ref, extra_meta={"config": to_dict(trainer.cfg)})
+        out = export.export_checkpoint(trainer.cfg, tmp_path / "ckpt", tmp_path / "out")
+        trained = {k: v.clone() for k, v in model.state_dict().items()
+                   if not k.endswith("_extra_state")}
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-10
+    assert load_file(str(out / "model.safetensors")).keys() == load_file(
+        str(path / "model.safetensors")).keys()
+    with model_parallel_context(3):
+        back = looped_gpt_from_pretrained(out, use_cpu_initialization=True).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in trained.items())

@@ -91,10 +91,11 @@ def resolve_pretrained(cfg) -> list[str]:
         arch = read_hf_architecture(path) if looped is None else looped.arch
         for key in ARCHITECTURE_KEYS:
             setattr(m, key, getattr(arch, key))
+        layout = None if looped is None else _take_loop_layout(cfg, looped)
         m.num_layers = arch.num_layers - m.looped_num_prelude_layers - m.looped_num_coda_layers
         lines.append(f"architecture from {Path(path) / 'config.json'}: {arch}")
-        if looped is not None:
-            lines.append(_take_loop_layout(cfg, looped))
+        if layout is not None:
+            lines.append(layout)
     if m.looped_retrofit and re.fullmatch(r"\d+,\d+,\d+", m.looped_retrofit):  # else: validate
         prelude, core, coda = (int(x) for x in m.looped_retrofit.split(","))
         m.looped_num_prelude_layers, m.num_layers, m.looped_num_coda_layers = prelude, core, coda
@@ -103,12 +104,17 @@ def resolve_pretrained(cfg) -> list[str]:
 
 
 def _take_loop_layout(cfg, source: LoopedSource) -> str:
-    """``--use-checkpoint-args`` of a looped source: its loop layout, loop count and exit
-    threshold become the run's; a line for the log."""
-    for key, value in source.looped.items():
-        setattr(cfg.model, key, value)
-    cfg.model.looped_num_loops = source.num_loops
+    """``--use-checkpoint-args`` of a looped source: its loop layout, loop count, maximum
+    positions, exit threshold (Ouro), truncated backprop and Poisson-lognormal loop sampling
+    (Huginn's training) become the run's; a line for the log."""
     taken = {**source.looped, "looped_num_loops": source.num_loops}
+    if source.backprop_loops:  # Huginn's training: sampled loop counts, truncated backprop
+        taken.update(looped_backprop_loops=source.backprop_loops,
+                     looped_num_loops_sampling="poisson_lognormal")
+    if source.max_sequence_length:
+        taken["max_position_embeddings"] = source.max_sequence_length
+    for key, value in taken.items():
+        setattr(cfg.model, key, value)
     if source.exit_threshold is not None:
         cfg.rl.rl_exit_threshold = taken["rl_exit_threshold"] = source.exit_threshold
     return f"loop layout from {source.model_type}: " + ", ".join(
@@ -171,23 +177,26 @@ def load_pretrained(cfg, model) -> str:
 
 
 def _load_looped(cfg, model, path) -> str:
-    """A public looped checkpoint (Ouro): the run must have its architecture and loop layout
-    (any loop count); its layers map one to one (no retrofit)."""
+    """A public looped checkpoint (Ouro, Huginn): the run must have its architecture and loop
+    layout (any loop count and initial state); its layers map one to one (no retrofit)."""
     source, m = read_looped_source(path), cfg.model
     _check_architecture(cfg, source.arch, path)
-    diffs = [f"{k}: checkpoint {v!r} != run {getattr(m, k)!r}" for k, v in source.looped.items()
+    fixed = {k: v for k, v in source.looped.items() if k != "looped_initial_state"}  # a choice
+    diffs = [f"{k}: checkpoint {v!r} != run {getattr(m, k)!r}" for k, v in fixed.items()
              if getattr(m, k) != v]
-    if m.looped_retrofit or m.num_layers != source.arch.num_layers:
-        diffs.append(f"num_layers: checkpoint {source.arch.num_layers} != run {m.num_layers} "
-                     f"(a looped checkpoint's layers map one to one; no looped_retrofit)")
+    core = source.core_layers or source.arch.num_layers
+    if m.looped_retrofit or m.num_layers != core:
+        diffs.append(f"num_layers: checkpoint {core} != run {m.num_layers} (a looped "
+                     f"checkpoint's layers map one to one; no looped_retrofit)")
     if diffs:
         raise ConfigError(f"pretrained checkpoint {path} ({source.model_type}) has another "
                           f"model than this run ({'; '.join(diffs)}): set those flags, or pass "
                           f"--use-checkpoint-args")
     load_converted_state_dict(model, load_looped_state_dict(path, source))
     return (f"pretrained weights from {path} ({source.model_type}, vocabulary "
-            f"{model.vocab_size}): {source.arch.num_layers} layers looped "
-            f"{m.looped_num_loops} times (checkpoint: {source.num_loops})")
+            f"{model.vocab_size}): {m.looped_num_prelude_layers} prelude, {core} core layers "
+            f"looped {m.looped_num_loops} times (checkpoint: {source.num_loops}), "
+            f"{m.looped_num_coda_layers} coda")
 
 
 def run_architecture(cfg) -> dict:

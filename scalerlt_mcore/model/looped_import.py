@@ -117,7 +117,8 @@ class LoopedSource:
     core_layers: int = 0
     """Layers of the recurrent core (Ouro: all; Huginn ``n_layers_in_recurrent_block``)."""
     max_sequence_length: Optional[int] = None
-    """Positions the source was built for (Huginn ``block_size``), else None."""
+    """Positions the source was built for (Ouro ``max_position_embeddings``, Huginn
+    ``block_size``)."""
     exit_threshold: Optional[float] = None
     """Exit CDF threshold of the threshold exit (Ouro ``early_exit_threshold``)."""
     backprop_loops: int = 0
@@ -175,6 +176,7 @@ def _read_ouro(cfg: dict, where: Path) -> LoopedSource:
     return LoopedSource(
         model_type="ouro", arch=_llama_like_arch(cfg, where, qkv_bias=False),
         num_loops=required_int(cfg, "total_ut_steps", where, default=4),
+        max_sequence_length=required_int(cfg, "max_position_embeddings", where, default=32768),
         exit_threshold=None if threshold is None else float(threshold),
         looped={"looped_family": "ouro", "looped_exit_gate": True})
 
@@ -404,14 +406,17 @@ def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
 
 
 def looped_gpt_from_pretrained(path, num_loops: Optional[int] = None,
-                               max_sequence_length: int = 4096, **config) -> LoopedGPTModel:
+                               max_sequence_length: Optional[int] = None,
+                               **config) -> LoopedGPTModel:
     """A ``LoopedGPTModel`` (local spec) holding looped checkpoint ``path``'s weights.
 
-    ``num_loops``: R (default: the checkpoint's own); ``config``: further
-    ``LoopedTransformerConfig`` fields (e.g. ``use_cpu_initialization=True``)."""
+    ``num_loops``: R (default: the checkpoint's own); ``max_sequence_length``: default the
+    checkpoint's; ``config``: further ``LoopedTransformerConfig`` fields (e.g.
+    ``use_cpu_initialization=True``, ``looped_initial_state="zeros"``)."""
     source = read_looped_source(path)
     cfg = source.config(num_loops, **config)
-    model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg),
-                           max_sequence_length=max_sequence_length, **source.arch.model_kwargs())
+    length = max_sequence_length or source.max_sequence_length or 4096
+    model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg), max_sequence_length=length,
+                           **source.arch.model_kwargs())
     load_converted_state_dict(model, load_looped_state_dict(path, source))
     return model
