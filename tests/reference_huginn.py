@@ -168,3 +168,94 @@ def documented_initial_state(seed: int, step: int, length: int, hidden: int, pos
     table = torch.empty(length, hidden, dtype=torch.float64)
     torch.nn.init.trunc_normal_(table, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
     return (table * math.sqrt(hidden))[positions]
+
+
+# ---- Retrofitted Recurrence (raven_modeling_minimal_llama.py) ------------------------------
+
+RETROFIT_CONFIG = {
+    **{k: v for k, v in HUGINN_CONFIG.items() if k != "auto_map"},
+    "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
+                 "AutoModelForCausalLM": "raven_modeling_minimal_llama.RavenForCausalLM"},
+    "num_key_value_heads": 2, "head_dim": 8, "qk_bias": False, "tie_embeddings": False,
+    "norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None,
+    "max_position_embeddings": 64,
+    "init_values": {"std": math.sqrt(2 / (5 * 32)), "out_proj": 0.01, "embedding": 0.1,
+                    "embed_scale": 1.0}}
+"""A tiny Retrofitted Recurrence config.json, as ``convert_llama.get_llama_huginn_config``
+writes it (Huginn's fields updated from a Llama: GQA, no qk bias, untied, embed_scale 1)."""
+
+
+def retrofit_weight_shapes(cfg: dict) -> dict:
+    h, f, v = cfg["n_embd"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nkv = cfg["head_dim"], cfg["num_key_value_heads"]
+    out = {"transformer.wte.weight": (v, h), "transformer.ln_f.weight": (h,),
+           "transformer.adapter.weight": (h, 2 * h), "lm_head.weight": (v, h)}
+    for stack, count in _stacks(cfg).items():
+        for i in range(count):
+            p = f"transformer.{stack}.{i}."
+            out.update({p + "attn.Wqkv.weight": (h + 2 * nkv * hd, h),
+                        p + "attn.proj.weight": (h, h), p + "mlp.fc.weight": (2 * f, h),
+                        p + "mlp.proj.weight": (h, f), p + "norm_1.weight": (h,),
+                        p + "norm_2.weight": (h,)})
+    return out
+
+
+def write_retrofit_checkpoint(path, seed: int = 0) -> Path:
+    cfg = dict(RETROFIT_CONFIG)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: (1 + 0.1 * torch.randn(shape, generator=gen) if "norm" in name
+                      else 0.15 * torch.randn(shape, generator=gen))
+               for name, shape in retrofit_weight_shapes(cfg).items()}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _retro_attention(x, w, p, cfg, cos, sin):
+    B, S, E = x.shape
+    n, nkv, hd = cfg["n_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    q, k, v = (x @ w[p + "Wqkv.weight"].t()).split([E, nkv * hd, nkv * hd], dim=2)
+    q = q.view(B, S, n, hd).transpose(1, 2)
+    k, v = (t.view(B, S, nkv, hd).transpose(1, 2) for t in (k, v))
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin  # Llama RoPE
+    k, v = (t.repeat_interleave(n // nkv, dim=1) for t in (k, v))  # enable_gqa
+    scores = q @ k.transpose(2, 3) / math.sqrt(hd)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    y = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+    return y.transpose(1, 2).reshape(B, S, E) @ w[p + "proj.weight"].t()
+
+
+def _retro_block(x, w, p, cfg, cos, sin):
+    eps = cfg["norm_eps"]
+    x = _retro_attention(_rms(x, w[p + "norm_1.weight"], eps), w, p + "attn.", cfg, cos, sin) + x
+    gate, up = (_rms(x, w[p + "norm_2.weight"], eps) @ w[p + "mlp.fc.weight"].t()).chunk(2, -1)
+    return (F.silu(gate) * up) @ w[p + "mlp.proj.weight"].t() + x
+
+
+def retrofit_forward(cfg: dict, w: dict, tokens, num_steps: int, input_states):
+    """The Llama-style ``RavenForCausalLM.forward``: pre-norm blocks, LlamaRotaryEmbedding
+    (default rope_type: inv_freq from rope_theta, fp32 tables), no embedding scale
+    (init_values.embed_scale 1), iterate_forward without ln_f, coda, ln_f, lm_head."""
+    S, hd = tokens.shape[1], cfg["head_dim"]
+    dtype = w["transformer.wte.weight"].dtype
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    emb = torch.cat([torch.outer(torch.arange(S, dtype=torch.float32), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+    e = w["transformer.wte.weight"][tokens] * cfg["init_values"]["embed_scale"]
+    for i in range(cfg["n_layers_in_prelude"]):
+        e = _retro_block(e, w, f"transformer.prelude.{i}.", cfg, cos, sin)
+    x = input_states.clone()
+    for _ in range(num_steps):
+        x = torch.cat([x, e], dim=-1) @ w["transformer.adapter.weight"].t()
+        for i in range(cfg["n_layers_in_recurrent_block"]):
+            x = _retro_block(x, w, f"transformer.core_block.{i}.", cfg, cos, sin)
+    for i in range(cfg["n_layers_in_coda"]):
+        x = _retro_block(x, w, f"transformer.coda.{i}.", cfg, cos, sin)
+    return _rms(x, w["transformer.ln_f.weight"], cfg["norm_eps"]) @ w["lm_head.weight"].t()

@@ -19,6 +19,7 @@ checkpoints are tiny random ones written in Ouro's format (no download).
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ from reference_huginn import (
     documented_initial_state,
     huginn_forward,
     load_huginn,
+    retrofit_forward,
     write_huginn_checkpoint,
+    write_retrofit_checkpoint,
 )
 from reference_ouro import load_ouro, ouro_forward, threshold_exit_step, write_ouro_checkpoint
 from safetensors.torch import load_file, save_file
@@ -284,14 +287,37 @@ def test_plain_model_exports_as_itself(mcore_single, hf_dirs, tmp_path, name):
 
 
 def test_retrofitted_model_export_is_refused(mcore_single, hf_dirs, tmp_path):
-    model = looped_gpt_from_hf(hf_dirs["llama"], mapping="1,2,1", num_loops=2,
+    """A retrofit with R > 1 and no injection is no public function; one whose recurrent state
+    starts at the prelude output has no Retrofitted Recurrence form."""
+    plain = looped_gpt_from_hf(hf_dirs["llama"], num_loops=2, use_cpu_initialization=True)
+    with pytest.raises(ExportError, match=r"cannot export as plain Llama / Qwen2: "
+                       r"looped_num_loops=2 is not the function of any plain transformer"):
+        save_hf(plain, tmp_path / "x")
+    embed = looped_gpt_from_hf(hf_dirs["llama"], mapping="1,2,1", num_loops=2,
                                use_cpu_initialization=True)
-    with pytest.raises(ExportError, match=r"looped_num_loops=2, looped_num_prelude_layers=1, "
-                       r"looped_num_coda_layers=1, looped_injection='linear_concat' is not the "
-                       r"function of any plain transformer, and the Retrofitted Recurrence "
-                       r"huginn_raven layout is not written"):
-        save_hf(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()
+    with pytest.raises(ExportError, match=r"cannot export looped_initial_state 'embed' in the "
+                       r"Retrofitted Recurrence huginn_raven layout: its recurrent state starts "
+                       r"random"):
+        save_hf(embed, tmp_path / "y")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_retrofit_exports_in_the_retrofitted_recurrence_layout(mcore_single, hf_dirs,
+                                                               tmp_path):
+    """A Llama retrofitted here (prelude 1 / core 2 / coda 1, drawn state) is written as
+    Retrofitted Recurrence and read back bitwise, to the same per-loop logits."""
+    model = looped_gpt_from_hf(hf_dirs["llama"], mapping="1,2,1", num_loops=3,
+                               use_cpu_initialization=True, looped_initial_state="random")
+    out = save_hf(model, tmp_path / "retro")
+    src = read_looped_source(out)
+    assert src.layout == "retrofitted" and src.num_loops == 3 and src.arch.use_rope_scaling
+    again = looped_gpt_from_pretrained(out, use_cpu_initialization=True,
+                                       max_sequence_length=model.max_sequence_length)
+    assert _bitwise(model.state_dict(), again.state_dict())
+    tokens = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(model(tokens).logits,
+                                                     again(tokens).logits))
 
 
 # ---- 6. Huginn (huginn_raven) ---------------------------------------------------------------
@@ -365,8 +391,7 @@ HUGINN_BAD = [
     (dict(test_time_noise=0.1), r"test_time_noise=0.1: only 0 is supported"),
     (dict(n_layers=5), r"n_layers=5 != n_layers_in_prelude \+ n_layers_in_recurrent_block \+ "
                        r"n_layers_in_coda = 4"),
-    (dict(auto_map={"AutoModelForCausalLM": "raven_modeling_minimal_llama.RavenForCausalLM"}),
-     r"a Retrofitted Recurrence huginn_raven checkpoint .* is not supported yet"),
+    (dict(init_values={"embed_scale": 2.0}), r"init_values.embed_scale=2.0: only sqrt\(n_embd\)"),
 ]
 
 
@@ -391,3 +416,24 @@ def test_huginn_export_round_trip_is_bitwise(mcore_single, huginn_dir, tmp_path)
     bare = read_looped_source(save_hf(first, tmp_path / "bare"))  # no source: a full config
     assert bare.backprop_loops == 4  # mean_backprop_depth: the model's (no truncation) = R
     assert dataclasses.replace(bare, backprop_loops=2) == read_looped_source(huginn_dir)
+
+
+# ---- 7. Retrofitted Recurrence (huginn_raven with a Llama-style modeling file) ----------------
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_retrofitted_recurrence_per_loop_logits(mcore_single, tmp_path, R):
+    path = write_retrofit_checkpoint(tmp_path / "retro", seed=9)
+    src = read_looped_source(path)
+    assert src.layout == "retrofitted" and src.arch.num_query_groups == 2
+    cfg, w = load_huginn(path)
+    tokens, mask = padded_batch(5)
+    s0 = documented_initial_state(2, 1, 64, 32, torch.arange(10)[None].expand(3, 10)) / math.sqrt(
+        32)  # no embedding scale here
+    want = torch.stack([retrofit_forward(cfg, w, tokens, r + 1, s0) for r in range(R)])
+    model = looped_gpt_from_pretrained(path, num_loops=R, use_cpu_initialization=True)
+    model.set_initial_state_draw(2, 1)
+    with torch.no_grad():
+        got = torch.stack(model.double().eval()(tokens).logits)
+    assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
+               f"retrofitted recurrence R={R} logits") <= TOL

@@ -17,6 +17,7 @@ is not written. Tensors keep the model's dtype, so import -> export -> import is
 """
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -30,10 +31,12 @@ from .looped_import import (
     LoopedSource,
     looped_to_huginn,
     looped_to_ouro,
+    looped_to_retrofitted,
 )
 
 ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "huginn_raven": HUGINN_ARCHITECTURE,
-                 "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+                 "retrofitted": HUGINN_ARCHITECTURE, "llama": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
 """Export format -> the ``architectures`` name written."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -70,6 +73,8 @@ def export_format(model, source_config: Optional[dict] = None) -> str:
     _check_layers(model)
     if c.looped_family != "gpt":
         return {"ouro": "ouro", "huginn": "huginn_raven"}[c.looped_family]
+    if c.looped_injection == "linear_concat" and not c.looped_exit_gate:
+        return _retrofitted_format(c)
     looped = [f"{name}={value!r}" for name, value, plain in (
         ("looped_num_loops", c.looped_num_loops, 1),
         ("looped_num_prelude_layers", c.looped_num_prelude_layers, 0),
@@ -79,15 +84,29 @@ def export_format(model, source_config: Optional[dict] = None) -> str:
     if looped:
         raise ExportError(
             f"cannot export as plain Llama / Qwen2: {', '.join(looped)} is not the function of "
-            f"any plain transformer, and the Retrofitted Recurrence huginn_raven layout is not "
-            f"written (export needs looped_num_loops 1 without prelude, coda, injection or exit "
-            f"gate, or looped_family ouro)")
+            f"any plain transformer (export needs looped_num_loops 1 without prelude, coda, "
+            f"injection or exit gate; looped_injection linear_concat for the Retrofitted "
+            f"Recurrence layout; or looped_family ouro / huginn)")
     named = (source_config or {}).get("architectures") or []
     kind = "qwen2" if named == ["Qwen2ForCausalLM"] or (not named and c.add_qkv_bias) else "llama"
     if (kind == "qwen2") != bool(c.add_qkv_bias):
         raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: add_qkv_bias={c.add_qkv_bias}"
                           f" (Qwen2 has QKV biases, Llama none)")
     return kind
+
+
+def _retrofitted_format(c) -> str:
+    """The Retrofitted Recurrence ``huginn_raven`` layout (pre-norm blocks, adapter on
+    [state; prelude output]), whose state starts random (or at zero: ``init_values.std`` 0)."""
+    if c.looped_initial_state == "embed":
+        raise ExportError("cannot export looped_initial_state 'embed' in the Retrofitted "
+                          "Recurrence huginn_raven layout: its recurrent state starts random "
+                          "(or zero), never at the prelude output (retrofit with "
+                          "--looped-initial-state random or zeros to export)")
+    if c.add_qkv_bias:
+        raise ExportError("cannot export add_qkv_bias=True in the Retrofitted Recurrence layout "
+                          "(its attention has no QKV biases)")
+    return "retrofitted"
 
 
 def _check_layers(model) -> None:
@@ -120,6 +139,8 @@ def hf_state_dict(model, kind: str) -> dict:
         out = looped_to_ouro(sd, arch)
     elif kind == "huginn_raven":
         out = looped_to_huginn(sd, huginn_source(model))
+    elif kind == "retrofitted":
+        out = looped_to_retrofitted(sd, huginn_source(model))
     else:
         out = _to_llama(sd, arch)
     left = sorted(set(sd) - sd.read)
@@ -186,8 +207,8 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
               exit_threshold: Optional[float] = None) -> dict:
     """config.json of the export: ``base`` (the source's, unknown fields kept) with every field
     the model fixes written over it."""
-    if kind == "huginn_raven":
-        return _huginn_config(model, base)
+    if kind in ("huginn_raven", "retrofitted"):
+        return _huginn_config(model, base, kind)
     arch, c = architecture_of(model), model.config
     out = dict(base or {})
     out.update(architectures=[ARCHITECTURES[kind]], model_type=kind,
@@ -212,10 +233,12 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
     return out
 
 
-def _huginn_config(model, base: Optional[dict]) -> dict:
+def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
     src, c = huginn_source(model), model.config
     a = src.arch
     out = dict(base or {})
+    if kind == "retrofitted":
+        out.update(_retrofitted_fields(model, a, out.get("init_values") or {}))
     out.update(architectures=[HUGINN_ARCHITECTURE], model_type="huginn_raven",
                n_embd=a.hidden_size, n_heads=a.num_attention_heads, n_layers=a.num_layers,
                block_size=model.max_sequence_length, vocab_size=a.vocab_size,
@@ -224,11 +247,24 @@ def _huginn_config(model, base: Optional[dict]) -> dict:
                n_layers_in_prelude=c.looped_num_prelude_layers,
                n_layers_in_recurrent_block=c.num_layers,
                n_layers_in_coda=c.looped_num_coda_layers, mean_recurrence=c.looped_num_loops,
-               qk_bias=True, rope_base=a.rotary_base, injection_type="linear")
+               qk_bias=kind == "huginn_raven", injection_type="linear")
+    if kind == "huginn_raven":
+        out["rope_base"] = a.rotary_base
     if c.looped_backprop_loops or "mean_backprop_depth" not in out:
         out["mean_backprop_depth"] = c.looped_backprop_loops or c.looped_num_loops
     out["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     return out
+
+
+def _retrofitted_fields(model, a: PretrainedArchitecture, init: dict) -> dict:
+    """The fields ``convert_llama.get_llama_huginn_config`` sets over Huginn's config; the
+    state's std is the drawn state's (0: the zero state)."""
+    random = model.config.looped_initial_state == "random"
+    init = {**init, "std": math.sqrt(2 / (5 * a.hidden_size)) if random else 0.0,
+            "embed_scale": 1.0}
+    return {"num_key_value_heads": a.num_query_groups, "head_dim": a.kv_channels,
+            "max_position_embeddings": model.max_sequence_length, "init_values": init,
+            **_rope_fields(a, {})}
 
 
 def _rope_fields(arch: PretrainedArchitecture, cfg: dict) -> dict:

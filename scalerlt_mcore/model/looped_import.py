@@ -62,6 +62,7 @@ Huginn: an adapter bias, no qk bias, test-time noise, fewer K/V heads than query
 MLP, norm or injection class other than the public one, inconsistent layer counts.
 """
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -123,6 +124,8 @@ class LoopedSource:
     """Exit CDF threshold of the threshold exit (Ouro ``early_exit_threshold``)."""
     backprop_loops: int = 0
     """Loops that build a graph in the source's training (Huginn ``mean_backprop_depth``)."""
+    layout: str = ""
+    """``retrofitted`` for a Retrofitted Recurrence ``huginn_raven`` checkpoint, else empty."""
     looped: dict = field(default_factory=dict)
     """The ``LoopedTransformerConfig`` ``looped_*`` fields the source fixes."""
 
@@ -230,6 +233,9 @@ def load_looped_state_dict(path, source: LoopedSource) -> dict:
     """Every weight of looped checkpoint ``path`` under looped-GPT names; a missing tensor or
     one whose shape config.json does not imply is refused, naming it."""
     reader = SafetensorsReader(Path(path))
+    if source.layout == "retrofitted":
+        hf = {name: reader.get(name, shape) for name, shape in retrofitted_shapes(source).items()}
+        return retrofitted_to_looped(hf, source)
     if source.model_type == "huginn_raven":
         hf = {name: reader.get(name, shape) for name, shape in huginn_shapes(source).items()}
         return huginn_to_looped(hf, source)
@@ -296,11 +302,23 @@ HUGINN_FIXED = {"injection_type": "linear", "block_class_name": "SandwichBlock",
 """config.json fields the mapping needs at these values (absent: the public default)."""
 
 
-def _read_huginn(cfg: dict, where: Path) -> LoopedSource:
+def is_retrofitted_recurrence(cfg: dict) -> bool:
+    """A ``huginn_raven`` config.json of Retrofitted Recurrence (a Llama-style modeling file:
+    pre-norm blocks, GQA, Llama RoPE, no embedding scale): its ``auto_map`` names a Llama-style
+    module, or its ``init_values`` set ``embed_scale`` 1 (Huginn's is sqrt(n_embd))."""
     auto = " ".join(str(v) for v in (cfg.get("auto_map") or {}).values())
-    if "llama" in auto.lower():
-        raise ValueError(f"{where}: a Retrofitted Recurrence huginn_raven checkpoint (auto_map "
-                         f"{auto!r}, a Llama-style modeling file) is not supported yet")
+    scale = (cfg.get("init_values") or {}).get("embed_scale")
+    return "llama" in auto.lower() or scale == 1.0
+
+
+def _read_huginn(cfg: dict, where: Path) -> LoopedSource:
+    if is_retrofitted_recurrence(cfg):
+        return _read_retrofitted(cfg, where)
+    scale = (cfg.get("init_values") or {}).get("embed_scale")
+    if scale is not None and not math.isclose(scale, math.sqrt(cfg.get("n_embd", 0)),
+                                              rel_tol=1e-12):
+        raise ValueError(f"{where}: init_values.embed_scale={scale!r}: only sqrt(n_embd) (or 1, "
+                         f"Retrofitted Recurrence) is supported")
     for key, value in HUGINN_FIXED.items():
         if cfg.get(key, value) != value:
             raise ValueError(f"{where}: {key}={cfg[key]!r}: only {value!r} is supported")
@@ -399,6 +417,108 @@ def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
             out[dst + "attn.Wqkv.weight"] = torch.cat(
                 unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch))
     out["freqs_cis"] = huginn_freqs_cis(arch, source.max_sequence_length or 4096)
+    return out
+
+
+# ---- Retrofitted Recurrence (huginn_raven, raven_modeling_minimal_llama.py) ----------------
+
+RETROFIT_BLOCK = {"norm_1.weight": "input_layernorm.weight",
+                  "attn.proj.weight": "self_attention.linear_proj.weight",
+                  "norm_2.weight": "pre_mlp_layernorm.weight",
+                  "mlp.fc.weight": "mlp.linear_fc1.weight",
+                  "mlp.proj.weight": "mlp.linear_fc2.weight"}
+"""Per pre-norm block, the one-to-one tensors (MCore's own layer); ``attn.Wqkv`` is packed per
+query group."""
+
+
+def _read_retrofitted(cfg: dict, where: Path) -> LoopedSource:
+    for key, value in {"bias": False, "qk_bias": False, "test_time_noise": 0,
+                       "injection_type": "linear"}.items():
+        if cfg.get(key, value) != value:
+            raise ValueError(f"{where}: {key}={cfg[key]!r}: only {value!r} is supported for "
+                             f"Retrofitted Recurrence")
+    hidden, heads = (required_int(cfg, k, where) for k in ("n_embd", "n_heads"))
+    prelude, core, coda = (required_int(cfg, f"n_layers_in_{k}", where) for k in
+                           ("prelude", "recurrent_block", "coda"))
+    state = _retrofitted_state(cfg, where, hidden)
+    scaling, factor = rope_scaling(cfg, where)
+    arch = PretrainedArchitecture(
+        num_layers=prelude + core + coda, hidden_size=hidden,
+        ffn_hidden_size=required_int(cfg, "intermediate_size", where), num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or hidden // heads,
+        vocab_size=required_int(cfg, "vocab_size", where),
+        norm_epsilon=float(cfg.get("norm_eps", 1e-5)),
+        rotary_base=float(rope_parameters(cfg).get("rope_theta", cfg.get("rope_base", 10000.0))),
+        use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not cfg.get("tie_embeddings", False))
+    return LoopedSource(
+        model_type="huginn_raven", arch=arch,
+        num_loops=required_int(cfg, "mean_recurrence", where, default=32), core_layers=core,
+        max_sequence_length=cfg.get("max_position_embeddings") or cfg.get("block_size"),
+        looped={"looped_num_prelude_layers": prelude, "looped_num_coda_layers": coda,
+                "looped_injection": "linear_concat", "looped_initial_state": state},
+        backprop_loops=int(cfg.get("mean_backprop_depth", 0)), layout="retrofitted")
+
+
+def _retrofitted_state(cfg: dict, where: Path, hidden: int) -> str:
+    """``init_values.std`` 0: the zero state; sqrt(2 / (5 n_embd)): the drawn one; another
+    std (e.g. Huginn-0125's, copied by the conversion) has no exact match here."""
+    std = (cfg.get("init_values") or {}).get("std", math.sqrt(2 / (5 * hidden)))
+    if std == 0:
+        return "zeros"
+    if not math.isclose(std, math.sqrt(2 / (5 * hidden)), rel_tol=1e-12):
+        raise ValueError(f"{where}: init_values.std={std!r}: the drawn initial state has std "
+                         f"sqrt(2 / (5 n_embd)) = {math.sqrt(2 / (5 * hidden))!r} (set "
+                         f"init_values.std to it, or 0 for the zero state)")
+    return "random"
+
+
+def retrofitted_shapes(source: LoopedSource) -> dict:
+    """Retrofitted Recurrence tensor name -> its shape (every weight)."""
+    a = source.arch
+    h, f, v = a.hidden_size, a.ffn_hidden_size, a.vocab_size
+    q, kv = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
+    out = {"transformer.wte.weight": (v, h), "transformer.ln_f.weight": (h,),
+           "transformer.adapter.weight": (h, 2 * h)}
+    if a.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = (v, h)
+    block = {"norm_1.weight": (h,), "attn.Wqkv.weight": (q + 2 * kv, h),
+             "attn.proj.weight": (h, q), "norm_2.weight": (h,), "mlp.fc.weight": (2 * f, h),
+             "mlp.proj.weight": (h, f)}
+    for stack, (_, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            out.update({f"transformer.{stack}.{i}.{k}": s for k, s in block.items()})
+    return out
+
+
+def retrofitted_to_looped(hf: dict, source: LoopedSource) -> dict:
+    arch = source.arch
+    q, kv = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
+    out = {ours: hf[theirs] for theirs, ours in HUGINN_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for stack, (ours_stack, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            src, dst = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
+            out.update({dst + o: hf[src + t] for t, o in RETROFIT_BLOCK.items()})
+            parts = hf[src + "attn.Wqkv.weight"].split([q, kv, kv])
+            out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*parts, arch)
+    return out
+
+
+def looped_to_retrofitted(sd: dict, source: LoopedSource) -> dict:
+    """The inverse of ``retrofitted_to_looped``."""
+    arch = source.arch
+    out = {theirs: sd[ours] for theirs, ours in HUGINN_TOP.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for stack, (ours_stack, count) in _huginn_stacks(source).items():
+        for i in range(count):
+            dst, src = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
+            out.update({dst + t: sd[src + o] for t, o in RETROFIT_BLOCK.items()})
+            out[dst + "attn.Wqkv.weight"] = torch.cat(
+                unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch))
     return out
 
 
