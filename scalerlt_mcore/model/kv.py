@@ -55,8 +55,9 @@ class PrefixState:
 
     keys/values: one per virtual depth, each [P, Bp, ng, hn] (post-RoPE keys; ng: this
                  tensor-parallel rank's K/V groups).
-    boundary:    [R, Bp, H], the readout input (pre-final-norm) at the last prompt position for
-                 every loop: it predicts the first suffix token.
+    boundary:    [R, Bp, H], the readout input (pre-final-norm; with ``looped_normed_state``,
+                 Ouro, the normed state) at the last prompt position for every loop: it
+                 predicts the first suffix token.
     """
 
     keys: list
