@@ -38,7 +38,7 @@ def suffix(batch: int = 1, length: int = 3) -> torch.Tensor:
     ("looped_num_prelude_layers", -1, "looped_num_prelude_layers must be an integer >= 0"),
     ("looped_num_coda_layers", -1, "looped_num_coda_layers must be an integer >= 0"),
     ("looped_injection", "add", "looped_injection must be one of .*'add'"),
-    ("looped_initial_state", "random", "looped_initial_state must be one of"),
+    ("looped_initial_state", "noise", "looped_initial_state must be one of"),
     ("looped_prefix_attention", "flash", "looped_prefix_attention must be one of"),
 ])
 def test_bad_looped_config(field, value, match):
