@@ -7,8 +7,9 @@ checkpoints are tiny random ones written in Ouro's format (no download).
 
 - per-loop logits and the exit distribution equal the reference on a right-padded batch, fp64,
   R in {1, 2, 4} (relative error <= 1e-10 on the non-padding positions);
-- greedy rollouts through the depth-indexed KV cache with Ouro's threshold exit pick the same
-  loops and tokens as the reference recomputed on the whole sequence;
+- greedy rollouts through the depth-indexed KV cache (Ouro with its threshold exit, Huginn
+  with the drawn state) pick the same loops and tokens as the reference recomputed on the
+  whole sequence;
 - joint replay with ``exit_pdf`` credit and the gate's own term equals naive training through
   stock MCore (fp64 <= 1e-12), the gate's gradient included;
 - export writes the source format back: import -> export -> import is bitwise (Ouro, and a
@@ -437,3 +438,24 @@ def test_retrofitted_recurrence_per_loop_logits(mcore_single, tmp_path, R):
         got = torch.stack(model.double().eval()(tokens).logits)
     assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
                f"retrofitted recurrence R={R} logits") <= TOL
+
+
+def test_huginn_greedy_rollout_matches_reference(mcore_single, huginn_dir):
+    """Decoding through the depth-indexed cache (prelude, R loops, per-loop coda) with the
+    drawn state: every step's greedy token from the last loop is the reference's, recomputed
+    on the whole sequence with the same rows of the state table."""
+    cfg, w = load_huginn(huginn_dir)
+    model = huginn_model(huginn_dir, 3)
+    prompts = [[5, 9, 11, 3], [7, 8]]
+    out = generate(model, prompts, 1, 4, eos_id=-1, pad_id=0, temperature=0.0)
+    for n, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for t in range(4):
+            positions = torch.arange(len(seq))[None]
+            s0 = documented_initial_state(5, 3, 64, 32, positions)
+            logits = huginn_forward(cfg, w, torch.tensor([seq]), 3, s0)[0, -1]
+            token = int(logits.argmax())
+            assert int(out.responses[n, 0, t]) == token
+            lp = float(torch.log_softmax(logits, -1)[token])
+            assert abs(float(out.logprobs[n, 0, t]) - lp) <= 1e-6 * abs(lp)
+            seq.append(token)
