@@ -157,17 +157,19 @@ def huginn_forward(cfg: dict, w: dict, tokens, num_steps: int, input_states):
     return x @ head.t()
 
 
-def documented_initial_state(seed: int, step: int, length: int, hidden: int, positions):
+def documented_initial_state(seed: int, step: int, length: int, hidden: int, positions,
+                             std=None, scale=None):
     """The importer's documented deterministic draw (``looped_initial_state`` random), written
-    out here from its description: per absolute position, a normal of std sqrt(2 / (5 H))
-    truncated at 3 std, times sqrt(H), from a CPU generator seeded with
-    (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1). positions [B, S] -> [B, S, H]."""
+    out here from its description: per absolute position, a normal of ``std`` (default
+    sqrt(2 / (5 H))) truncated at 3 std, times ``scale`` (default sqrt(H)), from a CPU generator
+    seeded with (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1).
+    positions [B, S] -> [B, S, H]."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + 271_828)
                                         % (2**31 - 1))
-    std = math.sqrt(2 / (5 * hidden))
+    std = math.sqrt(2 / (5 * hidden)) if std is None else std
     table = torch.empty(length, hidden, dtype=torch.float64)
     torch.nn.init.trunc_normal_(table, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
-    return (table * math.sqrt(hidden))[positions]
+    return (table * (math.sqrt(hidden) if scale is None else scale))[positions]
 
 
 # ---- Retrofitted Recurrence (raven_modeling_minimal_llama.py) ------------------------------
@@ -179,10 +181,11 @@ RETROFIT_CONFIG = {
     "num_key_value_heads": 2, "head_dim": 8, "qk_bias": False, "tie_embeddings": False,
     "norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None,
     "max_position_embeddings": 64,
-    "init_values": {"std": math.sqrt(2 / (5 * 32)), "out_proj": 0.01, "embedding": 0.1,
+    "init_values": {"std": math.sqrt(2 / (5 * 5280)), "out_proj": 0.01, "embedding": 0.1,
                     "embed_scale": 1.0}}
 """A tiny Retrofitted Recurrence config.json, as ``convert_llama.get_llama_huginn_config``
-writes it (Huginn's fields updated from a Llama: GQA, no qk bias, untied, embed_scale 1)."""
+writes it (Huginn's fields updated from a Llama: GQA, no qk bias, untied, embed_scale 1; the
+state's std stays Huginn-0125's, sqrt(2 / (5 * 5280)))."""
 
 
 def retrofit_weight_shapes(cfg: dict) -> dict:

@@ -429,8 +429,9 @@ def test_retrofitted_recurrence_per_loop_logits(mcore_single, tmp_path, R):
     assert src.layout == "retrofitted" and src.arch.num_query_groups == 2
     cfg, w = load_huginn(path)
     tokens, mask = padded_batch(5)
-    s0 = documented_initial_state(2, 1, 64, 32, torch.arange(10)[None].expand(3, 10)) / math.sqrt(
-        32)  # no embedding scale here
+    assert src.looped["looped_initial_state_std"] == math.sqrt(2 / (5 * 5280))  # init_values
+    s0 = documented_initial_state(2, 1, 64, 32, torch.arange(10)[None].expand(3, 10),
+                                  std=math.sqrt(2 / (5 * 5280)), scale=1.0)
     want = torch.stack([retrofit_forward(cfg, w, tokens, r + 1, s0) for r in range(R)])
     model = looped_gpt_from_pretrained(path, num_loops=R, use_cpu_initialization=True)
     model.set_initial_state_draw(2, 1)

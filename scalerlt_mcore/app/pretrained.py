@@ -181,7 +181,8 @@ def _load_looped(cfg, model, path) -> str:
     layout (any loop count and initial state); its layers map one to one (no retrofit)."""
     source, m = read_looped_source(path), cfg.model
     _check_architecture(cfg, source.arch, path)
-    fixed = {k: v for k, v in source.looped.items() if k != "looped_initial_state"}  # a choice
+    fixed = {k: v for k, v in source.looped.items()  # the initial state is a choice
+             if not k.startswith("looped_initial_state")}
     diffs = [f"{k}: checkpoint {v!r} != run {getattr(m, k)!r}" for k, v in fixed.items()
              if getattr(m, k) != v]
     core = source.core_layers or source.arch.num_layers

@@ -51,8 +51,13 @@ class LoopedTransformerConfig(TransformerConfig):
     looped_initial_state: InitialState = "embed"
     """Deterministic initial state s_0: ``embed`` (the prelude output e), ``zeros``, or
     ``random`` (Huginn's draw made deterministic: per absolute position, the same for every
-    sequence, a truncated normal (std sqrt(2 / (5 H)), cut at 3 std) times the embedding scale,
+    sequence, a truncated normal (std ``looped_initial_state_std``, cut at 3 std) times the
+    embedding scale,
     from a generator seeded by (seed, step) of ``LoopedGPTModel.set_initial_state_draw``)."""
+
+    looped_initial_state_std: float = 0.0
+    """Std of the drawn initial state (``looped_initial_state`` random) before the embedding
+    scale; 0: sqrt(2 / (5 H)), Huginn's (a checkpoint's ``init_values.std`` sets it)."""
 
     looped_prefix_attention: PrefixAttention = "cascade"
     """Attention of a suffix batch to a shared prefix K/V: ``concat`` (expand the prefix per
@@ -122,6 +127,11 @@ class LoopedTransformerConfig(TransformerConfig):
         return self.looped_family == "huginn"
 
     @property
+    def looped_drawn_state_std(self) -> float:
+        """Std of the drawn initial state: ``looped_initial_state_std``, or sqrt(2 / (5 H))."""
+        return self.looped_initial_state_std or math.sqrt(2 / (5 * self.hidden_size))
+
+    @property
     def looped_embedding_scale(self) -> float:
         """Factor of the token embeddings: sqrt(H) for ``huginn``, else 1."""
         return math.sqrt(self.hidden_size) if self.looped_family == "huginn" else 1.0
@@ -150,6 +160,9 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         raise ValueError(f"looped_family 'ouro' loops the whole stack: looped_num_prelude_layers "
                          f"and looped_num_coda_layers must be 0, got "
                          f"{cfg.looped_num_prelude_layers} and {cfg.looped_num_coda_layers}")
+    if not cfg.looped_initial_state_std >= 0:
+        raise ValueError(f"looped_initial_state_std must be >= 0, got "
+                         f"{cfg.looped_initial_state_std!r}")
     if cfg.looped_family == "huginn" and cfg.looped_injection != "linear_concat":
         raise ValueError(f"looped_family 'huginn' needs looped_injection 'linear_concat' (its "
                          f"adapter), got {cfg.looped_injection!r}")

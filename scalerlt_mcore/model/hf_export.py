@@ -17,7 +17,6 @@ is not written. Tensors keep the model's dtype, so import -> export -> import is
 """
 
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -250,6 +249,11 @@ def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
                qk_bias=kind == "huginn_raven", injection_type="linear")
     if kind == "huginn_raven":
         out["rope_base"] = a.rotary_base
+        if "init_values" in out or c.looped_initial_state != "random" \
+                or c.looped_initial_state_std:
+            std = c.looped_drawn_state_std if c.looped_initial_state == "random" else 0.0
+            out["init_values"] = {**(out.get("init_values") or {}), "std": std,
+                                  "embed_scale": c.looped_embedding_scale}
     if c.looped_backprop_loops or "mean_backprop_depth" not in out:
         out["mean_backprop_depth"] = c.looped_backprop_loops or c.looped_num_loops
     out["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -260,7 +264,7 @@ def _retrofitted_fields(model, a: PretrainedArchitecture, init: dict) -> dict:
     """The fields ``convert_llama.get_llama_huginn_config`` sets over Huginn's config; the
     state's std is the drawn state's (0: the zero state)."""
     random = model.config.looped_initial_state == "random"
-    init = {**init, "std": math.sqrt(2 / (5 * a.hidden_size)) if random else 0.0,
+    init = {**init, "std": model.config.looped_drawn_state_std if random else 0.0,
             "embed_scale": 1.0}
     return {"num_key_value_heads": a.num_query_groups, "head_dim": a.kv_channels,
             "max_position_embeddings": model.max_sequence_length, "init_values": init,

@@ -1,6 +1,5 @@
 """The looped GPT: MCore embedding -> recurrent block -> shared readout after every loop."""
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,16 +21,15 @@ from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
 
 
-def initial_state_table(seed: int, step: int, length: int, hidden: int,
+def initial_state_table(seed: int, step: int, length: int, hidden: int, std: float,
                         scale: float) -> Tensor:
     """Huginn's random initial state made deterministic: [length, hidden] (one row per absolute
-    position, the same for every sequence), fp64 on the host, a normal (mean 0, std
-    sqrt(2 / (5 hidden))) truncated at 3 std (``torch.nn.init.trunc_normal_``) times ``scale``
-    (the embedding scale), from a CPU generator seeded with
+    position, the same for every sequence), fp64 on the host, a normal (mean 0, ``std``; Huginn's
+    is sqrt(2 / (5 hidden))) truncated at 3 std (``torch.nn.init.trunc_normal_``) times
+    ``scale`` (the embedding scale), from a CPU generator seeded with
     (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1)."""
     gen = torch.Generator(device="cpu").manual_seed(
         (seed * 1_000_003 + step * 10_007 + 271_828) % (2**31 - 1))
-    std = math.sqrt(2 / (5 * hidden))
     table = torch.empty(length, hidden, dtype=torch.float64, device="cpu")
     torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
     return table * scale
@@ -174,8 +172,9 @@ class LoopedGPTModel(LanguageModule):
         draw = getattr(self, "_state_draw", (0, 0))
         cached = getattr(self, "_state_table", None)
         if cached is None or cached[0] != draw:
-            table = initial_state_table(*draw, self.max_sequence_length, self.config.hidden_size,
-                                        self.config.looped_embedding_scale)
+            c = self.config
+            table = initial_state_table(*draw, self.max_sequence_length, c.hidden_size,
+                                        c.looped_drawn_state_std, c.looped_embedding_scale)
             self._state_table = cached = (draw, table)
         p = next(self.parameters())
         return cached[1].to(p.device, p.dtype)[positions].transpose(0, 1)  # [S, B, H]

@@ -349,7 +349,7 @@ def _read_huginn(cfg: dict, where: Path) -> LoopedSource:
         max_sequence_length=required_int(cfg, "block_size", where, default=4096),
         looped={"looped_family": "huginn", "looped_num_prelude_layers": prelude,
                 "looped_num_coda_layers": coda, "looped_injection": "linear_concat",
-                "looped_initial_state": "random"},
+                **initial_state_fields(cfg, where)},
         backprop_loops=int(cfg.get("mean_backprop_depth", 0)))
 
 
@@ -440,7 +440,6 @@ def _read_retrofitted(cfg: dict, where: Path) -> LoopedSource:
     hidden, heads = (required_int(cfg, k, where) for k in ("n_embd", "n_heads"))
     prelude, core, coda = (required_int(cfg, f"n_layers_in_{k}", where) for k in
                            ("prelude", "recurrent_block", "coda"))
-    state = _retrofitted_state(cfg, where, hidden)
     scaling, factor = rope_scaling(cfg, where)
     arch = PretrainedArchitecture(
         num_layers=prelude + core + coda, hidden_size=hidden,
@@ -457,21 +456,22 @@ def _read_retrofitted(cfg: dict, where: Path) -> LoopedSource:
         num_loops=required_int(cfg, "mean_recurrence", where, default=32), core_layers=core,
         max_sequence_length=cfg.get("max_position_embeddings") or cfg.get("block_size"),
         looped={"looped_num_prelude_layers": prelude, "looped_num_coda_layers": coda,
-                "looped_injection": "linear_concat", "looped_initial_state": state},
+                "looped_injection": "linear_concat", **initial_state_fields(cfg, where)},
         backprop_loops=int(cfg.get("mean_backprop_depth", 0)), layout="retrofitted")
 
 
-def _retrofitted_state(cfg: dict, where: Path, hidden: int) -> str:
-    """``init_values.std`` 0: the zero state; sqrt(2 / (5 n_embd)): the drawn one; another
-    std (e.g. Huginn-0125's, copied by the conversion) has no exact match here."""
-    std = (cfg.get("init_values") or {}).get("std", math.sqrt(2 / (5 * hidden)))
+def initial_state_fields(cfg: dict, where: Path) -> dict:
+    """The ``looped_initial_state*`` fields of a ``huginn_raven`` config.json: its
+    ``init_values.std`` (absent: Huginn's sqrt(2 / (5 n_embd))) as the drawn state's std, or the
+    zero state for std 0 (the public ``initialize_state`` zeroes it then)."""
+    std = (cfg.get("init_values") or {}).get("std")
+    if std is None:
+        return {"looped_initial_state": "random"}
+    if not isinstance(std, (int, float)) or std < 0:
+        raise ValueError(f"{where}: init_values.std must be a number >= 0, got {std!r}")
     if std == 0:
-        return "zeros"
-    if not math.isclose(std, math.sqrt(2 / (5 * hidden)), rel_tol=1e-12):
-        raise ValueError(f"{where}: init_values.std={std!r}: the drawn initial state has std "
-                         f"sqrt(2 / (5 n_embd)) = {math.sqrt(2 / (5 * hidden))!r} (set "
-                         f"init_values.std to it, or 0 for the zero state)")
-    return "random"
+        return {"looped_initial_state": "zeros"}
+    return {"looped_initial_state": "random", "looped_initial_state_std": float(std)}
 
 
 def retrofitted_shapes(source: LoopedSource) -> dict:
