@@ -2,7 +2,8 @@
 
 Runs naive (one microbatch of G, and G microbatches of one) / packed tree mask / joint replay
 (cascade, checkpointed waves, concat) on the same model and data, after checking in fp32 (TF32
-off) that every schedule's loss and gradients equal naive training's. Reports response
+off) that every schedule's loss and gradients equal naive training's (loss within 1e-5, the
+gradient within 1e-5 of its largest entry over the whole gradient). Reports response
 tokens/s, peak ``torch.cuda.max_memory_allocated`` per schedule (absolute and above the memory
 held before the step), saved-tensor bytes, FLOPs and the naive/joint, naive_mb1/joint and
 tree/joint ratios, against the GPU targets (``GPU_TARGETS``). Uses the Transformer Engine layer
@@ -10,9 +11,15 @@ spec when TE is importable (else MCore's local spec with PyTorch SDPA, and says 
 prefix attention runs on the fused kernel ``looped_cascade_kernel='auto'`` picks (recorded). Run
 by ``make gpu-check``; not in CI.
 
+``--budget-s``: the timed repetitions shrink (to one at least) so that the workloads finish
+within it; a workload that cannot start in time is recorded as skipped. ``--decode``: the
+rollout decode micro-benchmark too (workload A's model in bf16, prompts prefilled per row and
+once: response tokens/s and the time per decoding step).
+
 ``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]`` writes the
-JSON and the tables beside it (``gpu.md``); ``--dry-run`` runs a tiny version on CPU to
-exercise the code path without a GPU.
+JSON and the tables beside it (``gpu.md``) after every workload, and on a failure with the
+error (a disagreeing schedule: its errors, exit status 2); ``--dry-run`` runs a tiny version on
+CPU to exercise the code path without a GPU.
 """
 
 import argparse
@@ -21,6 +28,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -42,7 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--spec", choices=("auto", "te", "local"), default="auto",
                    help="layer spec: auto = Transformer Engine when importable")
     p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="fp32 agreement tolerance (max rel err per tensor)")
+                   help="fp32 agreement tolerance (loss; gradient over its whole max)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time for the whole benchmark (default: none)")
+    p.add_argument("--decode", action="store_true",
+                   help="also the rollout decode micro-benchmark (tokens/s)")
     p.add_argument("--out", default=os.path.join(RESULTS, "gpu.json"))
     p.add_argument("--dry-run", action="store_true",
                    help="tiny workloads on CPU (no GPU needed): checks the script runs")
@@ -123,8 +135,25 @@ def _memory(steps: dict, model, device) -> dict:
     return out
 
 
-def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> dict:
-    from .measure import check_agreement, count_flops, peak_saved_bytes, time_round_robin
+def timed_rounds(steps: dict, wl, warmup: int, sync, budget_s=None) -> dict:
+    """name -> seconds of each timed round robin: the warm-up and one timed round, then as
+    many more (up to ``wl.repetitions`` in all) as fit in ``budget_s`` seconds."""
+    from .measure import time_round_robin
+
+    start = time.perf_counter()
+    times = time_round_robin(steps, 1, warmup=warmup, sync=sync)
+    round_s = sum(t[0] for t in times.values())
+    reps = wl.repetitions
+    if budget_s is not None:
+        left = budget_s - (time.perf_counter() - start)
+        reps = max(1, min(reps, 1 + int(left / max(round_s, 1e-9))))
+    more = time_round_robin(steps, reps - 1, warmup=0, sync=sync)
+    return {name: times[name] + more[name] for name in steps}
+
+
+def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print,
+                 budget_s=None) -> dict:
+    from .measure import check_agreement, count_flops, peak_saved_bytes
     from .report import workload_result
     from .schedules import step_functions
     from .workloads import attach_old_logprobs, build_model, make_group, objective
@@ -148,8 +177,10 @@ def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print) -> d
     saved = {n: peak_saved_bytes(s, model) for n, s in steps.items()}
     memory = _memory(steps, model, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    times = time_round_robin(steps, wl.repetitions, warmup=warmup, sync=sync)
+    left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+    times = timed_rounds(steps, wl, warmup, sync, left)
     result = workload_result(wl, flops, saved, times, agreement)
+    result["timed_repetitions"] = len(next(iter(times.values())))
     for name, (peak, above) in memory.items():
         result["schedules"][name].update(peak_memory_bytes=peak, peak_memory_above_base_bytes=above)
     for key, num in (("naive_over_joint", "naive"), ("naive_mb1_over_joint", "naive_mb1"),
@@ -170,9 +201,16 @@ def _mib(b):
     return "n/a" if b is None else f"{b / 2**20:.0f}"
 
 
+def measured(results: dict) -> dict:
+    """The workloads that ran to the end (not skipped, no error)."""
+    return {n: r for n, r in results.items() if "schedules" in r}
+
+
 def table(results: dict) -> str:
     lines = ["| workload | schedule | resp. tokens/s | wall ms | peak mem MiB | above base MiB "
              "| saved MiB | GFLOP |", "|---|---|---|---|---|---|---|---|"]
+    others = {n: r for n, r in results.items() if "schedules" not in r}
+    results = measured(results)
     for name, r in results.items():
         for sched, s in r["schedules"].items():
             gflop = "n/a" if s["flops"] is None else f"{s['flops'] / 1e9:.0f}"
@@ -187,12 +225,15 @@ def table(results: dict) -> str:
             x = r[key]
             lines.append(f"| {name} | {key} | {_f(x['flops'])} | {_f(x['saved_bytes'])} "
                          f"| {_f(x['memory'])} | {_f(x['wall'])} |")
+    for name, r in others.items():
+        lines.append(f"\n{name}: {r.get('error') or r.get('skipped')}")
     return "\n".join(lines)
 
 
 def targets(results: dict) -> list:
     """[{workload, figure, measured, target, ok}] of ``GPU_TARGETS`` (naive over joint)."""
     rows = []
+    results = measured(results)
     for name, figure, minimum in GPU_TARGETS:
         if name in results:
             value = results[name]["naive_over_joint"][figure]
@@ -210,16 +251,152 @@ def targets_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: str, results: dict, meta: dict) -> str:
+def write_markdown(path: str, results: dict, meta: dict, decode=None) -> str:
+    status = f"**{meta['status']}**" + (f": {meta['error']}" if meta.get("error") else "")
     text = (f"# GPU benchmark: naive vs packed tree mask vs joint replay\n\n"
             f"{meta['device']}, torch {meta['torch']}, {meta['dtype']}; {meta['layer_spec']}; "
             "cascade kernel " + ", ".join(f"{k} {v}" for k, v in meta["cascade_kernel"].items())
-            + f"; whole run {meta['bench_seconds']:.0f} s."
+            + f"; whole run {meta['bench_seconds']:.0f} s; {status}."
             f"\n\n" + "\n".join(f"- {n}" for n in meta["notes"]) + "\n\n## Figures\n\n"
-            + table(results) + "\n\n## Targets\n\n" + targets_table(meta["targets"]) + "\n")
+            + table(results) + "\n\n## Targets\n\n" + targets_table(meta["targets"]) + "\n"
+            + (f"\n## Rollout decode\n\n{decode_table(decode)}\n" if decode else ""))
     with open(path, "w") as f:
         f.write(text)
     return text
+
+
+# ---- the rollout decode micro-benchmark ------------------------------------------------------
+
+def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: int = 64,
+                     reps: int = 3) -> dict:
+    """Rollouts from ``wl``'s model (bf16 on CUDA, fp32 on CPU) of ``prompts`` random prompts
+    of ``wl.prompt_length`` tokens, G = ``wl.group_size`` samples each, ``new_tokens`` tokens
+    (no stop token), per row and prompt once: median wall time, response tokens/s, and the
+    time per decoding step (the difference to a one-token rollout, over the other steps)."""
+    from scalerlt_mcore.rl.rollout import generate
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _build(wl, spec, backend, device).to(dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, wl.vocab, (wl.prompt_length,), generator=gen).tolist()
+            for _ in range(prompts)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def wall(mode: str, tokens: int) -> list:
+        out = []
+        for _ in range(1 + reps):  # the first is a warm-up
+            sampler = torch.Generator(device=device).manual_seed(2)
+            sync()
+            start = time.perf_counter()
+            generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, banned=(0,),
+                     generator=sampler, prompt_once=mode == "prompt_once",
+                     vocab_size=wl.vocab)
+            sync()
+            out.append(time.perf_counter() - start)
+        return out[1:]
+
+    from .measure import median
+
+    result = {"prompts": prompts, "group_size": wl.group_size, "prompt_length": wl.prompt_length,
+              "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", ""),
+              "hidden": wl.hidden, "heads": wl.heads, "num_loops": wl.num_loops}
+    samples = prompts * wl.group_size
+    for mode in ("per_row", "prompt_once"):
+        full, first = wall(mode, new_tokens), wall(mode, 1)
+        step = (median(full) - median(first)) / max(new_tokens - 1, 1)
+        result[mode] = {"wall_s": median(full), "wall_all_s": full, "one_token_s": median(first),
+                        "tokens_per_s": samples * new_tokens / median(full),
+                        "decode_step_s": step,
+                        "decode_tokens_per_s": samples / step if step > 0 else None}
+    return result
+
+
+def decode_table(d: dict) -> str:
+    lines = [f"{d['prompts']} prompts x {d['group_size']} samples, prompt {d['prompt_length']}, "
+             f"{d['new_tokens']} new tokens, {d['dtype']}, hidden {d['hidden']}, "
+             f"{d['num_loops']} loops", "",
+             "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s |",
+             "|---|---|---|---|---|"]
+    for mode in ("per_row", "prompt_once"):
+        m = d[mode]
+        lines.append(f"| {mode} | {1e3 * m['wall_s']:.1f} | {m['tokens_per_s']:.0f} "
+                     f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} |")
+    return "\n".join(lines)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def write_outputs(path: str, results: dict, meta: dict, decode=None) -> None:
+    """gpu.json and gpu.md as they stand (after every workload, and on a failure)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    meta["targets"] = targets(results)
+    doc = {"meta": meta, **results}
+    if decode is not None:
+        doc["decode"] = decode
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    write_markdown(os.path.splitext(path)[0] + ".md", results, meta, decode)
+
+
+def _workload_budget(args, clock_start: float, remaining: int):
+    """Seconds for the next workload: an equal share of what is left of ``--budget-s`` (a
+    fifth kept for the decode micro-benchmark when it runs); None without a budget."""
+    if args.budget_s is None:
+        return None
+    left = args.budget_s - (time.perf_counter() - clock_start)
+    if args.decode:
+        left *= 0.8
+    return left / max(remaining, 1)
+
+
+MIN_WORKLOAD_S = 20.0
+"""A workload with less time than this left is skipped (model, agreement, FLOPs and memory
+before the first timed round)."""
+
+
+def run_all(args, wls, device, meta: dict, t0: float, results: dict) -> tuple:
+    """(exit status, decode figures): every workload into ``results``, the outputs written
+    after each."""
+    from scalerlt_mcore.testing import model_parallel_context
+
+    from .measure import AgreementError
+
+    decode, status = None, 0
+    with model_parallel_context(seed=0):
+        spec, backend, spec_note = choose_spec(args.spec)
+        meta["layer_spec"] = spec_note
+        print(f"layer spec: {spec_note}", flush=True)
+        for i, wl in enumerate(wls):
+            budget = _workload_budget(args, t0, len(wls) - i)
+            if budget is not None and budget < MIN_WORKLOAD_S and not args.dry_run:
+                results[wl.name] = {"skipped": f"time budget: {budget:.0f} s left for it"}
+                write_outputs(args.out, results, meta)
+                continue
+            try:
+                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
+                                                args.warmup, budget_s=budget)
+            except AgreementError as err:
+                print(f"FAILED [{wl.name}]: schedules disagree with naive training: {err}",
+                      file=sys.stderr, flush=True)
+                results[wl.name] = {"error": f"schedules disagree with naive training: {err}",
+                                    "agreement": err.errors}
+                status = 2
+            except Exception as err:  # the TE path is untested here: fall back to local
+                if backend != "te" or args.spec == "te":
+                    raise
+                spec, backend, _ = choose_spec("local")
+                meta["layer_spec"] = f"local layer spec + PyTorch SDPA (TE spec failed: {err!r})"
+                print(f"layer spec: {meta['layer_spec']}", flush=True)
+                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
+                                                args.warmup, budget_s=budget)
+            meta["bench_seconds"] = time.perf_counter() - t0
+            write_outputs(args.out, results, meta)
+        if args.decode:
+            decode = decode_benchmark(wls[0], spec, backend, device,
+                                      new_tokens=8 if args.dry_run else 64,
+                                      reps=1 if args.dry_run else 3)
+    return status, decode
 
 
 def main(argv=None) -> int:
@@ -236,50 +413,39 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 agreement check is exact
         torch.backends.cudnn.allow_tf32 = False
-    from scalerlt_mcore.testing import model_parallel_context
-
-    from .measure import AgreementError
-
     t0 = time.perf_counter()
-    results, wls = {}, workloads(args)
-    with model_parallel_context(seed=0):
-        spec, backend, spec_note = choose_spec(args.spec)
-        print(f"layer spec: {spec_note}", flush=True)
-        for wl in wls:
-            try:
-                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
-                                               args.warmup)
-            except AgreementError as err:
-                print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
-                      file=sys.stderr)
-                return 2
-            except Exception as err:  # the TE path is untested here: fall back to local
-                if backend != "te" or args.spec == "te":
-                    raise
-                spec, backend, _ = choose_spec("local")
-                spec_note = f"local layer spec + PyTorch SDPA (TE spec failed: {err!r})"
-                print(f"layer spec: {spec_note}", flush=True)
-                results[wl.name] = run_workload(wl, spec, backend, device, args.tolerance,
-                                               args.warmup)
+    wls = workloads(args)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "dtype": "bfloat16 (agreement checked in float32)",
-            "layer_spec": spec_note, "bench_seconds": time.perf_counter() - t0,
+            "layer_spec": "", "bench_seconds": 0.0, "status": "running", "error": None,
+            "budget_s": args.budget_s,
             "cascade_kernel": cascade_kernels(wls[0].hidden // wls[0].heads, device),
             "notes": ["tokens/s counts trained response tokens (G * S per step)",
                       "memory ratios use the peak above the memory held when the step began",
                       "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square); "
-                      "with TE, counted on a local-spec twin of the same model"]}
-    meta["targets"] = targets(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, **results}, f, indent=1)
-    markdown = os.path.splitext(args.out)[0] + ".md"
-    write_markdown(markdown, results, meta)
+                      "with TE, counted on a local-spec twin of the same model",
+                      "agreement: fp32, loss within the tolerance, gradient within it relative "
+                      "to its largest entry over the whole gradient"]}
+    results, decode, status = {}, None, 1
+    try:
+        status, decode = run_all(args, wls, device, meta, t0, results)
+        meta["status"] = "complete" if status == 0 else "failed"
+        if status:
+            meta["error"] = "; ".join(r["error"] for r in results.values() if "error" in r)
+    except BaseException as err:  # the outputs say what happened, then the error propagates
+        meta.update(status="failed", error=f"{type(err).__name__}: {err}",
+                    traceback=traceback.format_exc()[-6000:])
+        raise
+    finally:
+        meta["bench_seconds"] = time.perf_counter() - t0
+        write_outputs(args.out, results, meta, decode)
     print(table(results))
+    if decode is not None:
+        print("\n" + decode_table(decode))
     print("\n" + targets_table(meta["targets"]))
-    print(f"\nwhole GPU benchmark: {meta['bench_seconds']:.0f} s; results in {args.out}, "
-          f"{markdown}")
-    return 0
+    print(f"\nwhole GPU benchmark: {meta['bench_seconds']:.0f} s ({meta['status']}); results in "
+          f"{args.out}, {os.path.splitext(args.out)[0]}.md")
+    return status
 
 
 if __name__ == "__main__":
