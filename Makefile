@@ -26,17 +26,23 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 # GPU acceptance check on one CUDA GPU with no network (README, "GPU acceptance check"): the
-# machine's python3 and CUDA torch, megatron-core and missing pure-Python packages from
-# .wheelhouse/; never creates .venv. GPU_CHECK_DRY_RUN=1: the CPU dry run in the existing .venv.
+# machine's python3 and CUDA torch, megatron-core $(MCORE) and missing pure-Python packages from
+# .wheelhouse/; never creates .venv; everything it writes goes under $(OUT). GPU_CHECK_ARGS:
+# more options of tools/gpu_check.py (e.g. --only A).
+# GPU_CHECK_DRY_RUN=1: the same stages on CPU in the existing .venv.
 GPU_CHECK_DRY := $(filter-out 0,$(GPU_CHECK_DRY_RUN))
 GPU_CHECK_PY := $(if $(GPU_CHECK_DRY),$(PY),python3)
+MCORE ?= 0.19.2
+OUT ?= .gpu-check/out
+GPU_CHECK_ARGS ?=
 
 gpu-check:
 	@test -x $(GPU_CHECK_PY) || command -v $(GPU_CHECK_PY) >/dev/null || \
 		{ echo "gpu-check: $(GPU_CHECK_PY) not found (the dry run uses .venv: run make test first)"; exit 1; }
-	$(GPU_CHECK_PY) tools/gpu_check.py $(if $(GPU_CHECK_DRY),--dry-run)
+	$(GPU_CHECK_PY) tools/gpu_check.py --out $(OUT) --mcore $(MCORE) $(if $(GPU_CHECK_DRY),--dry-run) $(GPU_CHECK_ARGS)
 
-# On a machine with package access: the wheels gpu-check installs (CPython 3.12, x86_64).
+# On a machine with package access: the wheels gpu-check installs (CPython 3.12, x86_64):
+# megatron-core 0.19.2 and 0.16.1, and the pure-Python test packages.
 wheelhouse:
 	python3 tools/gpu_check.py wheelhouse
 

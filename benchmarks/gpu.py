@@ -141,8 +141,10 @@ def timed_rounds(steps: dict, wl, warmup: int, sync, budget_s=None) -> dict:
     from .measure import time_round_robin
 
     start = time.perf_counter()
-    times = time_round_robin(steps, 1, warmup=warmup, sync=sync)
-    round_s = sum(t[0] for t in times.values())
+    time_round_robin(steps, 0, warmup=warmup, sync=sync)
+    probe = time.perf_counter()
+    times = time_round_robin(steps, 1, warmup=0, sync=sync)
+    round_s = time.perf_counter() - probe  # with the collections between the steps
     reps = wl.repetitions
     if budget_s is not None:
         left = budget_s - (time.perf_counter() - start)

@@ -171,12 +171,13 @@ def test_joint_replay_bf16_within_2x_naive_bf16_error(mcore_single):
 # ---- the main job -------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(200)  # the subprocess's own 180 s, then its report
 def test_main_job_two_steps_on_cuda(tmp_path):
     cmd = [sys.executable, "-m", "scalerlt_mcore.train", "--config",
            str(ROOT / "configs" / "gpu_check.yaml"), "--run-dir", str(tmp_path / "run"),
-           "--save", str(tmp_path / "ckpt")]
+           "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", "2"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     assert "device: cuda (nccl)" in run.stdout
     assert "final mean reward" in run.stdout

@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import xml.etree.ElementTree as ET
 import zipfile
 from dataclasses import dataclass
@@ -426,7 +427,9 @@ def test_results(junit: Path) -> list:
                 reason = (node.get("message") or "")[:500]
                 break
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        printed = "\n".join(n.text or "" for n in case.iter("system-out")).strip()
+        printed = "\n".join(line for n in case.iter("system-out")
+                            for line in (n.text or "").splitlines()
+                            if line.strip() and not re.fullmatch(r"-+ Captured .* -+", line))
         row = {"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                "seconds": float(case.get("time") or 0),
                "peak_gpu_memory_bytes": props.get("peak_gpu_memory_bytes"),
@@ -523,11 +526,21 @@ def write_env(py: str, env: dict, out: Path, summary: Summary, mcore: str) -> No
           f"{(doc.get('megatron_core') or {}).get('version')}", flush=True)
 
 
-def _stage_done(name: str, rc, seconds: float, log_path: Path) -> None:
+def _stage_done(name: str, rc, seconds: float, log_path: Path, summary: Summary) -> None:
     print(f"== gpu-check {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {seconds:.0f} s "
           f"(log {log_path.name})", flush=True)
-    if rc != 0:  # the end of the log on stdout: what a machine returning only stdout shows
+    if name == "kernels":  # one line per case: what a machine returning only stdout shows
+        for cid, c in summary.doc["kernel_cases"].items():
+            raw = c.get("rerun_cuda_launch_blocking") or c["first_run"]
+            why = raw.get("raised") or "; ".join(raw.get("problems") or [])
+            print(f"   {c['outcome']:6} {cid:28} worst {_g(c['worst'])} bound {_g(c['bound'])} "
+                  f"margin {_g(c['margin'])} {why[:300]}", flush=True)
+    elif rc != 0:  # the end of the log
         print("".join(log_path.read_text(errors="replace").splitlines(True)[-40:]), flush=True)
+
+
+def _g(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
 
 
 def run(args) -> int:
@@ -549,10 +562,16 @@ def run(args) -> int:
     failed = []
 
     def stage(name, log_name, fn, timeout):
+        start = time.monotonic()
         with open(out / log_name, "w") as log:
-            rc, seconds, extra = fn(log, timeout)
+            try:
+                rc, seconds, extra = fn(log, timeout)
+            except Exception as err:  # noqa: BLE001 - the check's own failure is a result too
+                log.write(traceback.format_exc())
+                rc, seconds, extra = f"crashed: {type(err).__name__}: {err}", 0.0, {}
+        seconds = seconds or time.monotonic() - start
         summary.stage(name, rc, seconds, log=log_name, timeout_s=round(timeout), **extra)
-        _stage_done(name, rc, seconds, out / log_name)
+        _stage_done(name, rc, seconds, out / log_name, summary)
         if rc != 0:
             failed.append(name)
 
