@@ -420,8 +420,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "dtype": "bfloat16 (agreement checked in float32)",
             "layer_spec": "", "bench_seconds": 0.0, "status": "running", "error": None,
-            "budget_s": args.budget_s,
-            "cascade_kernel": cascade_kernels(wls[0].hidden // wls[0].heads, device),
+            "budget_s": args.budget_s, "cascade_kernel": {},
             "notes": ["tokens/s counts trained response tokens (G * S per step)",
                       "memory ratios use the peak above the memory held when the step began",
                       "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square); "
@@ -430,6 +429,7 @@ def main(argv=None) -> int:
                       "to its largest entry over the whole gradient"]}
     results, decode, status = {}, None, 1
     try:
+        meta["cascade_kernel"] = cascade_kernels(wls[0].hidden // wls[0].heads, device)
         status, decode = run_all(args, wls, device, meta, t0, results)
         meta["status"] = "complete" if status == 0 else "failed"
         if status:

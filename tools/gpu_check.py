@@ -515,7 +515,10 @@ def setup(args, summary: Summary) -> dict:
 
 def write_env(py: str, env: dict, out: Path, summary: Summary, mcore: str) -> None:
     rc, stdout, err = capture([py, str(TOOLS / "gpu_check.py"), "env"], env, 120)
-    doc = json.loads(stdout) if rc == 0 else {"error": f"rc {rc}: {err[-3000:]}"}
+    try:
+        doc = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        doc = {"error": f"rc {rc}: {stdout[-2000:]}{err[-3000:]}"}
     doc["mcore_requested"] = mcore
     doc["setup"] = summary.doc.get("setup")
     (out / "env.json").write_text(json.dumps(doc, indent=1))
@@ -558,7 +561,10 @@ def run(args) -> int:
         print(summary.doc["error"], file=sys.stderr)
         return 1
     py = sys.executable
-    write_env(py, env, out, summary, args.mcore)
+    try:
+        write_env(py, env, out, summary, args.mcore)
+    except Exception as err:  # noqa: BLE001 - recorded; the stages still run
+        (out / "env.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}))
     failed = []
 
     def stage(name, log_name, fn, timeout):
@@ -595,12 +601,21 @@ def run(args) -> int:
     def bench(log, timeout):
         rc, seconds = run_logged(bench_cmd(py, out, args.only, timeout - 20, args.dry_run),
                                  log, env, timeout)
+        if not (out / "gpu.json").is_file():  # it died before writing: say so there too
+            log.flush()
+            tail = (out / "bench.log").read_text(errors="replace")[-3000:]
+            error = f"benchmarks.gpu wrote nothing (rc {rc}); the end of bench.log:\n{tail}"
+            (out / "gpu.json").write_text(json.dumps({"meta": {"status": "failed",
+                                                                "error": error}}, indent=1))
+            (out / "gpu.md").write_text(f"# GPU benchmark: failed\n\n```\n{error}\n```\n")
         summary.doc["bench"] = bench_summary(out / "gpu.json")
         return rc, seconds, {}
 
     stage("kernels", "kernels.log", kernels, min(KERNELS_CAP_S, clock.left() - 2 * BENCH_MIN_S))
     stage("tests", "tests.log", tests, min(TESTS_CAP_S, clock.left() - BENCH_MIN_S))
     stage("bench", "bench.log", bench, clock.left() - 5)
+    if not (out / "junit.xml").is_file():
+        write_junit(out / "junit.xml", pytest_junit, summary.doc["kernel_cases"])
     summary.doc.update(ok=not failed, failed=failed, total_s=round(clock.elapsed(), 1))
     summary.write()
     print(f"\ngpu-check{' (dry run)' if args.dry_run else ''}: "
