@@ -168,6 +168,20 @@ def test_install_from_the_wheelhouse_into_a_prefix(tmp_path, with_pip):
     assert _imports_fakedep(python, paths) == "42"
 
 
+def test_a_rerun_with_another_version_leaves_only_that_version_in_the_prefix(tmp_path):
+    """MCORE=0.16.1 after a 0.19.2 run: the prefix holds one version (two dist-infos would
+    leave the installed version to chance)."""
+    house = tmp_path / "house"
+    house.mkdir()
+    for version in ("1.0", "2.0"):
+        _fake_wheel(house, version=version)
+    for version in ("2.0", "1.0"):
+        paths = gpu_check.install([gpu_check.Wheel("scalerlt-fakedep", version)], house,
+                                  tmp_path / "prefix")
+    infos = sorted(p.name for p in (tmp_path / "prefix").rglob("*.dist-info"))
+    assert infos == ["scalerlt_fakedep-1.0.dist-info"] and paths
+
+
 @pytest.mark.parametrize("mcore", ["0.19.2", "0.16.1"])
 def test_the_chosen_megatron_core_is_installed_from_the_wheelhouse(tmp_path, mcore):
     """MCORE picks the megatron-core wheel; another version, or one not in the wheelhouse,

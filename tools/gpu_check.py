@@ -37,6 +37,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,11 +145,13 @@ def wheel_file(w: Wheel, wheelhouse: Path) -> Path:
 
 
 def install(todo: list, wheelhouse: Path, prefix: Path, python: str = sys.executable) -> list:
-    """Install ``todo`` (no dependencies, nothing from an index) into ``prefix``; returns
-    the folders to put on PYTHONPATH."""
+    """Install ``todo`` (no dependencies, nothing from an index) into ``prefix``, emptied
+    first (no other megatron-core left from an earlier run); returns the folders to put on
+    PYTHONPATH."""
     if not todo:
         return []
     files = [wheel_file(w, wheelhouse) for w in todo]
+    shutil.rmtree(prefix, ignore_errors=True)
     has_pip = subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode
     if has_pip == 0:
         subprocess.run([python, "-m", "pip", "install", "--no-index", "--find-links",
@@ -412,7 +415,7 @@ def tests_cmd(py: str, junit: Path) -> list:
             "-p", "gpu_check_pytest", "-p", "no:cacheprovider"]
 
 
-def test_results(junit: Path) -> list:
+def pytest_results(junit: Path) -> list:
     """[{name, outcome, seconds, peak_gpu_memory_bytes, printed}] from pytest's JUnit XML;
     ``printed``: what the test printed (its measured errors and margins)."""
     if not junit.is_file():
@@ -594,7 +597,7 @@ def run(args) -> int:
 
     def tests(log, timeout):
         rc, seconds = run_logged(tests_cmd(py, pytest_junit), log, env, timeout)
-        summary.doc["tests"] = test_results(pytest_junit)
+        summary.doc["tests"] = pytest_results(pytest_junit)
         write_junit(out / "junit.xml", pytest_junit, summary.doc["kernel_cases"])
         return rc, seconds, {}
 
