@@ -5,6 +5,7 @@ where the Python has no pip) on a wheel built here and the megatron-core choice;
 benchmark's fp32 agreement check (a whole-gradient bound; on a failure the JSON still written,
 with the errors) and time budget."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -196,6 +197,26 @@ def test_the_chosen_megatron_core_is_installed_from_the_wheelhouse(tmp_path, mco
     with pytest.raises(SystemExit, match=r"0\.18\.0 is not in the wheelhouse; choose one of "
                                          r"0\.19\.2, 0\.16\.1"):
         gpu_check.wheels("0.18.0")
+
+
+def test_dry_run_checks_a_present_wheelhouse_and_installs_nothing(tmp_path):
+    import argparse
+
+    wheel = tmp_path / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"
+    wheel.touch()
+    args = argparse.Namespace(mcore="0.19.2", dry_run=True, wheelhouse=tmp_path,
+                              work=tmp_path / "work")
+    summary = gpu_check.Summary(tmp_path / "summary.json", True, "0.19.2", 10)
+    env = gpu_check.setup(args, summary)
+    installed = importlib.metadata.version("megatron-core")
+    note = summary.doc["setup"]["note"]
+    assert summary.doc["setup"]["installed"] == [] and not (tmp_path / "work").exists()
+    assert (str(wheel) in note) == (installed != "0.19.2")  # named where it would install
+    assert str(ROOT / "tools") in env["PYTHONPATH"].split(os.pathsep)
+    wheel.unlink()  # a wheelhouse without the chosen wheel: the GPU machine would fail
+    if installed != "0.19.2":
+        with pytest.raises(SystemExit, match="megatron-core==0.19.2"):
+            gpu_check.setup(args, summary)
 
 
 def test_wheelhouse_downloads_both_megatron_core_wheels_for_cpython_312():
