@@ -23,15 +23,22 @@ def _cuda():
 def pytest_runtest_call(item):
     cuda = _cuda()
     if cuda is not None:
-        cuda.synchronize()
-        cuda.reset_peak_memory_stats()
+        _quiet(cuda.synchronize)
+        _quiet(cuda.reset_peak_memory_stats)
     yield
     peak = None
-    if cuda is not None:
-        cuda.synchronize()
-        peak = int(cuda.max_memory_allocated())
+    if cuda is not None:  # after a CUDA error the test's own failure says it, not this hook
+        _quiet(cuda.synchronize)
+        peak = _quiet(cuda.max_memory_allocated)
     _peaks[item.nodeid] = peak
     item.user_properties.append(("peak_gpu_memory_bytes", "n/a" if peak is None else peak))
+
+
+def _quiet(fn):
+    try:
+        return fn()
+    except RuntimeError:
+        return None
 
 
 def pytest_terminal_summary(terminalreporter):
