@@ -43,7 +43,7 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
            f"GPU_CHECK_PY={sys.executable}",
            f"GPU_CHECK_ARGS=--only A --work {tmp_path / 'work'} "
            f"--wheelhouse {tmp_path / 'no-wheelhouse'}"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500, env=ENV)
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560, env=ENV)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert "gpu-check (dry run): all stages passed" in run.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.OUT_FILES)
