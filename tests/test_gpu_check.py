@@ -283,7 +283,7 @@ def test_benchmark_writes_its_json_with_the_errors_when_schedules_disagree(tmp_p
     out = tmp_path / "gpu.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--only", "A",
                           "--reps", "1", "--warmup", "0", "--tolerance", "0", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+                         cwd=ROOT, capture_output=True, text=True, timeout=560, env=ENV)
     assert run.returncode == 2, run.stderr[-3000:]
     doc = _json(out)
     assert doc["meta"]["status"] == "failed" and "disagree" in doc["meta"]["error"]
