@@ -10,14 +10,17 @@ flash op, or its CUDA flash / memory-efficient ops), chosen by the config field
 Shapes follow MCore: q [sq, b, np, hn], k/v [sk, b, ng, hn], outputs [sq, b, np * hn].
 """
 
+import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
@@ -374,12 +377,92 @@ def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False)
     )
 
 
+# ---- saved bytes: what each attention path keeps for backward (the planner's memory model) ----
+#
+# ``shape`` is the planner's description of the model (``shared_prefix.planner.ModelShape``):
+# heads, kv_groups, kv_channels, qkv_width, rope_dim, dtype_bytes (activations), acc_bytes
+# (fp32-or-wider accumulators). Each function counts what autograd saves for one attention of
+# ``rows`` x ``s`` queries, from the qkv projection's output to the output projection's input
+# (RoPE included); prefix K/V storage is the planner's (``prefix_bytes``). A test holds the sum
+# over the model to within 10% of the bytes autograd really saves (tests/test_planner.py).
+
+
+def _query_bytes(shape, n: int) -> tuple:
+    """(bytes of n tokens' queries, whether q is a view of the qkv output: not rotated and not
+    regrouped by grouped-query attention)."""
+    q = n * shape.heads * shape.kv_channels * shape.dtype_bytes
+    return q, not shape.rope_dim and shape.kv_groups in (1, shape.heads)
+
+
+def _rope_and_output_bytes(shape, n: int, q: int) -> int:
+    """RoPE's cos and sin of both applications; the output and its log-sum-exp."""
+    return 4 * n * shape.rope_dim * shape.dtype_bytes + q + n * shape.heads * shape.acc_bytes
+
+
+def causal_saved_bytes(shape, rows: int, s: int) -> int:
+    """Plain causal attention (``sdpa``, a fused kernel): q, k, v, v (and k without RoPE)
+    views of the qkv output, the output and the log-sum-exp."""
+    n, b = rows * s, shape.dtype_bytes
+    q, q_view = _query_bytes(shape, n)
+    own = (n * shape.qkv_width * b + q * (not q_view)
+           + n * shape.kv_groups * shape.kv_channels * b * bool(shape.rope_dim))
+    return own + _rope_and_output_bytes(shape, n, q)
+
+
+def _prefix_kernel_inputs(shape, n: int, q: int, q_view: bool) -> int:
+    """The prefix paths copy k and v; q is saved (a view of the qkv output where it is one)."""
+    return n * shape.qkv_width * shape.dtype_bytes if q_view else q
+
+
+def cascade_saved_bytes(shape, rows: int, s: int, prefix: int) -> int:
+    """``cascade_prefix_attention`` on a fused kernel (``_FusedCascade``): q, k and v repeated
+    per head, the prefix-layout queries, the merged output and log-sum-exp, and the output
+    projection's input (a copy of the merged output when rows > 1). No score matrix."""
+    n = rows * s
+    q, q_view = _query_bytes(shape, n)
+    view = rows == 1 and shape.heads == shape.kv_groups
+    repeated = 2 * q + q * (not view) + q * (rows > 1)
+    return (_prefix_kernel_inputs(shape, n, q, q_view) + _rope_and_output_bytes(shape, n, q)
+            + repeated)
+
+
+def concat_saved_bytes(shape, rows: int, s: int, prefix: int) -> int:
+    """``concat_prefix_attention``: the concatenated K and V (heads repeated under GQA: masked
+    SDPA) and the additive mask, besides q, the output and the log-sum-exp."""
+    n, b = rows * s, shape.dtype_bytes
+    q, q_view = _query_bytes(shape, n)
+    keys = rows * (prefix + s) * shape.heads
+    concat = 2 * keys * shape.kv_channels * b + s * (prefix + s) * b
+    return (_prefix_kernel_inputs(shape, n, q, q_view) + _rope_and_output_bytes(shape, n, q)
+            + concat)
+
+
+@dataclass
+class PrefixKV:
+    """The prefix a core attention's next call attends to (all visible) before its own keys:
+    keys/values [P, Bp, ng, hn] (one virtual depth's), and how: ``attention`` is the config's
+    ``looped_prefix_attention`` (``cascade`` or ``concat``)."""
+
+    keys: Tensor
+    values: Tensor
+    attention: str = "cascade"
+
+
 class LoopedCoreAttention(MegatronModule):
     """Core attention with prefix, cache and plain-causal modes (PyTorch SDPA; the cascade
     prefix attention on the kernel ``config.looped_cascade_kernel`` selects).
 
-    Built by MCore's ``Attention`` with the same arguments as ``DotProductAttention``.
+    Built by MCore's ``Attention`` with the same arguments as ``DotProductAttention`` and
+    called as MCore calls a core attention. The prefix reaches it as state set by
+    ``LoopedSelfAttention`` for one call (``attending_to``), so another core attention (e.g.
+    Transformer Engine's) can be swapped in by spec for the plain causal and masked modes; one
+    that attends to a prefix declares ``supports_prefix`` (docs/architecture.md). Its saved
+    bytes per mode: ``saved_bytes`` (the planner's memory model).
     """
+
+    supports_prefix = True
+    """It attends to a ``PrefixKV`` set by ``attending_to`` (and serves prompt-once decoding,
+    which reads ``scale``)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -390,22 +473,51 @@ class LoopedCoreAttention(MegatronModule):
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
         if (attention_dropout or config.attention_dropout) > 0:
             raise ValueError("looped core attention does not support attention_dropout > 0")
+        self.prefix: Optional[PrefixKV] = None
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, *, prefix_kv=None,
-                prefix_attention="cascade"):
-        """attention_mask: MCore convention (True = masked), broadcastable to [b, 1, sq, sk]."""
+    @contextlib.contextmanager
+    def attending_to(self, prefix: PrefixKV):
+        """Within the block, calls attend to ``prefix`` before their own keys."""
+        self.prefix = prefix
+        try:
+            yield
+        finally:
+            self.prefix = None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """MCore's core-attention call. attention_mask: MCore convention (True = masked),
+        broadcastable to [b, 1, sq, sk]; None: causal (or, with a prefix, causal over the own
+        keys after the whole prefix)."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("looped core attention takes no attention_bias or "
+                                      "packed_seq_params")
         sq, b = query.shape[:2]
-        if prefix_kv is not None and prefix_attention == "cascade":
-            out = cascade_prefix_attention(query, key, value, *prefix_kv, self.scale,
-                                           self.config.looped_cascade_kernel)
-        elif prefix_kv is not None:
-            out = concat_prefix_attention(query, key, value, *prefix_kv, self.scale)
+        prefix = self.prefix
+        if prefix is not None and prefix.attention == "cascade":
+            out = cascade_prefix_attention(query, key, value, prefix.keys, prefix.values,
+                                           self.scale, self.config.looped_cascade_kernel)
+        elif prefix is not None:
+            out = concat_prefix_attention(query, key, value, prefix.keys, prefix.values,
+                                          self.scale)
         elif attention_mask is not None:
             out = sdpa(query, key, value, ~attention_mask, self.scale)
         else:
             out = sdpa(query, key, value, None, self.scale, causal=True)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
+
+    @staticmethod
+    def saved_bytes(shape, rows: int, s: int, mode: str, prefix: int = 0) -> int:
+        """Bytes autograd saves for one call on ``rows`` x ``s`` queries in ``mode``:
+        ``causal``, or a prefix attention (``cascade``, ``concat``) against ``prefix`` keys;
+        ``shape``: the planner's ``ModelShape``."""
+        if mode == "causal":
+            return causal_saved_bytes(shape, rows, s)
+        if mode == "cascade":
+            return cascade_saved_bytes(shape, rows, s, prefix)
+        if mode == "concat":
+            return concat_saved_bytes(shape, rows, s, prefix)
+        raise ValueError(f"no saved-bytes model for attention mode {mode!r}")
 
 
 class LoopedSelfAttention(SelfAttention):
@@ -413,6 +525,8 @@ class LoopedSelfAttention(SelfAttention):
 
     ``inference_context`` is a ``LoopKV`` (or None for a plain causal forward);
     ``rotary_pos_emb`` is already gathered per position: [sq, b or 1, 1, rot_dim].
+    The core attention is called as MCore calls it; the prefix modes need one that
+    ``supports_prefix``.
     """
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
@@ -423,10 +537,24 @@ class LoopedSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
         ctx: Optional[LoopKV] = inference_context
         if ctx is None:
-            out = self.core_attention(query, key, value, attention_mask)
+            out = self._core(query, key, value, attention_mask)
         else:
             out = self._attend_routed(ctx, query, key, value, attention_mask)
         return self.linear_proj(out)
+
+    def _core(self, query, key, value, attention_mask):
+        """The core attention, as MCore calls it: causal without a mask, else arbitrary."""
+        mask_type = AttnMaskType.causal if attention_mask is None else AttnMaskType.arbitrary
+        return self.core_attention(query, key, value, attention_mask, attn_mask_type=mask_type)
+
+    def _prefix_core(self, mode: str):
+        """The core attention, checked to attend to a prefix (``mode`` names the caller)."""
+        core = self.core_attention
+        if not getattr(core, "supports_prefix", False):
+            raise NotImplementedError(
+                f"{mode} needs a core attention that attends to a prefix (supports_prefix, as "
+                f"LoopedCoreAttention); this layer's is {type(core).__name__}")
+        return core
 
     def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
         d = ctx.depth
@@ -435,10 +563,11 @@ class LoopedSelfAttention(SelfAttention):
         if ctx.cache is not None:
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
-            prefix_kv = (ctx.prefix.keys[d], ctx.prefix.values[d])
-            return self.core_attention(query, key, value, None, prefix_kv=prefix_kv,
-                                       prefix_attention=ctx.prefix_attention)
-        return self.core_attention(query, key, value, attention_mask)
+            core = self._prefix_core("attention to a prefix state")
+            prefix = PrefixKV(ctx.prefix.keys[d], ctx.prefix.values[d], ctx.prefix_attention)
+            with core.attending_to(prefix):
+                return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
+        return self._core(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):
         if ctx.cache.prefix is not None:
@@ -448,13 +577,13 @@ class LoopedSelfAttention(SelfAttention):
         cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
         cache.values[ctx.depth][pos, batch] = value.transpose(0, 1).to(cache.values.dtype)
         if cache.fresh:  # a prefill from an empty cache: plain causal over its own K/V
-            return self.core_attention(query, key, value, None)
+            return self._core(query, key, value, None)
         span = int(pos.max()) + 1
         keys = cache.keys[ctx.depth][:span].to(query.dtype)  # [T, B, ng, hn]
         vals = cache.values[ctx.depth][:span].to(query.dtype)
         key_pos = torch.arange(span, device=pos.device)
         masked = key_pos[None, None, :] > pos[:, :, None]  # [B, s, T]
-        return self.core_attention(query, keys, vals, masked[:, None])
+        return self._core(query, keys, vals, masked[:, None])
 
     def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
         """Prompt-once decoding: write the new K/V into the continuation cache, attend to it
@@ -472,7 +601,7 @@ class LoopedSelfAttention(SelfAttention):
         out = prompt_once_attention(
             query, cache.keys[d][:span].to(query.dtype), cache.values[d][:span].to(query.dtype),
             own, prefix.keys[d][:P].to(query.dtype), prefix.values[d][:P].to(query.dtype),
-            prompt, self.core_attention.scale)  # [B, np, s, hn]
+            prompt, self._prefix_core("prompt-once decoding").scale)  # [B, np, s, hn]
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
 
