@@ -220,14 +220,10 @@ class LoopedGPTModel(LanguageModule):
         learned = self.decoder.loop_weights
         return None if learned is None else learned(self.config.looped_num_loops)
 
-    def boundary_logprobs(self, prefix_state: PrefixState, labels: Tensor) -> Tensor:
-        """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
-        readout of the prompt's last position (``prefix_state.boundary``)."""
-        return self.boundary_readouts(prefix_state, labels).logprobs
-
     def boundary_readouts(self, prefix_state: PrefixState, labels: Tensor) -> LoopedOutput:
-        """``boundary_logprobs`` as ``logprobs`` [R, B, 1], and with the exit gate the exit
-        distribution of the prompt's last position as ``exit_logprobs`` [R, B, 1]."""
+        """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
+        readout of the prompt's last position (``prefix_state.boundary``) as ``logprobs``, and
+        with the exit gate the exit distribution there as ``exit_logprobs`` [R, B, 1]."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
         logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V/tp], [Bp, R]
