@@ -15,7 +15,7 @@ and for naive training of the same group. Peaks per phase of the joint replay:
 
 The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
 positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
-attention's own model (``saved_bytes``, beside the kernels in ``model/attention.py``); a test
+attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``); a test
 holds the sum to within 10% of the probe on a grid of shapes. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
