@@ -20,7 +20,6 @@ Normalization = TransformerConfig.__annotations__["normalization"]
 """Norm layers: MCore's ``TransformerConfig.normalization`` choices."""
 
 CASCADE_KERNELS = get_args(CascadeKernel)
-FAMILIES = get_args(Family)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
