@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from scalerlt_mcore.model import attention
+from scalerlt_mcore.model import kernels
 from scalerlt_mcore.model.config import CASCADE_KERNELS, LoopedTransformerConfig
 
 aten = torch.ops.aten
@@ -90,18 +90,18 @@ class _OnCpu:
         return None
 
 
-class CpuAsCudaFlash(_OnCpu, attention.CudaFlashKernel):
+class CpuAsCudaFlash(_OnCpu, kernels.CudaFlashKernel):
     pass
 
 
-class CpuAsCudaEfficient(_OnCpu, attention.CudaEfficientKernel):
+class CpuAsCudaEfficient(_OnCpu, kernels.CudaEfficientKernel):
     pass
 
 
 SUBSTITUTED = {
     "flash": CpuAsCudaFlash(flash_forward, flash_backward),
     "efficient": CpuAsCudaEfficient(efficient_forward, efficient_backward),
-    "cpu_flash": attention.CpuFlashKernel(),
+    "cpu_flash": kernels.CpuFlashKernel(),
 }
 
 
@@ -131,7 +131,7 @@ def test_fused_cascade_equals_explicit_attention(kernel, prefix_batch, dtype, to
                       dtype=torch.float64).to(dtype)  # [B, heads, S, d]
 
     def fused(*args):
-        return attention.cascade_prefix_attention(*args, kernel=SUBSTITUTED[kernel])
+        return kernels.cascade_prefix_attention(*args, kernel=SUBSTITUTED[kernel])
 
     got = _value_and_grads(fused, inputs, cot)
     want = _value_and_grads(explicit_prefix_attention, inputs, cot)
@@ -144,7 +144,7 @@ def _saved_shapes(kernel: str, inputs: list) -> list:
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t,
                                                   lambda t: t):
-        attention.cascade_prefix_attention(*inputs, 0.3, kernel=kernel)
+        kernels.cascade_prefix_attention(*inputs, 0.3, kernel=kernel)
     return saved
 
 
@@ -171,7 +171,7 @@ def _q(dtype, device="meta", head_dim=8):
     ("meta", torch.bfloat16, 8, "matmul"),  # no fused kernel is the default off CPU/CUDA
 ])
 def test_auto_kernel_by_device_and_dtype(device, dtype, head_dim, expected):
-    got = attention.resolve_cascade_kernel("auto", _q(dtype, device, head_dim))
+    got = kernels.resolve_cascade_kernel("auto", _q(dtype, device, head_dim))
     assert getattr(got, "name", got) == expected
 
 
@@ -187,10 +187,10 @@ def test_auto_kernel_on_cuda_order_and_logged_fallback(monkeypatch, caplog, dtyp
     """On CUDA (meta tensors stand in; the device-type table points meta at CUDA's order):
     flash where it supports dtype and head dim, else efficient, else matmul, each skip
     logged with its reason."""
-    monkeypatch.setitem(attention.AUTO_ORDER, "meta", attention.AUTO_ORDER["cuda"])
-    monkeypatch.setattr(attention, "_logged", set())
-    with caplog.at_level(logging.WARNING, logger=attention.__name__):
-        got = attention.resolve_cascade_kernel("auto", _q(dtype, "meta", head_dim))
+    monkeypatch.setitem(kernels.AUTO_ORDER, "meta", kernels.AUTO_ORDER["cuda"])
+    monkeypatch.setattr(kernels, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        got = kernels.resolve_cascade_kernel("auto", _q(dtype, "meta", head_dim))
     assert getattr(got, "name", got) == expected
     if reason is None:
         assert not caplog.records
@@ -210,11 +210,11 @@ def test_auto_kernel_on_cuda_order_and_logged_fallback(monkeypatch, caplog, dtyp
 ])
 def test_explicit_kernel_that_cannot_run_is_a_clear_error(choice, q, match):
     with pytest.raises(ValueError, match=match):
-        attention.resolve_cascade_kernel(choice, q)
+        kernels.resolve_cascade_kernel(choice, q)
 
 
 def test_config_field_lists_every_kernel_and_rejects_others():
-    assert set(CASCADE_KERNELS) == {"auto", "matmul", *attention.LSE_KERNELS}
+    assert set(CASCADE_KERNELS) == {"auto", "matmul", *kernels.LSE_KERNELS}
     base = dict(num_layers=1, hidden_size=16, num_attention_heads=2,
                 use_cpu_initialization=True)
     assert LoopedTransformerConfig(**base).looped_cascade_kernel == "auto"

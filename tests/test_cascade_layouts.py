@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scalerlt_mcore.model import attention
+from scalerlt_mcore.model import kernels
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -104,7 +104,7 @@ def test_cascade_hands_each_cuda_kernel_its_layout(case):
     pk, pv = leaf(P, Bp, groups, hn, dt=leaf_dtype), leaf(P, Bp, groups, hn, dt=leaf_dtype)
     checker = LayoutChecker()
     with checker:
-        out = attention.cascade_prefix_attention(q, k, v, pk, pv, hn ** -0.5, kernel=kernel)
+        out = kernels.cascade_prefix_attention(q, k, v, pk, pv, hn ** -0.5, kernel=kernel)
         out.backward(torch.empty_like(out))
     assert {FLASH_BWD if kernel == "flash" else EFFICIENT_BWD} <= set(checker.seen)
     assert checker.violations == []
@@ -133,17 +133,17 @@ def test_the_checker_catches_each_wrong_layout():
 
 def test_kernels_bind_the_default_overloads():
     """torch 2.13 adds a ``.quantized`` overload of the flash op: the kernels call ``.default``."""
-    for kernel in attention.LSE_KERNELS.values():
+    for kernel in kernels.LSE_KERNELS.values():
         for op in (kernel.forward_op, kernel.backward_op):
             assert isinstance(op, torch._ops.OpOverload) and op._overloadname == "default"
-            assert op.__name__.split(".")[0] in attention.OP_SIGNATURES
+            assert op.__name__.split(".")[0] in kernels.OP_SIGNATURES
 
 
 def test_an_unsupported_op_schema_is_an_error_naming_the_op():
-    attention.check_op_schemas()  # this torch's schemas are the supported ones
-    changed = dict(attention.OP_SIGNATURES)
+    kernels.check_op_schemas()  # this torch's schemas are the supported ones
+    changed = dict(kernels.OP_SIGNATURES)
     positional, keywords, n_out = changed["_scaled_dot_product_flash_attention_backward"]
     changed["_scaled_dot_product_flash_attention_backward"] = (positional, keywords, n_out + 1)
     with pytest.raises(RuntimeError, match=r"aten\._scaled_dot_product_flash_attention_backward"
                                            r"\.default has an unsupported schema"):
-        attention.check_op_schemas(changed)
+        kernels.check_op_schemas(changed)

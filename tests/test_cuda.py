@@ -25,7 +25,7 @@ import pytest
 import torch
 from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step
 
-from scalerlt_mcore.model import attention
+from scalerlt_mcore.model import kernels
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,7 +57,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
                                              (torch.float64, "matmul")])
 def test_auto_kernel_on_cuda(dtype, expected):
     q = torch.empty(4, 2, 8, 64, dtype=dtype, device=DEVICE)
-    kernel = attention.resolve_cascade_kernel("auto", q)
+    kernel = kernels.resolve_cascade_kernel("auto", q)
     assert getattr(kernel, "name", kernel) == expected
 
 
@@ -89,11 +89,11 @@ def test_cascade_cuda_kernels_match_the_matmul_reference(kernel, dtype, prefix_b
                       dtype=torch.float64, device=DEVICE)
 
     def cascade(name):
-        return lambda *a: attention.cascade_prefix_attention(*a, kernel=name)
+        return lambda *a: kernels.cascade_prefix_attention(*a, kernel=name)
 
     ref = _value_and_grads(cascade("matmul"), inputs, torch.float64, cot)
     got = _value_and_grads(cascade(kernel), inputs, dtype, cot)
-    stock = _value_and_grads(attention.concat_prefix_attention, inputs, dtype, cot)
+    stock = _value_and_grads(kernels.concat_prefix_attention, inputs, dtype, cot)
     errors = {n: _rel(g, r) for n, g, r in zip(NAMES, got, ref, strict=True)}
     stock_errors = {n: _rel(s, r) for n, s, r in zip(NAMES, stock, ref, strict=True)}
     print(f"\n[{kernel} {dtype}] rel err vs fp64 matmul: "

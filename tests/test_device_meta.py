@@ -21,7 +21,7 @@ import pytest
 import torch
 from sp_helpers import build_model, make_group
 
-from scalerlt_mcore.model import attention
+from scalerlt_mcore.model import kernels
 from scalerlt_mcore.rl import batch as rl_batch
 from scalerlt_mcore.rl import rollout, sft
 from scalerlt_mcore.rl.batch import RLGroup
@@ -156,7 +156,7 @@ def _attention_inputs(dtype, S=5, B=3, P=6, prefix_batch=1, hn=64):
     return [torch.empty(s, dtype=dtype, device=META, requires_grad=True) for s in shapes]
 
 
-class _Recording(attention.LseKernel):
+class _Recording(kernels.LseKernel):
     """Wraps a kernel and records the shapes/dtypes its forward and backward see."""
 
     def __init__(self, inner):
@@ -188,8 +188,8 @@ def test_cascade_fused_kernels_run_on_meta(name, dtype, prefix_batch):
     forward and backward on meta, each part called with its layout; the merged log-sum-exp
     is fp32 and unpadded, gradients come back in the inputs' shapes and dtype."""
     q, k, v, pk, pv = inputs = _attention_inputs(dtype, prefix_batch=prefix_batch)
-    kernel = _Recording(attention.LSE_KERNELS[name])
-    out = attention.cascade_prefix_attention(*inputs, 0.125, kernel=kernel)
+    kernel = _Recording(kernels.LSE_KERNELS[name])
+    out = kernels.cascade_prefix_attention(*inputs, 0.125, kernel=kernel)
     assert out.shape == (3, 4, 5, 64) and out.dtype == dtype and out.device == META
     out.backward(torch.empty_like(out))
     for t in inputs:
@@ -209,10 +209,10 @@ def test_cascade_fused_kernels_run_on_meta(name, dtype, prefix_batch):
 def test_efficient_op_pads_its_log_sum_exp_and_the_kernel_strips_it():
     q = torch.empty(1, 2, 40, 64, device=META)
     kv = torch.empty(1, 2, 70, 64, device=META)
-    raw = attention.aten._scaled_dot_product_efficient_attention(q, kv, kv, None, True, 0.0,
+    raw = kernels.aten._scaled_dot_product_efficient_attention(q, kv, kv, None, True, 0.0,
                                                                  False, scale=0.125)
     assert raw[1].shape == (1, 2, 64)  # 40 queries padded to 64
-    out, lse, _ = attention.LSE_KERNELS["efficient"].forward(q, kv, kv, False, 0.125)
+    out, lse, _ = kernels.LSE_KERNELS["efficient"].forward(q, kv, kv, False, 0.125)
     assert out.shape == (1, 2, 40, 64) and lse.shape == (1, 2, 40)
 
 
@@ -223,19 +223,19 @@ def test_fused_kernels_save_no_score_matrix_on_meta(kernel):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(
             lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        attention.cascade_prefix_attention(*inputs, 0.125, kernel=kernel)
+        kernels.cascade_prefix_attention(*inputs, 0.125, kernel=kernel)
     has_scores = any(s[-2:] == (30, 7) for s in saved)  # [*, M, P]
     assert has_scores == (kernel == "matmul"), saved
 
 
 def test_matmul_and_concat_attention_on_meta():
     inputs = _attention_inputs(torch.float32, prefix_batch=3)
-    for fn in (attention.concat_prefix_attention,
-               lambda *a: attention.cascade_prefix_attention(*a, kernel="matmul")):
+    for fn in (kernels.concat_prefix_attention,
+               lambda *a: kernels.cascade_prefix_attention(*a, kernel="matmul")):
         out = fn(*inputs, 0.125)
         assert out.shape == (3, 4, 5, 64) and out.device == META
         out.sum().backward()
-    out, lse = attention.merge_with_lse(_meta(2, 3, 4, dtype=torch.bfloat16), _meta(2, 3),
+    out, lse = kernels.merge_with_lse(_meta(2, 3, 4, dtype=torch.bfloat16), _meta(2, 3),
                                         _meta(2, 3, 4, dtype=torch.bfloat16), _meta(2, 3))
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.device == META
 
@@ -246,8 +246,8 @@ def test_wave_forward_loss_and_backward_on_meta_with_cuda_flash(mcore_single, mo
     loss, backward into the parameters and the prefix-state leaves."""
     model = build_model(R=2, arch=True, hidden=32, heads=4, looped_cascade_kernel="flash")
     model.to(device=META, dtype=torch.bfloat16)
-    kernel = _Recording(attention.LSE_KERNELS["flash"])
-    monkeypatch.setitem(attention.LSE_KERNELS, "flash", kernel)
+    kernel = _Recording(kernels.LSE_KERNELS["flash"])
+    monkeypatch.setitem(kernels.LSE_KERNELS, "flash", kernel)
     group = make_group(4, 6, 3, 2, seed=0, dtype=torch.float32, kl=True, device="meta")
     with torch.no_grad():
         state = model(group.tokens[:1, :6], return_prefix_state=True,

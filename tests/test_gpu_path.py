@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from scalerlt_mcore.app import runtime
-from scalerlt_mcore.model import LoopedGPTModel, attention, get_looped_gpt_layer_local_spec
+from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec, kernels
 from scalerlt_mcore.model.config import LoopedTransformerConfig
 from scalerlt_mcore.shared_prefix import planner
 
@@ -72,17 +72,17 @@ def test_cuda_device_is_set_before_the_process_group_and_passed_as_device_id(mon
 
 
 class _SdpaCalls:
-    """Records every ``F.scaled_dot_product_attention`` call of the attention module."""
+    """Records every ``F.scaled_dot_product_attention`` call of the attention kernels."""
 
     def __init__(self, monkeypatch):
-        self.calls, real = [], attention.F.scaled_dot_product_attention
+        self.calls, real = [], kernels.F.scaled_dot_product_attention
 
         def record(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
             self.calls.append((attn_mask is not None, is_causal, enable_gqa))
             return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
 
-        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", record)
+        monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", record)
 
 
 def test_masked_sdpa_repeats_kv_heads_instead_of_enable_gqa(monkeypatch):
@@ -92,13 +92,13 @@ def test_masked_sdpa_repeats_kv_heads_instead_of_enable_gqa(monkeypatch):
     allowed = torch.rand(5, 7, generator=gen) > 0.3
     allowed[:, 0] = True
     sdpa = _SdpaCalls(monkeypatch)
-    out = attention.sdpa(q, k, v, allowed, 0.25)  # [b, np, s, hn]
+    out = kernels.sdpa(q, k, v, allowed, 0.25)  # [b, np, s, hn]
     assert sdpa.calls == [(True, False, False)]
     keys, vals = (t.repeat_interleave(2, dim=2) for t in (k, v))  # [7, b, np, hn]
     scores = torch.einsum("sbhd,tbhd->bhst", q, keys) * 0.25
     probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
     assert torch.allclose(out, torch.einsum("bhst,tbhd->bhsd", probs, vals), atol=1e-12)
-    attention.sdpa(q, k, v, None, 0.25, causal=True)  # unmasked GQA keeps enable_gqa
+    kernels.sdpa(q, k, v, None, 0.25, causal=True)  # unmasked GQA keeps enable_gqa
     assert sdpa.calls[-1] == (False, True, True)
 
 

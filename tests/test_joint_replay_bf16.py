@@ -45,7 +45,7 @@ from sp_helpers import (
     rel_errors,
 )
 
-from scalerlt_mcore.model.attention import cascade_prefix_attention
+from scalerlt_mcore.model.kernels import cascade_prefix_attention
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 

@@ -7,7 +7,12 @@ import torch
 
 from scalerlt_mcore.app.arguments import parse_args
 from scalerlt_mcore.app.trainer import RLTrainer
-from scalerlt_mcore.model.config import parse_loop_sampling, sample_num_loops
+from scalerlt_mcore.model.config import (
+    LOOP_COUNT_SALT,
+    parse_loop_sampling,
+    sample_num_loops,
+    step_seed,
+)
 
 
 def test_fixed_is_the_configured_count():
@@ -91,3 +96,19 @@ def test_rl_steps_run_at_each_steps_draw(mcore_single):
     assert len(set(draws)) > 1  # the steps really differ
     assert [m["loops"] for m in metrics] == draws
     assert seen == [{r} for r in draws]
+
+
+def test_one_owner_of_a_steps_loop_count():
+    """``step_num_loops``: the curriculum's count, then the spec's draw of the step (the
+    largest it can draw for evaluation); the draw's generator seed is ``step_seed``'s."""
+    from scalerlt_mcore.model.config import curriculum_loops, step_num_loops
+
+    for step in range(8):
+        mean = curriculum_loops(step, 4, 5)
+        assert step_num_loops(step, 4, 5, "uniform:1,3", 9) == sample_num_loops(
+            "uniform:1,3", mean, 9, step)
+        assert step_num_loops(step, 4, 5, "fixed", 9) == mean
+        assert step_num_loops(step, 4, 5, "poisson_lognormal", 9, evaluation=True) == 2 * mean
+    gen = torch.Generator().manual_seed(step_seed(9, 3, 0, LOOP_COUNT_SALT))
+    assert sample_num_loops("uniform:1,6", 2, 9, 3) == int(torch.randint(1, 7, (1,),
+                                                                         generator=gen))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
-from scalerlt_mcore.model.attention import cascade_prefix_attention, concat_prefix_attention
 from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.model.kernels import cascade_prefix_attention, concat_prefix_attention
 
 VOCAB, PROMPT, SUFFIX = 64, 7, 6
 

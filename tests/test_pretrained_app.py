@@ -29,7 +29,8 @@ from scalerlt_mcore.app.pretrained import (
     resume_checkpoint,
     run_vocab_size,
 )
-from scalerlt_mcore.app.trainer import RLTrainer, curriculum_loops
+from scalerlt_mcore.app.trainer import RLTrainer
+from scalerlt_mcore.model.config import curriculum_loops
 from scalerlt_mcore.model.mcore_import import stock_gpt_model
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.testing import model_parallel_context

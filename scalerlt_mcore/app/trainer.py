@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
-from ..model.config import parse_loop_sampling, sample_num_loops, set_num_loops
+from ..model.config import set_num_loops, step_num_loops, step_seed
 from ..rl.advantages import group_advantages
 from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old_logprobs
 from ..rl.objective import rl_forward_step
@@ -33,18 +33,6 @@ from .arguments import (
     task_from,
     tokenizer_from,
 )
-
-
-def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
-    return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
-
-
-def curriculum_loops(step: int, loops: int, warmup_iters: int) -> int:
-    """Loop count of ``step``: rises linearly from 1 to ``loops`` over ``warmup_iters`` steps."""
-    if warmup_iters <= 0 or step >= warmup_iters:
-        return loops
-    return 1 + (loops - 1) * step // warmup_iters
-
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
                  "time_step_s")
@@ -105,12 +93,8 @@ class RLTrainer:
         ``looped_num_loops_sampling``'s draw for the step (``evaluation``: the largest count it
         can draw, so that every loop count's accuracy is measured)."""
         m = self.cfg.model
-        loops = curriculum_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters)
-        if evaluation:
-            loops = parse_loop_sampling(m.looped_num_loops_sampling, loops)[2]
-        else:
-            loops = sample_num_loops(m.looped_num_loops_sampling, loops,
-                                     self.cfg.training.seed, step)
+        loops = step_num_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters,
+                               m.looped_num_loops_sampling, self.cfg.training.seed, evaluation)
         set_num_loops(self.model.config, loops)
         return loops
 

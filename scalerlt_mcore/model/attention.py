@@ -1,385 +1,61 @@
-"""Attention for the looped GPT: MCore ``SelfAttention`` that routes K/V by virtual depth, and a
-core attention that attends to a shared prefix either by concatenation or, I/O-aware, as a
-cascade: one batched product of all queries against the single prefix K/V, merged with each
-sequence's own causal attention through the log-sum-exp of the two parts.
-
-The cascade runs on a fused kernel that returns the log-sum-exp (``LseKernel``: PyTorch's CPU
-flash op, or its CUDA flash / memory-efficient ops), chosen by the config field
-``looped_cascade_kernel``; the matmul path materialises the scores and is the reference.
+"""Attention for the looped GPT: MCore ``SelfAttention`` that routes K/V by virtual depth (and
+writes the decoding caches), and a core attention with MCore's call that attends to a shared
+prefix set for the call. The kernels and their saved-bytes models are in ``kernels.py``.
 
 Shapes follow MCore: q [sq, b, np, hn], k/v [sk, b, ng, hn], outputs [sq, b, np * hn].
 """
 
-import logging
+import contextlib
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
+from .kernels import (
+    cascade_prefix_attention,
+    cascade_saved_bytes,
+    causal_saved_bytes,
+    concat_prefix_attention,
+    concat_saved_bytes,
+    prompt_once_attention,
+    resolve_cascade_kernel,  # noqa: F401  (the kernel choice, re-exported for benchmarks/gpu.py)
+    sdpa,
+)
 from .kv import LoopKV
 
-log = logging.getLogger(__name__)
 
-
-def _bhsd(x: Tensor) -> Tensor:
-    return x.permute(1, 2, 0, 3)  # [s, b, n, d] -> [b, n, s, d]
-
-
-def batch_major(x: Tensor) -> Tensor:
-    """``x`` [b, h, M, d] stored as [b, M, h, d] (the layout the CUDA ops write their outputs
-    in); a copy only where it is stored otherwise."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float):
-    """Softmax attention that also returns the log-sum-exp of every query's scores.
-
-    q [..., M, d], k/v [..., N, d], allowed broadcastable to [..., M, N] (True = attend).
-    Returns out [..., M, d] and lse [..., M] (fp32 for half inputs, else the input dtype).
-    """
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # [..., M, N]
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [..., M]
-    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-    return torch.matmul(probs, v), lse
-
-
-def merge_with_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple:
-    """Exact softmax over the union of two key sets from the two partial results: (out, lse).
-    The weighted sum is accumulated in fp32 or wider and rounded to the output dtype once."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    acc = torch.promote_types(out_a.dtype, torch.float32)
-    w_a = torch.exp(lse_a - lse).unsqueeze(-1).to(acc)
-    w_b = torch.exp(lse_b - lse).unsqueeze(-1).to(acc)
-    return (out_a.to(acc) * w_a + out_b.to(acc) * w_b).to(out_a.dtype), lse
-
-
-def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """The merged output of ``merge_with_lse``."""
-    return merge_with_lse(out_a, lse_a, out_b, lse_b)[0]
-
-
-# ---- fused kernels that return the log-sum-exp ---------------------------------------------
-
-aten = torch.ops.aten
-
-OP_SIGNATURES = {
-    "_scaled_dot_product_flash_attention_for_cpu": (
-        "query key value dropout_p is_causal", "attn_mask scale", 2),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": (
-        "grad_out query key value out logsumexp dropout_p is_causal", "attn_mask scale", 3),
-    "_scaled_dot_product_flash_attention": (
-        "query key value dropout_p is_causal return_debug_mask", "scale", 9),
-    "_scaled_dot_product_flash_attention_backward": (
-        "grad_out query key value out logsumexp cum_seq_q cum_seq_k max_q max_k dropout_p "
-        "is_causal philox_seed philox_offset", "scale", 3),
-    "_scaled_dot_product_efficient_attention": (
-        "query key value attn_bias compute_log_sumexp dropout_p is_causal", "scale", 4),
-    "_scaled_dot_product_efficient_attention_backward": (
-        "grad_out_ query key value attn_bias out logsumexp philox_seed philox_offset dropout_p "
-        "grad_input_mask is_causal", "scale", 4),
-}
-"""The ``.default`` overload of each fused attention op the kernels call positionally:
-(positional argument names, keyword-only names, number of outputs), the same in torch 2.11
-(the GPU check machine) through 2.14 (2.13 here); checked once at import."""
-
-
-def check_op_schemas(signatures: dict = OP_SIGNATURES) -> None:
-    """Raise naming the op whose ``.default`` schema differs from ``signatures``."""
-    for name, (positional, keywords, n_out) in signatures.items():
-        schema = getattr(aten, name).default._schema
-        found = (" ".join(a.name for a in schema.arguments if not a.kwarg_only),
-                 " ".join(a.name for a in schema.arguments if a.kwarg_only), len(schema.returns))
-        if found != (positional, keywords, n_out):
-            raise RuntimeError(
-                f"aten.{name}.default has an unsupported schema in torch {torch.__version__} "
-                f"(expected arguments ({positional}; *, {keywords}) -> {n_out} outputs): {schema}")
-
-
-check_op_schemas()
-
-
-class LseKernel:
-    """A fused attention op that returns every query's log-sum-exp, and its backward op.
-
-    ``forward(q, k, v, causal, scale)`` with q [b, h, M, d], k/v [b, h, N, d] returns
-    (out [b, h, M, d], lse [b, h, M] (fp32 for half inputs), state for the backward);
-    ``backward(dout, q, k, v, out, lse, causal, scale, state)`` returns (dq, dk, dv), the
-    gradient of softmax attention whose output and log-sum-exp are ``out`` and ``lse``. The
-    ops are constructor arguments (defaults: PyTorch's), so a test can substitute others with
-    the same calling convention.
-    """
-
-    name = ""
-    device_types: tuple = ()
-
-    def __init__(self, forward_op, backward_op):
-        self.forward_op, self.backward_op = forward_op, backward_op
-
-    def unsupported(self, q: Tensor) -> Optional[str]:
-        """Why this kernel cannot take query ``q`` (None: it can)."""
-        if q.device.type not in self.device_types:
-            return f"it runs on {'/'.join(self.device_types)} tensors, not {q.device.type}"
-        return self._unsupported_dtype(q)
-
-    def _unsupported_dtype(self, q: Tensor) -> Optional[str]:
-        return None if q.dtype.is_floating_point else f"it needs floating point, not {q.dtype}"
-
-
-class CpuFlashKernel(LseKernel):
-    """PyTorch's CPU flash attention (every float dtype)."""
-
-    name, device_types = "cpu_flash", ("cpu", "meta")
-
-    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention_for_cpu.default,
-                 backward_op=aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
-        super().__init__(forward_op, backward_op)
-
-    def forward(self, q, k, v, causal: bool, scale: float):
-        out, lse = self.forward_op(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
-
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, state):
-        return self.backward_op(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-def _cuda_limits(q: Tensor, dtypes: tuple, min_capability: tuple) -> Optional[str]:
-    """Why PyTorch's CUDA SDPA ops cannot take ``q`` (dtype, head dim, GPU generation)."""
-    if q.dtype not in dtypes:
-        return f"it supports {', '.join(str(d) for d in dtypes)}, not {q.dtype}"
-    hn = q.shape[-1]
-    if hn % 8 or hn > 256:
-        return f"head dim {hn} is not a multiple of 8 up to 256"
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < min_capability:
-        return f"it needs compute capability >= {min_capability}"
-    return None
-
-
-class CudaFlashKernel(LseKernel):
-    """PyTorch's CUDA flash attention (fp16/bf16, head dim <= 256, Ampere or newer)."""
-
-    name, device_types = "flash", ("cuda", "meta")
-
-    def __init__(self, forward_op=aten._scaled_dot_product_flash_attention.default,
-                 backward_op=aten._scaled_dot_product_flash_attention_backward.default):
-        super().__init__(forward_op, backward_op)
-
-    def _unsupported_dtype(self, q):
-        return _cuda_limits(q, (torch.float16, torch.bfloat16), (8, 0))
-
-    def forward(self, q, k, v, causal: bool, scale: float):
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = self.forward_op(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, (cum_q, cum_k, seed, offset)
-
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, state):
-        cum_q, cum_k, seed, offset = state
-        lse = lse.contiguous()  # flash-attn 2 reads it at (b*H + h)*M + row, ignoring strides
-        return self.backward_op(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2],
-                                0.0, causal, seed, offset, scale=scale)
-
-
-class CudaEfficientKernel(LseKernel):
-    """PyTorch's CUDA memory-efficient attention (fp32/fp16/bf16). Its log-sum-exp comes
-    padded to a multiple of ``LSE_ALIGN`` queries; the backward takes it in that layout."""
-
-    name, device_types = "efficient", ("cuda", "meta")
-    LSE_ALIGN = 32
-
-    def __init__(self, forward_op=aten._scaled_dot_product_efficient_attention.default,
-                 backward_op=aten._scaled_dot_product_efficient_attention_backward.default):
-        super().__init__(forward_op, backward_op)
-
-    def _unsupported_dtype(self, q):
-        return _cuda_limits(q, (torch.float32, torch.float16, torch.bfloat16), (5, 0))
-
-    def forward(self, q, k, v, causal: bool, scale: float):
-        out, lse, seed, offset = self.forward_op(q, k, v, None, True, 0.0, causal, scale=scale)
-        return out, lse[..., : q.shape[2]], (seed, offset)  # lse [b, h, M] of [b, h, M_pad]
-
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, state):
-        seed, offset = state
-        M = q.shape[2]
-        padded = -(-M // self.LSE_ALIGN) * self.LSE_ALIGN
-        lse_pad = lse.new_full((*lse.shape[:-1], padded), float("inf"))  # [b, h, M_pad]
-        lse_pad[..., :M] = lse
-        out = batch_major(out)  # the kernel reads out's rows with stride H*D
-        dq, dk, dv, _ = self.backward_op(dout, q, k, v, None, out, lse_pad, seed, offset, 0.0,
-                                         [True, True, True, False], causal, scale=scale)
-        return dq, dk, dv
-
-
-LSE_KERNELS = {k.name: k for k in (CpuFlashKernel(), CudaFlashKernel(), CudaEfficientKernel())}
-AUTO_ORDER = {"cpu": ("cpu_flash",), "cuda": ("flash", "efficient")}
-_logged: set = set()
-
-
-def resolve_cascade_kernel(choice, q: Tensor):
-    """The kernel of ``looped_cascade_kernel`` = ``choice`` for query ``q``: an ``LseKernel``,
-    or ``"matmul"``. ``auto`` takes the first fused kernel of q's device type that supports
-    q's dtype and head dim (``AUTO_ORDER``; a skipped one is logged once with the reason),
-    else ``matmul`` (e.g. fp64 on CUDA). An explicit kernel that cannot take q is an error."""
-    if choice == "matmul":
-        return choice
-    if choice == "auto":
-        return _auto_kernel(q)
-    kernel = LSE_KERNELS.get(choice, choice)
-    if not isinstance(kernel, LseKernel):
-        raise ValueError(f"looped_cascade_kernel must be one of auto, matmul, "
-                         f"{', '.join(LSE_KERNELS)}; got {choice!r}")
-    why = kernel.unsupported(q)
-    if why is not None:
-        raise ValueError(f"looped_cascade_kernel={kernel.name!r} cannot run this attention: "
-                         f"{why} (q {tuple(q.shape)} {q.dtype} on {q.device})")
-    return kernel
-
-
-def _auto_kernel(q: Tensor):
-    for name in AUTO_ORDER.get(q.device.type, ()):
-        why = LSE_KERNELS[name].unsupported(q)
-        if why is None:
-            return LSE_KERNELS[name]
-        _log_once(f"cascade prefix attention: {name} kernel skipped for {q.dtype}, head dim "
-                  f"{q.shape[-1]} on {q.device.type}: {why}")
-    return "matmul"
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.warning(message)
-
-
-def cascade_prefix_attention(q, k, v, pk, pv, scale: float, kernel="auto") -> Tensor:
-    """Suffix queries attend to a prefix (all visible) and causally to their own keys.
-
-    q [S, B, np, hn]; k, v [S, B, ng, hn]; pk, pv [P, Bp, ng, hn] with Bp = 1 (one prompt
-    shared by the batch) or Bp = B. Returns [B, np, S, hn]. The prefix is read once: its part
-    is one product per query group of all rep * B * S queries against the P prefix keys.
-    ``kernel`` (``looped_cascade_kernel``, or an ``LseKernel``): both parts on a fused kernel
-    that returns the log-sum-exp (no score matrix is materialised or saved), or ``matmul``,
-    the reference, which materialises the scores (see ``resolve_cascade_kernel``).
-    ``pk``/``pv`` may be wider than ``q`` (the fp32 adjoint leaves of a bf16 model): a fused
-    kernel that supports their dtype runs the prefix part's backward in it, so their grads
-    arrive unrounded; otherwise (and on the matmul path) they are computed in ``q``'s dtype.
-    """
-    S, B, heads, hn = q.shape
-    groups, bp = k.shape[2], pk.shape[1]
-    layout = _PrefixLayout(bp, B // bp, groups, heads // groups, S)
-    qs = _bhsd(q)  # [B, np, S, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, S, hn]
-    qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [Bp, ng, M, hn], [Bp, ng, P, hn]
-    fused = resolve_cascade_kernel(kernel, q)
-    if fused != "matmul":
-        return _FusedCascade.apply(qp, pk, pv, qs, ks, vs, scale, layout, fused)
-    out_p, lse_p = attend_with_lse(qp, pk.to(q.dtype), pv.to(q.dtype), None, scale)
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    out_s, lse_s = attend_with_lse(qs, ks, vs, causal, scale)
-    return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)
-
-
-class _PrefixLayout:
-    """Between the per-sequence layout [B, np, S(, hn)] and the prefix-product layout
-    [Bp, ng, M(, hn)] with M = (B / Bp) * rep * S: every query of a KV group in one row block."""
-
-    def __init__(self, bp, per, groups, rep, S):
-        self.bp, self.per, self.groups, self.rep, self.S = bp, per, groups, rep, S
-
-    def to_prefix(self, x: Tensor) -> Tensor:
-        tail = x.shape[3:]
-        x = x.reshape(self.bp, self.per, self.groups, self.rep, self.S, *tail)
-        return x.transpose(1, 2).reshape(self.bp, self.groups, -1, *tail)  # [Bp, ng, M(, hn)]
-
-    def from_prefix(self, x: Tensor) -> Tensor:
-        tail = x.shape[3:]
-        x = x.reshape(self.bp, self.groups, self.per, self.rep, self.S, *tail).transpose(1, 2)
-        return x.reshape(self.bp * self.per, self.groups * self.rep, self.S, *tail)
-
-
-class _FusedCascade(torch.autograd.Function):
-    """Cascade attention on a fused ``LseKernel`` (CPU flash, CUDA flash or CUDA efficient).
-
-    Backward runs each part's kernel backward against the *merged* output and log-sum-exp:
-    that is exactly the gradient of softmax attention over the union of the two key sets, so
-    only q, k, v, the prefix K/V, the output and the log-sum-exp are saved (no score matrix).
-    """
-
-    @staticmethod
-    def forward(ctx, qp, pk, pv, qs, ks, vs, scale, layout, kernel):
-        out_p, lse_p, state_p = kernel.forward(qp, pk.to(qp.dtype), pv.to(qp.dtype), False,
-                                               scale)  # [Bp, ng, M(, hn)]
-        out_s, lse_s, state_s = kernel.forward(qs, ks, vs, True, scale)  # [B, np, S(, hn)]
-        out, lse = merge_with_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p),
-                                  out_s, lse_s)  # [B, np, S, hn], [B, np, S]
-        ctx.save_for_backward(qp, pk, pv, qs, ks, vs, out, lse)
-        ctx.scale, ctx.layout, ctx.kernel, ctx.states = scale, layout, kernel, (state_p, state_s)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        qp, pk, pv, qs, ks, vs, out, lse = ctx.saved_tensors
-        kernel, scale, to_p = ctx.kernel, ctx.scale, ctx.layout.to_prefix
-        state_p, state_s = ctx.states
-        dout = dout.contiguous()
-        dqs, dks, dvs = kernel.backward(dout, qs, ks, vs, out, lse, True, scale, state_s)
-        dqp, dpk, dpv = _prefix_backward(kernel, to_p(dout), qp, pk, pv, to_p(out), to_p(lse),
-                                         scale, state_p)
-        return dqp, dpk, dpv, dqs, dks, dvs, None, None, None
-
-
-def _prefix_backward(kernel, dout, qp, pk, pv, out, lse, scale, state):
-    """The prefix part's backward. With prefix K/V wider than the queries (fp32 leaves of a
-    bf16 model) it runs in their dtype where the kernel supports it, so dK/dV are not rounded
-    to the queries' dtype; the queries' grad comes back in their own dtype."""
-    wide = pk.dtype
-    if wide != qp.dtype and kernel.unsupported(qp.to(wide)) is None:
-        dqp, dpk, dpv = kernel.backward(dout.to(wide), qp.to(wide), pk, pv, out.to(wide), lse,
-                                        False, scale, state)
-        return dqp.to(qp.dtype), dpk, dpv
-    dqp, dpk, dpv = kernel.backward(dout, qp, pk.to(qp.dtype), pv.to(qp.dtype), out, lse,
-                                    False, scale, state)
-    return dqp, dpk.to(wide), dpv.to(wide)
-
-
-def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
-    """Same result as ``cascade_prefix_attention`` by expanding the prefix per sequence. A
-    prefix wider than ``k`` is cast after the expand: the per-sequence grads sum in its dtype."""
-    S, B = q.shape[:2]
-    P = pk.shape[0]
-    keys = torch.cat([pk.expand(P, B, *pk.shape[2:]).to(k.dtype), k], dim=0)  # [P+S, B, ng, hn]
-    vals = torch.cat([pv.expand(P, B, *pv.shape[2:]).to(v.dtype), v], dim=0)
-    allowed = torch.ones(S, P + S, dtype=torch.bool, device=q.device).tril(diagonal=P)
-    return sdpa(q, keys, vals, allowed, scale)
-
-
-def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False) -> Tensor:
-    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn].
-
-    GQA without a mask goes through ``enable_gqa`` (CUDA: flash); with a mask the K/V heads
-    are repeated instead: CUDA's memory-efficient kernel takes a mask but not ``enable_gqa``,
-    and the pair would fall back to the math kernel, materialising the scores."""
-    rep = q.shape[2] // k.shape[2]
-    if allowed is not None and rep > 1:
-        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))  # [sk, b, np, hn]
-    return F.scaled_dot_product_attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
+@dataclass
+class PrefixKV:
+    """The prefix a core attention's next call attends to (all visible) before its own keys:
+    keys/values [P, Bp, ng, hn] (one virtual depth's), and how: ``attention`` is the config's
+    ``looped_prefix_attention`` (``cascade`` or ``concat``)."""
+
+    keys: Tensor
+    values: Tensor
+    attention: str = "cascade"
 
 
 class LoopedCoreAttention(MegatronModule):
     """Core attention with prefix, cache and plain-causal modes (PyTorch SDPA; the cascade
     prefix attention on the kernel ``config.looped_cascade_kernel`` selects).
 
-    Built by MCore's ``Attention`` with the same arguments as ``DotProductAttention``.
+    Built by MCore's ``Attention`` with the same arguments as ``DotProductAttention`` and
+    called as MCore calls a core attention. The prefix reaches it as state set by
+    ``LoopedSelfAttention`` for one call (``attending_to``), so another core attention (e.g.
+    Transformer Engine's) can be swapped in by spec for the plain causal and masked modes; one
+    that attends to a prefix declares ``supports_prefix`` (docs/architecture.md). Its saved
+    bytes per mode: ``saved_bytes`` (the planner's memory model).
     """
+
+    supports_prefix = True
+    """It attends to a ``PrefixKV`` set by ``attending_to`` (and serves prompt-once decoding,
+    which reads ``scale``)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -390,22 +66,51 @@ class LoopedCoreAttention(MegatronModule):
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
         if (attention_dropout or config.attention_dropout) > 0:
             raise ValueError("looped core attention does not support attention_dropout > 0")
+        self.prefix: Optional[PrefixKV] = None
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, *, prefix_kv=None,
-                prefix_attention="cascade"):
-        """attention_mask: MCore convention (True = masked), broadcastable to [b, 1, sq, sk]."""
+    @contextlib.contextmanager
+    def attending_to(self, prefix: PrefixKV):
+        """Within the block, calls attend to ``prefix`` before their own keys."""
+        self.prefix = prefix
+        try:
+            yield
+        finally:
+            self.prefix = None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """MCore's core-attention call. attention_mask: MCore convention (True = masked),
+        broadcastable to [b, 1, sq, sk]; None: causal (or, with a prefix, causal over the own
+        keys after the whole prefix)."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("looped core attention takes no attention_bias or "
+                                      "packed_seq_params")
         sq, b = query.shape[:2]
-        if prefix_kv is not None and prefix_attention == "cascade":
-            out = cascade_prefix_attention(query, key, value, *prefix_kv, self.scale,
-                                           self.config.looped_cascade_kernel)
-        elif prefix_kv is not None:
-            out = concat_prefix_attention(query, key, value, *prefix_kv, self.scale)
+        prefix = self.prefix
+        if prefix is not None and prefix.attention == "cascade":
+            out = cascade_prefix_attention(query, key, value, prefix.keys, prefix.values,
+                                           self.scale, self.config.looped_cascade_kernel)
+        elif prefix is not None:
+            out = concat_prefix_attention(query, key, value, prefix.keys, prefix.values,
+                                          self.scale)
         elif attention_mask is not None:
             out = sdpa(query, key, value, ~attention_mask, self.scale)
         else:
             out = sdpa(query, key, value, None, self.scale, causal=True)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
+
+    @staticmethod
+    def saved_bytes(shape, rows: int, s: int, mode: str, prefix: int = 0) -> int:
+        """Bytes autograd saves for one call on ``rows`` x ``s`` queries in ``mode``:
+        ``causal``, or a prefix attention (``cascade``, ``concat``) against ``prefix`` keys;
+        ``shape``: the planner's ``ModelShape``."""
+        if mode == "causal":
+            return causal_saved_bytes(shape, rows, s)
+        if mode == "cascade":
+            return cascade_saved_bytes(shape, rows, s, prefix)
+        if mode == "concat":
+            return concat_saved_bytes(shape, rows, s, prefix)
+        raise ValueError(f"no saved-bytes model for attention mode {mode!r}")
 
 
 class LoopedSelfAttention(SelfAttention):
@@ -413,6 +118,8 @@ class LoopedSelfAttention(SelfAttention):
 
     ``inference_context`` is a ``LoopKV`` (or None for a plain causal forward);
     ``rotary_pos_emb`` is already gathered per position: [sq, b or 1, 1, rot_dim].
+    The core attention is called as MCore calls it; the prefix modes need one that
+    ``supports_prefix``.
     """
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
@@ -423,10 +130,24 @@ class LoopedSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
         ctx: Optional[LoopKV] = inference_context
         if ctx is None:
-            out = self.core_attention(query, key, value, attention_mask)
+            out = self._core(query, key, value, attention_mask)
         else:
             out = self._attend_routed(ctx, query, key, value, attention_mask)
         return self.linear_proj(out)
+
+    def _core(self, query, key, value, attention_mask):
+        """The core attention, as MCore calls it: causal without a mask, else arbitrary."""
+        mask_type = AttnMaskType.causal if attention_mask is None else AttnMaskType.arbitrary
+        return self.core_attention(query, key, value, attention_mask, attn_mask_type=mask_type)
+
+    def _prefix_core(self, mode: str):
+        """The core attention, checked to attend to a prefix (``mode`` names the caller)."""
+        core = self.core_attention
+        if not getattr(core, "supports_prefix", False):
+            raise NotImplementedError(
+                f"{mode} needs a core attention that attends to a prefix (supports_prefix, as "
+                f"LoopedCoreAttention); this layer's is {type(core).__name__}")
+        return core
 
     def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
         d = ctx.depth
@@ -435,10 +156,11 @@ class LoopedSelfAttention(SelfAttention):
         if ctx.cache is not None:
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
-            prefix_kv = (ctx.prefix.keys[d], ctx.prefix.values[d])
-            return self.core_attention(query, key, value, None, prefix_kv=prefix_kv,
-                                       prefix_attention=ctx.prefix_attention)
-        return self.core_attention(query, key, value, attention_mask)
+            core = self._prefix_core("attention to a prefix state")
+            prefix = PrefixKV(ctx.prefix.keys[d], ctx.prefix.values[d], ctx.prefix_attention)
+            with core.attending_to(prefix):
+                return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
+        return self._core(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):
         if ctx.cache.prefix is not None:
@@ -448,13 +170,13 @@ class LoopedSelfAttention(SelfAttention):
         cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
         cache.values[ctx.depth][pos, batch] = value.transpose(0, 1).to(cache.values.dtype)
         if cache.fresh:  # a prefill from an empty cache: plain causal over its own K/V
-            return self.core_attention(query, key, value, None)
+            return self._core(query, key, value, None)
         span = int(pos.max()) + 1
         keys = cache.keys[ctx.depth][:span].to(query.dtype)  # [T, B, ng, hn]
         vals = cache.values[ctx.depth][:span].to(query.dtype)
         key_pos = torch.arange(span, device=pos.device)
         masked = key_pos[None, None, :] > pos[:, :, None]  # [B, s, T]
-        return self.core_attention(query, keys, vals, masked[:, None])
+        return self._core(query, keys, vals, masked[:, None])
 
     def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
         """Prompt-once decoding: write the new K/V into the continuation cache, attend to it
@@ -472,28 +194,6 @@ class LoopedSelfAttention(SelfAttention):
         out = prompt_once_attention(
             query, cache.keys[d][:span].to(query.dtype), cache.values[d][:span].to(query.dtype),
             own, prefix.keys[d][:P].to(query.dtype), prefix.values[d][:P].to(query.dtype),
-            prompt, self.core_attention.scale)  # [B, np, s, hn]
+            prompt, self._prefix_core("prompt-once decoding").scale)  # [B, np, s, hn]
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]
-
-
-def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float) -> Tensor:
-    """Decoding G samples per prompt (Hydragen): each query attends to its own cached keys and
-    to its prompt's keys, stored once per prompt; the two softmax parts are merged through
-    their log-sum-exps. The prompt part is one product per (prompt, query group) of all
-    G * rep * s queries against the prompt's P keys.
-
-    q [s, B, np, hn]; k, v [T, B, ng, hn] the rows' own K/V, ``allowed`` [B, s, T] (True =
-    attend); pk, pv [P, N, ng, hn] the prompts' K/V with B = N * G (rows n*G ... n*G+G-1
-    continue prompt n), ``prompt_allowed`` [N, P] (False on prompt padding). Every query must
-    see at least one key of each part. Returns [B, np, s, hn].
-    """
-    s, B, heads, hn = q.shape
-    prompts, groups = pk.shape[1], pk.shape[2]
-    layout = _PrefixLayout(prompts, B // prompts, groups, heads // groups, s)
-    qs = _bhsd(q)  # [B, np, s, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, T, hn]
-    out_s, lse_s = attend_with_lse(qs, ks, vs, allowed[:, None], scale)
-    seen = prompt_allowed[:, None, None, :]  # [N, 1, 1, P]
-    out_p, lse_p = attend_with_lse(layout.to_prefix(qs), _bhsd(pk), _bhsd(pv), seen, scale)
-    return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)

@@ -19,11 +19,7 @@ PositionEmbeddingType = Literal["learned_absolute", "rope"]
 Normalization = TransformerConfig.__annotations__["normalization"]
 """Norm layers: MCore's ``TransformerConfig.normalization`` choices."""
 
-INJECTIONS = get_args(Injection)
-INITIAL_STATES = get_args(InitialState)
-PREFIX_ATTENTIONS = get_args(PrefixAttention)
 CASCADE_KERNELS = get_args(CascadeKernel)
-FAMILIES = get_args(Family)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
@@ -226,14 +222,44 @@ def parse_loop_sampling(spec: str, mean: int) -> tuple:
                      f"1 <= a <= b and max >= 1, got {spec!r}")
 
 
+def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
+    """The seed of one draw of training step ``step`` on data-parallel rank ``rank`` (``salt``
+    tells a step's draws apart): the one formula of every per-step draw (prompts, sampling, the
+    warm-up pairs, the loop count), so a resumed run draws them again."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
+
+
+LOOP_COUNT_SALT = 424_242
+"""``step_seed``'s salt of the loop-count draw (rank 0's: the same draw on every rank)."""
+
+
+def curriculum_loops(step: int, loops: int, warmup_iters: int) -> int:
+    """Loop count of ``step``: rises linearly from 1 to ``loops`` over ``warmup_iters`` steps."""
+    if warmup_iters <= 0 or step >= warmup_iters:
+        return loops
+    return 1 + (loops - 1) * step // warmup_iters
+
+
+def step_num_loops(step: int, loops: int, warmup_iters: int, spec: str, seed: int,
+                   evaluation: bool = False) -> int:
+    """The loop count R of training step ``step``, owned here: the ``warmup_iters`` curriculum
+    towards ``loops``, then ``spec``'s draw for the step (``sample_num_loops``), or with
+    ``evaluation`` the largest count ``spec`` can draw (every loop count's accuracy measured)."""
+    loops = curriculum_loops(step, loops, warmup_iters)
+    if evaluation:
+        return parse_loop_sampling(spec, loops)[2]
+    return sample_num_loops(spec, loops, seed, step)
+
+
 def sample_num_loops(spec: str, mean: int, seed: int, step: int) -> int:
     """The loop count R of training step ``step``, drawn by ``spec`` (``parse_loop_sampling``)
-    from (seed, step) alone: the same on every rank, and a resumed run draws it again."""
+    from (seed, step) alone (``step_seed`` of rank 0): the same on every rank, and a resumed
+    run draws it again."""
     kind, low, high = parse_loop_sampling(spec, mean)
     if kind == "fixed":
         return mean
     gen = torch.Generator(device="cpu")  # host-side: one integer per step
-    gen.manual_seed((seed * 1_000_003 + step * 10_007 + 424_242) % (2**31 - 1))
+    gen.manual_seed(step_seed(seed, step, 0, LOOP_COUNT_SALT))
     if kind == "uniform":
         return int(torch.randint(low, high + 1, (1,), generator=gen, device="cpu"))
     if mean <= 1:

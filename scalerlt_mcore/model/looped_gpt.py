@@ -15,10 +15,13 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
 from .block import exit_log_distribution, loop_grad_context
-from .config import POSITION_EMBEDDING_TYPES
+from .config import POSITION_EMBEDDING_TYPES, step_seed
 from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
+
+INITIAL_STATE_SALT = 271_828
+"""``step_seed``'s salt of the drawn initial state."""
 
 
 def initial_state_table(seed: int, step: int, length: int, hidden: int, std: float,
@@ -26,10 +29,9 @@ def initial_state_table(seed: int, step: int, length: int, hidden: int, std: flo
     """Huginn's random initial state made deterministic: [length, hidden] (one row per absolute
     position, the same for every sequence), fp64 on the host, a normal (mean 0, ``std``; Huginn's
     is sqrt(2 / (5 hidden))) truncated at 3 std (``torch.nn.init.trunc_normal_``) times
-    ``scale`` (the embedding scale), from a CPU generator seeded with
-    (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1)."""
-    gen = torch.Generator(device="cpu").manual_seed(
-        (seed * 1_000_003 + step * 10_007 + 271_828) % (2**31 - 1))
+    ``scale`` (the embedding scale), from a CPU generator seeded with ``step_seed`` of rank 0
+    and ``INITIAL_STATE_SALT``: (seed * 1000003 + step * 10007 + 271828) mod (2^31 - 1)."""
+    gen = torch.Generator(device="cpu").manual_seed(step_seed(seed, step, 0, INITIAL_STATE_SALT))
     table = torch.empty(length, hidden, dtype=torch.float64, device="cpu")
     torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
     return table * scale
@@ -220,14 +222,10 @@ class LoopedGPTModel(LanguageModule):
         learned = self.decoder.loop_weights
         return None if learned is None else learned(self.config.looped_num_loops)
 
-    def boundary_logprobs(self, prefix_state: PrefixState, labels: Tensor) -> Tensor:
-        """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
-        readout of the prompt's last position (``prefix_state.boundary``)."""
-        return self.boundary_readouts(prefix_state, labels).logprobs
-
     def boundary_readouts(self, prefix_state: PrefixState, labels: Tensor) -> LoopedOutput:
-        """``boundary_logprobs`` as ``logprobs`` [R, B, 1], and with the exit gate the exit
-        distribution of the prompt's last position as ``exit_logprobs`` [R, B, 1]."""
+        """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
+        readout of the prompt's last position (``prefix_state.boundary``) as ``logprobs``, and
+        with the exit gate the exit distribution there as ``exit_logprobs`` [R, B, 1]."""
         self._check_inputs(labels[:, None], None, prefix_state, None)
         batch, loops = labels.shape[0], self.config.looped_num_loops
         logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V/tp], [Bp, R]

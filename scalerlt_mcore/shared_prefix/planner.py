@@ -1,6 +1,6 @@
 """Planning a group's shared-prefix step: predicted memory and time, and the plan they pick.
 
-Memory (DESIGN.md section 5): the bytes autograd saves for backward (what ``SavedTensorProbe``
+Memory (docs/design.md): the bytes autograd saves for backward (what ``SavedTensorProbe``
 measures) and the prefix adjoints, per (model, P, S, G, W, prompt mode, checkpointed waves),
 and for naive training of the same group. Peaks per phase of the joint replay:
 
@@ -13,9 +13,10 @@ and for naive training of the same group. Peaks per phase of the joint replay:
   (the probe does not see them; ``activation_bytes`` counts them);
 - naive: one microbatch of full prompt+response sequences.
 
-The accounting follows the local layer spec op by op (layer norms, GELU MLP, flash/cascade or
-concat attention, learned or RoPE positions, injection, prelude/coda, all-loop readouts); a
-test holds it to within 10% of the probe on a grid of shapes. Time: ``CostModel`` (a fixed
+The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
+positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
+attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``); a test
+holds the sum to within 10% of the probe on a grid of shapes. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
 
@@ -26,6 +27,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..model.attention import LoopedCoreAttention
 
 PROMPT_MODES = ("recompute", "retain")
 SCHEDULES = ("joint_replay", "naive", "auto")
@@ -79,6 +82,9 @@ class ModelShape:
     graph_free_loops: int = 0
     """Leading loops that truncated backprop runs without a graph (``looped_backprop_loops``):
     they save nothing, and their prefix K/V get no adjoint."""
+    core_attention: type = LoopedCoreAttention
+    """The layers' core attention: its ``saved_bytes(shape, rows, s, mode, prefix)`` is the
+    memory model of every attention call (a swapped-in core attention brings its own)."""
 
     @classmethod
     def from_model(cls, model) -> "ModelShape":
@@ -97,6 +103,7 @@ class ModelShape:
             prefix_attention=c.looped_prefix_attention, dtype_bytes=dtype.itemsize,
             acc_bytes=torch.promote_types(dtype, torch.float32).itemsize,
             graph_free_loops=c.looped_num_graph_free_loops,
+            core_attention=_core_attention(model),
         )
 
     @property
@@ -135,6 +142,21 @@ class MemoryEstimate:
     def peak_bytes(self) -> int:
         """What a memory budget is checked against: activations plus adjoints."""
         return self.activation_bytes + self.adjoint_bytes
+
+
+def _core_attention(model) -> type:
+    """The class of the model's core attention (every layer's is the same spec's), checked to
+    carry a saved-bytes model."""
+    layers = [*model.decoder.prelude, *model.decoder.layers, *model.decoder.coda]
+    kinds = {type(layer.self_attention.core_attention) for layer in layers}
+    if len(kinds) != 1:
+        raise ValueError(f"the planner needs one core attention for every layer, got "
+                         f"{sorted(k.__name__ for k in kinds)}")
+    kind = kinds.pop()
+    if not callable(getattr(kind, "saved_bytes", None)):
+        raise ValueError(f"core attention {kind.__name__} has no saved_bytes(shape, rows, s, "
+                         f"mode, prefix): the planner cannot predict its memory")
+    return kind
 
 
 # ---- saved bytes of one forward, op by op -----------------------------------------------------
@@ -184,26 +206,10 @@ def _norm(m: ModelShape, saved: _Saved, x: str, n: int) -> None:
 
 
 def _attention(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: int) -> None:
-    """Core attention of ``rows`` x ``s`` queries; ``kind``: causal (flash), cascade or concat
-    against ``prefix`` keys. Prefix K/V storage is counted by ``prefix_bytes``."""
-    n, b, hn = rows * s, m.dtype_bytes, m.kv_channels
-    q = n * m.heads * hn * b
-    # q is a view of the qkv output unless rotated or regrouped (grouped-query attention)
-    q_view = not m.rope_dim and m.kv_groups in (1, m.heads)
-    saved.add(4 * n * m.rope_dim * b)  # RoPE: cos and sin of both applications
-    if kind == "causal":  # q, k, v; v (and k without RoPE) views of the qkv output
-        saved.add(n * m.qkv_width * b + q * (not q_view)
-                  + n * m.kv_groups * hn * b * bool(m.rope_dim))
-    else:  # the prefix kernels copy k and v; q is saved
-        saved.add(n * m.qkv_width * b if q_view else q)
-    saved.add(q + n * m.heads * m.acc_bytes)  # output, log-sum-exp
-    if kind == "cascade":
-        view = rows == 1 and m.heads == m.kv_groups
-        saved.add(2 * q + q * (not view) + q * (rows > 1))  # k, v repeated; prefix queries;
-        # projection input (a copy of the merged output when rows > 1)
-    elif kind == "concat":  # concatenated K and V (heads repeated under GQA: masked SDPA)
-        keys = rows * (prefix + s) * m.heads
-        saved.add(2 * keys * hn * b + s * (prefix + s) * b)  # K, V, additive mask
+    """Core attention of ``rows`` x ``s`` queries; ``kind``: causal, cascade or concat against
+    ``prefix`` keys. The bytes are the core attention's own model (its ``saved_bytes``); prefix
+    K/V storage is counted by ``prefix_bytes``."""
+    saved.add(m.core_attention.saved_bytes(m, rows, s, kind, prefix))
 
 
 def _layer(m: ModelShape, saved: _Saved, x: str, rows: int, s: int, kind: str,
