@@ -149,8 +149,8 @@ def recording(target, build):
         built.setdefault(target, []).append((original, build(original)))
         return built[target][-1][1]
     return record
-def table_with(bad_at=None):
-    rows = [(t, recording(t, b)) for t, b in table()]
+def table_with(version=None, bad_at=None):
+    rows = [(t, recording(t, b)) for t, b in table(version)]
     if bad_at is not None:
         rows.insert(bad_at, (BAD, lambda original: original))
     return rows
@@ -158,7 +158,7 @@ def state():
     return {"marker": cpu_backend.cpu_backend_enabled(), "applied": list(cpu_backend.APPLIED),
             "filters": filters(), "built": {t: len(b) for t, b in built.items()}}
 stock, stock_owned = current(), owned()
-cpu_backend._patch_table = lambda: table_with(len(targets) // 2)
+cpu_backend._patch_table = lambda version: table_with(version, len(targets) // 2)
 try:
     cpu_backend.enable_cpu_backend()
     error = None
