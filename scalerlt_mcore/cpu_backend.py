@@ -164,6 +164,7 @@ class _DropRngForkWarning(logging.Filter):
 
 
 _RNG_LOGGER = "megatron.core.tensor_parallel.random"
+RNG_FILTER = f"{_RNG_LOGGER}:logger (filter)"  # ledger target of the filter (every version)
 
 
 def _quiet_rng_fork_warning():
@@ -171,13 +172,12 @@ def _quiet_rng_fork_warning():
     generator *is* the CPU generator, so every dropout inside a fork would warn. Returns the
     callable that removes the filter again."""
     logger, drop = logging.getLogger(_RNG_LOGGER), _DropRngForkWarning()
-    target = f"{_RNG_LOGGER}:logger (filter)"
     logger.addFilter(drop)
-    APPLIED.append(target)
+    APPLIED.append(RNG_FILTER)
 
     def restore() -> None:
         logger.removeFilter(drop)
-        APPLIED.remove(target)
+        APPLIED.remove(RNG_FILTER)
 
     return restore
 

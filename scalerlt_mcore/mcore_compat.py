@@ -24,6 +24,8 @@ MCORE_VERSION = TESTED_MCORE[0]
 
 # "module:qualname" of every @mcore_workaround, in import order: the ledger's W rows.
 WORKAROUNDS: list[str] = []
+WORKAROUND_VERSIONS: dict[str, tuple] = {}
+"""The MCore versions each workaround was checked on (its ledger row's MCore column)."""
 
 
 def found_mcore_version() -> str:
@@ -57,6 +59,20 @@ def require_mcore(what: str, versions: tuple = TESTED_MCORE) -> str:
     return found
 
 
+DIST_CHECKPOINT_FILES = {
+    "0.16.1": ("metadata.json", "common.pt", ".metadata"),
+    "0.19.2": ("metadata.json", ".metadata"),
+}
+"""The files of an MCore ``torch_dist`` checkpoint directory besides its shards, per version:
+0.19 keeps the common (non-tensor) state in the shards, as the sharded object ``common_state``,
+instead of in ``common.pt``."""
+
+
+def dist_checkpoint_files() -> tuple:
+    """`DIST_CHECKPOINT_FILES` of the installed MCore (refusing an untested version)."""
+    return DIST_CHECKPOINT_FILES[require_mcore("The MCore checkpoint layout check")]
+
+
 def resolve(target: str):
     """Split 'pkg.module:Class.attr' into (owner object, attribute name)."""
     module_name, _, attr_path = target.partition(":")
@@ -87,6 +103,7 @@ def mcore_workaround(obj=None, *, versions: tuple = TESTED_MCORE):
     target = f"{obj.__module__}:{obj.__qualname__}"
     if target not in WORKAROUNDS:
         WORKAROUNDS.append(target)
+    WORKAROUND_VERSIONS[target] = tuple(versions)
     if isinstance(obj, type):
         obj.__init__ = _guarded(obj.__init__, target, versions)
         return obj

@@ -51,8 +51,9 @@ def test_workaround_keyed_by_version(monkeypatch):
             only_old()
         assert calls == [1]
     finally:
-        mcore_compat.WORKAROUNDS.remove(f"{__name__}:test_workaround_keyed_by_version.<locals>"
-                                        ".<lambda>")
+        target = f"{__name__}:test_workaround_keyed_by_version.<locals>.<lambda>"
+        mcore_compat.WORKAROUNDS.remove(target)
+        del mcore_compat.WORKAROUND_VERSIONS[target]
 
 
 def test_stock_schedule_kwargs_follow_the_signature():
