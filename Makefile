@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean gpu-check wheelhouse
+.PHONY: demo test test-mcore lint bench clean gpu-check wheelhouse
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,23 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# The suite against another megatron-core (README, "Megatron-Core versions"): its own venv,
+# .venv-mcore<version>, built by tools/mcore_env.py (the cp312 wheel's Python sources unpacked,
+# so it also runs on a Python older than the 3.12 that megatron-core 0.17+ declares).
+MCORE       ?= 0.19.2
+MCORE_VENV  := .venv-mcore$(MCORE)
+MCORE_STAMP := $(MCORE_VENV)/.installed
+# tests/test_gpu_check.py checks the GPU check's own install step (a pinned megatron-core wheel
+# from .wheelhouse/), not this project against MCore: it runs in `make test` only.
+MCORE_PYTEST_ARGS ?= --ignore=tests/test_gpu_check.py
+
+$(MCORE_STAMP): pyproject.toml tools/mcore_env.py
+	python3 tools/mcore_env.py $(MCORE) $(MCORE_VENV)
+	touch $(MCORE_STAMP)
+
+test-mcore: $(MCORE_STAMP)
+	$(MCORE_VENV)/bin/python -m pytest -q -ra $(MCORE_PYTEST_ARGS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
@@ -47,4 +64,4 @@ wheelhouse:
 	python3 tools/gpu_check.py wheelhouse
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-mcore* *.egg-info

@@ -1,7 +1,7 @@
-"""Opt-in CPU backend for Megatron-Core 0.16.1: run real MCore modules on CPU with gloo.
+"""Opt-in CPU backend for Megatron-Core: run real MCore modules on CPU with gloo.
 
-MCore 0.16.1 assumes a CUDA device. `enable_cpu_backend()` redirects the CUDA-only calls it
-makes so that, in a process without CUDA, "the CUDA device" is the CPU:
+MCore (0.16.1 and 0.19.2 tested) assumes a CUDA device. `enable_cpu_backend()` redirects the
+CUDA-only calls it makes so that, in a process without CUDA, "the CUDA device" is the CPU:
 
 - `torch.cuda` functions that raise without CUDA (current device, RNG state, streams, sync)
   are replaced by CPU equivalents. Nothing that worked before changes meaning.
@@ -9,7 +9,9 @@ makes so that, in a process without CUDA, "the CUDA device" is the CPU:
   ``param.type() == 'torch.cuda.FloatTensor'`` are wrapped and called through under
   `_CudaAsCpu`, a torch-function mode active only for the duration of that call.
 
-Every deviation is listed in patches/README.md. Nothing is patched at import time.
+Every patch is keyed by the MCore versions it was written for (`_patch_table`): a version gets
+exactly its rows, and a version that was not tested is refused. Every deviation is listed, per
+version, in patches/README.md. Nothing is patched at import time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .mcore_compat import require_mcore, resolve
+from .mcore_compat import TESTED_MCORE, found_mcore_version, require_mcore, resolve
 
 _MARKER = "_scalerlt_cpu_backend"  # set on torch.cuda once every patch is applied
 _MISSING = object()  # an attribute the owner did not define itself (inherited)
@@ -39,17 +41,17 @@ def enable_cpu_backend() -> bool:
     """Apply the CPU backend; return True when applied (now or before), False with CUDA.
 
     All or nothing: if a patch fails to apply, every patch applied so far is restored and the
-    error re-raised, so a retry starts from stock MCore. Raises RuntimeError for any
-    megatron-core version other than 0.16.1.
+    error re-raised, so a retry starts from stock MCore. Raises RuntimeError for a
+    megatron-core version not in TESTED_MCORE.
     """
     if torch.cuda.is_available():
         return False
-    require_mcore("scalerlt_mcore CPU backend")
+    version = require_mcore("scalerlt_mcore CPU backend")
     if cpu_backend_enabled():
         return True
     undo = []  # one restore callable per applied patch, in order
     try:
-        for target, replacement in _patch_table():
+        for target, replacement in _patch_table(version):
             undo.append(_apply(target, replacement))
         undo.append(_quiet_rng_fork_warning())
     except BaseException:
@@ -162,6 +164,7 @@ class _DropRngForkWarning(logging.Filter):
 
 
 _RNG_LOGGER = "megatron.core.tensor_parallel.random"
+RNG_FILTER = f"{_RNG_LOGGER}:logger (filter)"  # ledger target of the filter (every version)
 
 
 def _quiet_rng_fork_warning():
@@ -169,13 +172,12 @@ def _quiet_rng_fork_warning():
     generator *is* the CPU generator, so every dropout inside a fork would warn. Returns the
     callable that removes the filter again."""
     logger, drop = logging.getLogger(_RNG_LOGGER), _DropRngForkWarning()
-    target = f"{_RNG_LOGGER}:logger (filter)"
     logger.addFilter(drop)
-    APPLIED.append(target)
+    APPLIED.append(RNG_FILTER)
 
     def restore() -> None:
         logger.removeFilter(drop)
-        APPLIED.remove(target)
+        APPLIED.remove(RNG_FILTER)
 
     return restore
 
@@ -235,43 +237,54 @@ _SCALER = "megatron.core.optimizer.grad_scaler"
 _SOFTMAX = "megatron.core.fusions.fused_softmax"
 
 
-def _patch_table() -> list[tuple[str, object]]:
-    """Every patch as (target 'module:attr', replacement builder). Mirrors patches/README.md."""
-    return [
-        ("torch.cuda:current_device", _current_device),
-        ("torch.cuda:get_rng_state", _get_rng_state),
-        ("torch.cuda:set_rng_state", _set_rng_state),
-        ("torch.cuda:manual_seed", _manual_seed),
-        ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _mcore_get_rng_state),
-        ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _mcore_set_rng_state),
-        ("torch.cuda:Stream", _stream_class),
-        ("torch.cuda:current_stream", _current_stream),
-        ("torch.cuda:default_stream", _current_stream),
-        ("torch.cuda:stream", _stream_context),
-        ("torch.cuda:synchronize", _synchronize),
-        # causal / sliding-window softmax masks on device="cuda" (imported by name there)
-        (f"{_SOFTMAX}:get_default_causal_mask", _call_through()),
-        (f"{_SOFTMAX}:get_sliding_window_causal_mask", _call_through()),
-        # found_inf, _dummy_overflow_buf, _scale_one on device='cuda'
-        (f"{_OPT}:MixedPrecisionOptimizer.__init__", _call_through()),
-        # _scale on device='cuda'
-        (f"{_OPT}:FP32Optimizer.__init__", _call_through()),
-        # param.type() == 'torch.cuda.FloatTensor' checks while building param groups
-        (f"{_OPT}:Float16OptimizerWithFloat16Params.__init__", _call_through(True)),
-        ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
-         _call_through(True)),
-        # grad-norm / clip / zero-count buffers on device='cuda' (optimizer.py imports by name);
-        # clip asserts grad.type() == 'torch.cuda.FloatTensor'
-        (f"{_OPT}:get_grad_norm_fp32", _call_through()),
-        (f"{_OPT}:clip_grad_by_total_norm_fp32", _call_through(True)),
-        (f"{_OPT}:count_zeros_fp32", _call_through()),
-        (f"{_CLIP}:get_grad_norm_fp32", _call_through()),
-        (f"{_CLIP}:clip_grad_by_total_norm_fp32", _call_through(True)),
-        (f"{_CLIP}:count_zeros_fp32", _call_through()),
-        # loss-scale tensors on device='cuda' (fp16 only)
-        (f"{_SCALER}:MegatronGradScaler.__init__", _call_through()),
-        (f"{_SCALER}:DynamicGradScaler.__init__", _call_through()),
-        # total_num_tokens on device='cuda'
-        ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
-         _call_through()),
-    ]
+def _patch_table(version: str | None = None) -> list[tuple[str, object]]:
+    """The patches for MCore `version` (default: the installed one) as (target 'module:attr',
+    replacement builder), in order. Mirrors patches/README.md."""
+    version = version or found_mcore_version()
+    return [(target, build) for target, build, versions in _PATCHES if version in versions]
+
+
+_ALL = TESTED_MCORE
+_V19 = ("0.19.2",)  # rows for code that megatron-core 0.19 added
+
+# (target, replacement builder, MCore versions it applies to)
+_PATCHES: list[tuple[str, object, tuple]] = [
+    ("torch.cuda:current_device", _current_device, _ALL),
+    ("torch.cuda:get_rng_state", _get_rng_state, _ALL),
+    ("torch.cuda:set_rng_state", _set_rng_state, _ALL),
+    ("torch.cuda:manual_seed", _manual_seed, _ALL),
+    ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _mcore_get_rng_state, _ALL),
+    ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _mcore_set_rng_state, _ALL),
+    ("torch.cuda:Stream", _stream_class, _ALL),
+    ("torch.cuda:current_stream", _current_stream, _ALL),
+    ("torch.cuda:default_stream", _current_stream, _ALL),
+    ("torch.cuda:stream", _stream_context, _ALL),
+    ("torch.cuda:synchronize", _synchronize, _ALL),
+    # causal / sliding-window softmax masks on device="cuda" (imported by name there)
+    (f"{_SOFTMAX}:get_default_causal_mask", _call_through(), _ALL),
+    (f"{_SOFTMAX}:get_sliding_window_causal_mask", _call_through(), _ALL),
+    # found_inf, _dummy_overflow_buf, _scale_one on device='cuda'
+    (f"{_OPT}:MixedPrecisionOptimizer.__init__", _call_through(), _ALL),
+    # _scale on device='cuda'
+    (f"{_OPT}:FP32Optimizer.__init__", _call_through(), _ALL),
+    # param.type() == 'torch.cuda.FloatTensor' checks while building param groups
+    (f"{_OPT}:Float16OptimizerWithFloat16Params.__init__", _call_through(True), _ALL),
+    ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+     _call_through(True), _ALL),
+    # separate grad-norm group flag on device='cuda', all-reduced before every clipped step
+    (f"{_OPT}:MegatronOptimizer.has_grad_norm_group", _call_through(), _V19),
+    # grad-norm / clip / zero-count buffers on device='cuda' (optimizer.py imports by name);
+    # clip asserts grad.type() == 'torch.cuda.FloatTensor'
+    (f"{_OPT}:get_grad_norm_fp32", _call_through(), _ALL),
+    (f"{_OPT}:clip_grad_by_total_norm_fp32", _call_through(True), _ALL),
+    (f"{_OPT}:count_zeros_fp32", _call_through(), _ALL),
+    (f"{_CLIP}:get_grad_norm_fp32", _call_through(), _ALL),
+    (f"{_CLIP}:clip_grad_by_total_norm_fp32", _call_through(True), _ALL),
+    (f"{_CLIP}:count_zeros_fp32", _call_through(), _ALL),
+    # loss-scale tensors on device='cuda' (fp16 only)
+    (f"{_SCALER}:MegatronGradScaler.__init__", _call_through(), _ALL),
+    (f"{_SCALER}:DynamicGradScaler.__init__", _call_through(), _ALL),
+    # total_num_tokens on device='cuda'
+    ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+     _call_through(), _ALL),
+]

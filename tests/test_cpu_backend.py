@@ -79,10 +79,21 @@ def test_enable_twice_is_a_noop():
     assert all(getattr(*resolve(t)) is obj for t, obj in patched.items())
 
 
-def test_wrong_mcore_version_is_refused(monkeypatch):
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match=r"0\.16\.1.*found megatron-core 0\.17\.0"):
+@pytest.mark.parametrize("version", ["0.17.0", "0.19.1", "0.20.0"])
+def test_untested_mcore_version_is_refused(monkeypatch, version):
+    """A version that was not tested is refused, naming the tested versions and the found one."""
+    monkeypatch.setattr(megatron.core, "__version__", version)
+    with pytest.raises(RuntimeError, match=r"CPU backend is written for megatron-core 0\.16\.1 "
+                       rf"and 0\.19\.2; found megatron-core {re.escape(version)}"):
         enable_cpu_backend()
+
+
+def test_patch_table_keyed_by_version():
+    """Each tested version gets its own rows: 0.19.2 adds the grad-norm-group flag."""
+    old, new = ([t for t, _ in cpu_backend._patch_table(v)] for v in ("0.16.1", "0.19.2"))
+    extra = "megatron.core.optimizer.optimizer:MegatronOptimizer.has_grad_norm_group"
+    assert extra in new and extra not in old
+    assert cpu_backend._patch_table("0.18.0") == []
 
 
 def test_noop_when_cuda_is_available(monkeypatch):
@@ -90,11 +101,26 @@ def test_noop_when_cuda_is_available(monkeypatch):
     assert enable_cpu_backend() is False
 
 
+def _ledger_rows(pattern: str) -> list[tuple[str, str, tuple]]:
+    """(number, target, MCore versions) of each ledger table row whose number matches."""
+    rows = re.findall(rf"^\| ({pattern}) \| `([^`]+)` \| ([^|]+) \|", LEDGER.read_text(),
+                      flags=re.M)
+    return [(n, t, tuple(v.strip() for v in versions.split(","))) for n, t, versions in rows]
+
+
 def test_ledger_lists_every_patch():
-    """patches/README.md has exactly one row per applied patch."""
+    """patches/README.md has one row per patch of each tested version, keyed by version: the
+    rows naming the installed version are exactly the applied patches."""
     enable_cpu_backend()
-    rows = re.findall(r"^\| \d+ \| `([^`]+)` \|", LEDGER.read_text(), flags=re.M)
-    assert sorted(rows) == sorted(cpu_backend.APPLIED)
+    rows = _ledger_rows(r"\d+")
+    assert [int(n) for n, _, _ in rows] == list(range(1, len(rows) + 1))
+    found = mcore_compat.found_mcore_version()
+    assert sorted(t for _, t, v in rows if found in v) == sorted(cpu_backend.APPLIED)
+    for version in mcore_compat.TESTED_MCORE:
+        listed = sorted(t for _, t, v in rows if version in v)
+        table = [t for t, _ in cpu_backend._patch_table(version)] + [cpu_backend.RNG_FILTER]
+        assert listed == sorted(table), version
+    assert all(set(v) <= set(mcore_compat.TESTED_MCORE) for _, _, v in rows)
 
 
 def _import_all() -> list[str]:
@@ -112,7 +138,9 @@ def test_ledger_lists_every_workaround():
     assert sorted(row[1] for row in rows) == sorted(_import_all())
     for number, target, rest in rows:
         cells = [cell.strip() for cell in rest.split(" | ")]
-        assert len(cells) == 4 and all(cells), (number, target, cells)
+        assert len(cells) == 5 and all(cells), (number, target, cells)
+    keyed = {t: v for _, t, v in _ledger_rows(r"W\d+")}
+    assert keyed == {t: mcore_compat.WORKAROUND_VERSIONS[t] for t in keyed}
 
 
 def test_every_workaround_refuses_another_mcore_version(monkeypatch):
@@ -122,8 +150,9 @@ def test_every_workaround_refuses_another_mcore_version(monkeypatch):
     assert len(targets) == 4, targets
     monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
     for target in targets:
-        with pytest.raises(RuntimeError, match=re.escape(target) + r".*0\.16\.1.*found "
-                           r"megatron-core 0\.17\.0"):
+        written_for = " and ".join(mcore_compat.WORKAROUND_VERSIONS[target])
+        with pytest.raises(RuntimeError, match=re.escape(f"{target} is written for megatron-core "
+                           f"{written_for}; found megatron-core 0.17.0")):
             getattr(*resolve(target))()
 
 
@@ -149,8 +178,8 @@ def recording(target, build):
         built.setdefault(target, []).append((original, build(original)))
         return built[target][-1][1]
     return record
-def table_with(bad_at=None):
-    rows = [(t, recording(t, b)) for t, b in table()]
+def table_with(version=None, bad_at=None):
+    rows = [(t, recording(t, b)) for t, b in table(version)]
     if bad_at is not None:
         rows.insert(bad_at, (BAD, lambda original: original))
     return rows
@@ -158,7 +187,7 @@ def state():
     return {"marker": cpu_backend.cpu_backend_enabled(), "applied": list(cpu_backend.APPLIED),
             "filters": filters(), "built": {t: len(b) for t, b in built.items()}}
 stock, stock_owned = current(), owned()
-cpu_backend._patch_table = lambda: table_with(len(targets) // 2)
+cpu_backend._patch_table = lambda version: table_with(version, len(targets) // 2)
 try:
     cpu_backend.enable_cpu_backend()
     error = None

@@ -19,6 +19,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from scalerlt_mcore.mcore_compat import mcore_at_least
 from scalerlt_mcore.model import (
     LoopedBlockSubmodules,
     LoopedCoreAttention,
@@ -56,6 +57,21 @@ def n_params(model) -> int:
 # ---- the spec itself -----------------------------------------------------------------------
 
 
+def _mlp_spec(spec: ModuleSpec) -> tuple:
+    """(module class, submodules) of a layer spec's MLP: a ModuleSpec in MCore 0.16, a
+    ``functools.partial`` of ``MLP.as_mlp_submodule`` from MCore 0.19 on."""
+    mlp = spec.submodules.mlp
+    if mcore_at_least("0.19"):
+        return mlp.func.__self__, mlp.keywords["submodules"]
+    return mlp.module, mlp.submodules
+
+
+def _no_qk_norm(norm) -> bool:
+    """An attention's q/k norm when qk_layernorm is off: IdentityOp in MCore 0.16, None from
+    0.19 on."""
+    return norm is None if mcore_at_least("0.19") else isinstance(norm, IdentityOp)
+
+
 def test_local_spec_swaps_only_attention():
     spec = get_looped_gpt_layer_local_spec()
     stock = get_gpt_layer_local_spec()
@@ -66,9 +82,10 @@ def test_local_spec_swaps_only_attention():
     assert attn.submodules.linear_qkv is ColumnParallelLinear
     assert attn.submodules.linear_proj is RowParallelLinear
     assert attn.params == stock.submodules.self_attention.params  # causal mask type
-    assert spec.submodules.mlp.module is MLP
-    assert spec.submodules.mlp.submodules.linear_fc1 is ColumnParallelLinear
-    assert spec.submodules.mlp.submodules.linear_fc2 is RowParallelLinear
+    mlp, mlp_parts = _mlp_spec(spec)
+    assert mlp is MLP
+    assert mlp_parts.linear_fc1 is ColumnParallelLinear
+    assert mlp_parts.linear_fc2 is RowParallelLinear
     assert spec.submodules.input_layernorm is stock.submodules.input_layernorm
     # MCore's own spec is not modified by building ours
     assert get_gpt_layer_local_spec().submodules.self_attention.module is SelfAttention
@@ -97,7 +114,7 @@ def test_built_module_types(mcore_single, pe):
         assert isinstance(attn.core_attention, LoopedCoreAttention)
         assert isinstance(attn.linear_qkv, ColumnParallelLinear)
         assert isinstance(attn.linear_proj, RowParallelLinear)
-        assert isinstance(attn.q_layernorm, IdentityOp)
+        assert _no_qk_norm(attn.q_layernorm)
         assert isinstance(layer.input_layernorm, torch.nn.LayerNorm)
         assert isinstance(layer.pre_mlp_layernorm, torch.nn.LayerNorm)
         assert isinstance(layer.mlp, MLP)
@@ -144,10 +161,12 @@ class _GatedInjection(torch.nn.Module):
 
 
 def test_parts_swap_by_spec(mcore_single):
-    """A user swaps the injection and the core layers' spec without touching the block."""
+    """A user swaps the injection and the core layers' spec without touching the block. (MCore
+    0.19 builds a spec's q/k norm only with qk_layernorm in the config, and refuses one without;
+    a spec's IdentityOp stays one either way.)"""
     cfg = LoopedTransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS,
                                   use_cpu_initialization=True, looped_num_prelude_layers=1,
-                                  looped_injection="linear_concat")
+                                  looped_injection="linear_concat", qk_layernorm=True)
     spec = get_looped_gpt_block_spec(cfg)
     spec.submodules.injection = _GatedInjection
     spec.submodules.core = get_looped_gpt_layer_local_spec(qk_layernorm=True)

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..mcore_compat import mcore_workaround
+from ..mcore_compat import dist_checkpoint_files, mcore_workaround
 from ..model.kv import config_signature
 
 REFERENCE_PREFIX = "reference."
@@ -253,13 +253,10 @@ def checkpoint_problem(ckpt) -> str | None:
     """What is wrong with iteration directory ``ckpt`` (the first missing, truncated or
     unreadable file), or None when every file its index lists is there in full."""
     ckpt = Path(ckpt)
-    for name in ("metadata.json", "common.pt", ".metadata"):
+    files = dist_checkpoint_files()  # per MCore version: 0.19 has no common.pt
+    for name in files:
         if not (ckpt / name).is_file():
             return f"{ckpt / name} is missing"
-    try:
-        checkpoint_meta(ckpt)
-    except Exception as e:  # any failure to read it is the finding
-        return f"{ckpt / 'common.pt'} is unreadable ({type(e).__name__}: {e})"
     try:
         storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
     except Exception as e:
@@ -275,6 +272,11 @@ def checkpoint_problem(ckpt) -> str | None:
         if shard.stat().st_size < size:
             return (f"{shard} is truncated ({shard.stat().st_size} bytes; the checkpoint's "
                     f"index needs {size})")
+    try:
+        checkpoint_meta(ckpt)
+    except Exception as e:  # any failure to read it is the finding
+        where = ckpt / "common.pt" if "common.pt" in files else f"the common state in {ckpt}"
+        return f"{where} is unreadable ({type(e).__name__}: {e})"
     return None
 
 

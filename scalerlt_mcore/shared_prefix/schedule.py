@@ -54,6 +54,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..mcore_compat import stock_schedule_kwargs
 from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 from .naive import FullSequenceModel
@@ -151,18 +152,18 @@ class SharedPrefixSchedule:
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)
 
-    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
-                 seq_length: int, micro_batch_size: int, decoder_seq_length=None,
-                 forward_only: bool = False, collect_non_loss_data: bool = False,
-                 first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
-                 pg_collection=None, force_all_reduce: bool = False):
-        stock_kwargs = dict(
-            forward_step_func=forward_step_func, model=model, num_microbatches=num_microbatches,
-            seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    def __call__(self, **kwargs):
+        """Takes every keyword argument of the installed MCore's forward-backward function
+        (``stock_schedule_kwargs``) and hands a step of plain microbatches to it unchanged."""
+        stock_kwargs = stock_schedule_kwargs(get_forward_backward_func(), kwargs)
+        return self._step(stock_kwargs, **stock_kwargs)
+
+    def _step(self, stock_kwargs: dict, *, forward_step_func, data_iterator, model,
+              num_microbatches: int, forward_only: bool = False,
+              collect_non_loss_data: bool = False, first_val_step=None,
+              adjust_tensor_shapes_fn=None, pg_collection=None, force_all_reduce: bool = False,
+              **_):
+        del stock_kwargs["data_iterator"]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("shared-prefix joint replay needs pipeline parallel size 1")
         first = next(_single(data_iterator, "data_iterator"))
