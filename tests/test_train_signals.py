@@ -26,6 +26,8 @@ from scalerlt_mcore.testing import _free_port
 # every step
 JOB = _flags(global_batch_size=8, eval_iters=1, eval_interval=0, train_iters=40, no_plot=True,
              save_interval=1)
+TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+"""torchrun's multi-node form, one process per node (the README's multi-node line)."""
 STOPPED = re.compile(r"interrupted: checkpoint saved after step (\d+)")
 
 
@@ -126,6 +128,20 @@ def test_an_incomplete_iteration_is_named_with_the_newest_complete_one(one_proce
         f"is {step - 1}: resume from it with --load {older[-1]}"], proc.stderr
 
 
+def test_a_resume_logs_what_it_loaded(one_process, tmp_path, capsys):
+    from scalerlt_mcore.app.arguments import parse_args
+    from scalerlt_mcore.app.train import run
+
+    ckpt = one_process[3]
+    k = int((ckpt / "latest").read_text()[5:])
+    run(parse_args(JOB + ["--load", str(ckpt), "--exit-interval", str(k + 1), "--run-dir",
+                          str(tmp_path / "run")]))
+    out = capsys.readouterr().out
+    assert f"loaded {ckpt / f'iter_{k:07d}'}, resuming at step {k}\n" in out, out
+    assert out.rstrip().endswith(f"exit_interval reached: nothing saved (no --save) after step "
+                                 f"{k + 1}"), out
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """torchrun DP=2 (``cpu_2rank``'s layout on the tiny config), signalled after its second
@@ -154,8 +170,7 @@ def test_two_nodes_follow_the_global_rank(two_ranks, tmp_path):
     records equal the single-node DP=2 job's (rank 1 drew rank 1's data) and each global rank
     wrote its own checkpoint files."""
     port, procs = _free_port(), []
-    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes"]
+    launch = TWO_NODES + ["--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes"]
     cmd = _torchrun(*launch) + JOB + ["--save", "ckpt", "--run-dir", "run", "--exit-interval",
                                       "2"]
     logs = [(tmp_path / f"node{n}.out").open("w") for n in range(2)]

@@ -50,8 +50,10 @@ from .runtime import (
 )
 from .trainer import RLTrainer
 
-USER_ERRORS = (ConfigError, CheckpointError)
-"""Errors a user causes: ``cli`` prints their message alone, without a traceback."""
+USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
+"""Errors a user causes (a bad flag or config, a checkpoint that is missing, damaged or does
+not fit, a file a flag names that is not there): ``cli`` prints their message alone, without a
+traceback."""
 
 LIBRARY_WARNINGS = (
     (UserWarning, r"full scope is deprecated", r"megatron\.core\."),
