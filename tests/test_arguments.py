@@ -363,7 +363,8 @@ def test_values_reach_the_library_objects():
     assert set(kwargs) == set(LOOPED_FLAGS) | {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
         "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias"}
+        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias",
+        "sequence_parallel", "context_parallel_size"}
     config = model_config(cfg, "cpu")
     for key in kwargs:
         if flat[key] is not None:  # None: MCore's default (kv_channels = hidden / heads)
