@@ -67,7 +67,7 @@ def test_one_line_joins_a_list_of_problems():
 
 def test_parallelism_flags_are_refused_with_the_reason_on_one_line(tmp_path):
     proc = _run(TRAIN + FAST + ["--sequence-parallel", "true", "--context-parallel-size", "2"],
-                tmp_path, timeout=200)
+                tmp_path, timeout=600)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "error: invalid configuration: sequence_parallel (--sequence-parallel) must be false: "
@@ -78,7 +78,7 @@ def test_parallelism_flags_are_refused_with_the_reason_on_one_line(tmp_path):
 
 def test_generate_errors_are_one_line(tmp_path, capsys):
     proc = _run(GENERATE + ["--load", str(tmp_path / "missing"), "--prompt", "abca>"], tmp_path,
-                timeout=200)
+                timeout=600)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         f"error: no checkpoint to load: {tmp_path / 'missing'} does not exist"], proc.stderr

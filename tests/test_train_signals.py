@@ -35,7 +35,7 @@ def _torchrun(*launch: str) -> list:
     return [TRAIN[0], "-m", "torch.distributed.run", *launch, "-m", "scalerlt_mcore.train"]
 
 
-def _signal_group_after(cmd: list, cwd, line: str, timeout: float = 400):
+def _signal_group_after(cmd: list, cwd, line: str, timeout: float = 900):
     """Start ``cmd`` in a new session, wait for the stdout ``line``, then SIGTERM its process
     group (``kill -TERM -- -PGID``); -> (return code, stdout, stderr)."""
     err = (cwd / "stderr.txt").open("w")
@@ -119,7 +119,7 @@ def test_an_incomplete_iteration_is_named_with_the_newest_complete_one(one_proce
     *older, newest = sorted(ckpt.glob("iter_*"))
     for name in (".metadata", "metadata.json"):
         (newest / name).unlink()
-    proc = _run(TRAIN + JOB + ["--load", str(newest)], tmp_path, timeout=200)
+    proc = _run(TRAIN + JOB + ["--load", str(newest)], tmp_path, timeout=600)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
     step = int(newest.name[5:])
     assert proc.stderr.splitlines() == [
@@ -178,7 +178,7 @@ def test_two_nodes_follow_the_global_rank(two_ranks, tmp_path):
         for n in range(2):
             procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=logs[n],
                                           stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=400) for p in procs]
+        codes = [p.wait(timeout=900) for p in procs]
     finally:
         for p in procs:
             p.kill()
