@@ -1,13 +1,21 @@
-"""Write a tiny random Hugging Face model (config.json + model.safetensors) to start from,
-for trying ``--pretrained-checkpoint`` on CPU without a download (needs ``transformers``).
+"""Write a tiny random Hugging Face model (config.json + model.safetensors + tokenizer.json) to
+start from, for trying ``--pretrained-checkpoint`` and ``--tokenizer-type HuggingFaceTokenizer``
+on CPU without a download (needs ``transformers`` and ``tokenizers``).
+
+The tokenizer.json is character level over the built-in tasks' characters (<pad> <bos> <eos>,
+then the same characters in the same order as the trainer's CharTokenizer: ids 0-48 of the
+model's 64).
 
     python examples/make_tiny_hf_model.py /tmp/tiny-llama            (8-layer Llama)
     python examples/make_tiny_hf_model.py /tmp/tiny-qwen2 --arch qwen2
 """
 
 import argparse
+from pathlib import Path
 
 import torch
+
+from scalerlt_mcore.rl.tokenizer import ALPHABET, SPECIALS
 
 
 def tiny_model(arch: str, layers: int, seed: int):
@@ -23,6 +31,21 @@ def tiny_model(arch: str, layers: int, seed: int):
     return Qwen2ForCausalLM(Qwen2Config(**shapes, tie_word_embeddings=True))
 
 
+def write_tokenizer(out: Path) -> Path:
+    """A character-level Hugging Face tokenizer.json (one token per character, decoded by
+    concatenation) in ``out``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate((*SPECIALS, *ALPHABET))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIALS))
+    path = Path(out) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory to write")
@@ -31,7 +54,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     tiny_model(args.arch, args.layers, args.seed).save_pretrained(args.out)
-    print(f"wrote a {args.layers}-layer {args.arch} model to {args.out}")
+    write_tokenizer(args.out)
+    print(f"wrote a {args.layers}-layer {args.arch} model and its tokenizer.json to {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ replaces it); the tokenizer must be the one the checkpoint was trained with. Gre
 ``--loop`` picks the readout (1..R, or ``all`` for every loop's), ``--task-prompts N`` draws N
 held-out prompts of the run's task and scores the completions with its reward.
 
-    python -m scalerlt_mcore.generate --load ckpt --prompt "abc>" --loop all
+    python -m scalerlt_mcore.generate --load ckpt --prompt "abca>" --loop all
     python -m scalerlt_mcore.generate --load ckpt --task-prompts 8 --temperature 1 --num-samples 4
+
+Errors a user causes (flags, a missing or mismatched checkpoint, a bad config) print one line,
+``error: ...``, and exit with status 2.
 """
 
 import argparse
@@ -29,11 +32,19 @@ from scalerlt_mcore.app.runtime import (
     shutdown_distributed,
     wrap_for_training,
 )
+from scalerlt_mcore.app.train import USER_ERRORS, exit_with_error, quiet_library_warnings
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are ``ConfigError`` (one line from ``cli``)."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see python -m scalerlt_mcore.generate --help)")
 
 
 def parse(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scalerlt_mcore.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m scalerlt_mcore.generate", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (as --save wrote it)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--task-prompts", type=int, default=0,
@@ -108,15 +119,29 @@ def held_out_problems(task, n: int, seed: int) -> list:
     return task.sample(10**9 + seed, n, split="eval") if n else []
 
 
+def check_prompts(cfg, prompts: list) -> None:
+    """Refuse a prompt the run's tokenizer cannot encode, naming it."""
+    tok = tokenizer_from(cfg)
+    for prompt in prompts:
+        try:
+            tok.encode(prompt)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"--prompt {prompt!r}: the checkpoint's tokenizer cannot encode "
+                              f"it ({e})") from None
+
+
 def main(argv=None) -> None:
+    """Parse, load and sample; every error propagates (see ``cli``)."""
+    quiet_library_warnings()
     args = parse(sys.argv[1:] if argv is None else argv)
     cfg = run_config(args)
     task = task_from(cfg)
     problems = held_out_problems(task, args.task_prompts, args.seed)
     prompts = args.prompt + [p.prompt for p in problems]
+    check_prompts(cfg, args.prompt)
     readouts = loops(args.loop, cfg.model.looped_num_loops)
-    model = load_model(cfg, args.load)
     try:
+        model = load_model(cfg, args.load)
         for loop in readouts:
             for n, samples in enumerate(sample(model, cfg, args, prompts, loop)):
                 for text in samples:
@@ -132,5 +157,14 @@ def _line(loop: int, prompt: str, text: str, task, problems: list, k: int) -> st
     return line
 
 
+def cli(argv=None) -> None:
+    """``main`` for the command line: a user's error prints ``error: ...`` (one line) and
+    exits with status 2."""
+    try:
+        main(argv)
+    except USER_ERRORS as e:
+        exit_with_error(e)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

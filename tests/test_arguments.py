@@ -363,7 +363,8 @@ def test_values_reach_the_library_objects():
     assert set(kwargs) == set(LOOPED_FLAGS) | {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
         "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias"}
+        "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias",
+        "sequence_parallel", "context_parallel_size"}
     config = model_config(cfg, "cpu")
     for key in kwargs:
         if flat[key] is not None:  # None: MCore's default (kv_channels = hidden / heads)
@@ -441,14 +442,14 @@ def test_help_shows_the_values_a_run_without_flags_uses(capsys):
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
-    "--config", "--ddp-bucket-size", "--disable-bias-linear", "--distributed-timeout-minutes",
-    "--eval-interval", "--eval-iters", "--exit-interval", "--ffn-hidden-size", "--finetune",
-    "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
-    "--grpo-entropy-term-weight", "--grpo-group-size", "--grpo-iterations", "--grpo-kl-beta",
-    "--grpo-prompts-per-step", "--help", "--hidden-size", "--kv-channels", "--load",
-    "--log-interval", "--looped-backprop-loops", "--looped-cascade-kernel", "--looped-exit-gate",
-    "--looped-family", "--looped-initial-state", "--looped-initial-state-std",
-    "--looped-injection", "--looped-learned-loop-weights",
+    "--config", "--context-parallel-size", "--ddp-bucket-size", "--disable-bias-linear",
+    "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
+    "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower",
+    "--grpo-clamp-eps-upper", "--grpo-entropy-term-weight", "--grpo-group-size",
+    "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step", "--help", "--hidden-size",
+    "--kv-channels", "--load", "--log-interval", "--looped-backprop-loops",
+    "--looped-cascade-kernel", "--looped-exit-gate", "--looped-family", "--looped-initial-state",
+    "--looped-initial-state-std", "--looped-injection", "--looped-learned-loop-weights",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
     "--looped-num-loops-sampling", "--looped-num-prelude-layers", "--looped-prefix-attention",
     "--looped-retrofit", "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
@@ -462,13 +463,14 @@ FROZEN_CLI_FLAGS = [
     "--rl-loss-normalization", "--rl-max-response-length", "--rl-old-logprobs",
     "--rl-partial-credit", "--rl-rollout", "--rl-rollout-exit", "--rl-task", "--rl-task-options",
     "--rl-temperature", "--rl-top-p", "--rl-warmup-sft-lr", "--rl-warmup-sft-steps",
-    "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval", "--seed",
-    "--shared-prefix-checkpoint-waves", "--shared-prefix-memory-budget", "--shared-prefix-prompt",
-    "--shared-prefix-schedule", "--shared-prefix-wave-size", "--swiglu",
-    "--tensor-model-parallel-size", "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
-    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
-    "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler", "--use-distributed-optimizer",
-    "--use-rope-scaling", "--vocab-size", "--weight-decay",
+    "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval",
+    "--save-keep-last", "--seed", "--sequence-parallel", "--shared-prefix-checkpoint-waves",
+    "--shared-prefix-memory-budget", "--shared-prefix-prompt", "--shared-prefix-schedule",
+    "--shared-prefix-wave-size", "--swiglu", "--tensor-model-parallel-size", "--tensorboard-dir",
+    "--tokenizer-model", "--tokenizer-type", "--train-iters", "--transformer-impl",
+    "--untie-embeddings-and-output-weights", "--use-checkpoint-args",
+    "--use-checkpoint-opt-param-scheduler", "--use-distributed-optimizer", "--use-rope-scaling",
+    "--vocab-size", "--wandb-exp-name", "--wandb-project", "--wandb-save-dir", "--weight-decay",
 ]
 
 

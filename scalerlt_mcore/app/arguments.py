@@ -207,6 +207,11 @@ class ModelArgs:
     Megatron) when vocab_size is unset; padding ids are never sampled and never labels."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (the looped GPT rejects any other than 1)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (the looped GPT rejects it: not supported)."""
+    context_parallel_size: int = 1
+    """Megatron's context-parallel size (the looped GPT rejects any other than 1: not
+    supported)."""
     vocab_size: Optional[int] = None
     """Rows of the embedding table (as set: not padded; divisible by
     tensor_model_parallel_size); None: the tokenizer's, padded by make_vocab_size_divisible_by.
@@ -412,6 +417,10 @@ class LoggingArgs:
     """Checkpoint directory to resume from."""
     save_interval: int = 0
     """Save every this many steps; 0: only at the end (when ``save`` is set)."""
+    save_keep_last: int = 0
+    """Keep only the newest this many complete checkpoints under ``save`` (older ``iter_*``
+    directories are deleted after each save); 0: keep all (Megatron-Bridge's
+    ``most_recent_k``)."""
     run_dir: Optional[str] = None
     """Where logs, plots and the resolved config go; None: ``runs/<timestamp>``."""
     log_interval: int = 1
@@ -421,6 +430,13 @@ class LoggingArgs:
     tokens/s, step times) here; None: no TensorBoard."""
     no_plot: bool = False
     """Do not write the training-curve plot."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project to log every metric to (needs the ``wandb`` extra; offline
+    with ``WANDB_MODE=offline``); None: no W&B."""
+    wandb_exp_name: Optional[str] = None
+    """The W&B run's name; None: W&B picks one."""
+    wandb_save_dir: Optional[str] = None
+    """Where W&B writes its files; None: the run directory."""
     pretrained_checkpoint: Optional[str] = None
     """Start from these weights (weights only: optimizer, LR schedule and step start fresh):
     a Hugging Face Llama / Qwen2 directory (config.json + *.safetensors), a stock MCore
@@ -871,6 +887,9 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
                        "make_vocab_size_divisible_by", "pipeline_model_parallel_size")
     if errors:
         return errors
+    unsupported = _unsupported_parallelism(m)
+    if unsupported:
+        return unsupported
     if m.hidden_size % m.num_attention_heads:
         errors.append(f"hidden_size ({m.hidden_size}) must be divisible by "
                       f"num_attention_heads ({m.num_attention_heads})")
@@ -887,6 +906,20 @@ def _check_model(cfg: RunConfig, world_size: int) -> list[str]:
                       f"output layer splits the vocabulary (leave vocab_size unset to pad the "
                       f"tokenizer's by make_vocab_size_divisible_by)")
     return errors + _library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
+
+
+def _unsupported_parallelism(m: ModelArgs) -> list[str]:
+    """Megatron's sequence and context parallelism, refused with the reason (before MCore's
+    own checks, whose messages suggest other settings)."""
+    errors = []
+    if m.sequence_parallel:
+        errors.append("sequence_parallel (--sequence-parallel) must be false: the looped GPT "
+                      "does not support sequence parallelism")
+    if m.context_parallel_size != 1:
+        errors.append(f"context_parallel_size (--context-parallel-size) must be 1, got "
+                      f"{m.context_parallel_size}: the looped GPT does not support context "
+                      f"parallelism")
+    return errors
 
 
 def _check_batches(cfg: RunConfig, world_size: int) -> list[str]:
@@ -943,7 +976,7 @@ def _check_rl(cfg: RunConfig) -> list[str]:
     errors += _positive(cfg.training, "eval_iters", "distributed_timeout_minutes")
     errors += _positive(cfg.training, "eval_interval", "exit_interval", "manual_gc_interval",
                         minimum=0)
-    errors += _positive(cfg.logging, "save_interval", minimum=0)
+    errors += _positive(cfg.logging, "save_interval", "save_keep_last", minimum=0)
     errors += _positive(cfg.logging, "log_interval")
     if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
         errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")

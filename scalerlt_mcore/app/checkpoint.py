@@ -5,9 +5,16 @@ mismatched load.
 Layout: ``<save>/iter_<step>/`` per checkpoint, ``<save>/latest`` naming the newest. A
 checkpoint is verified before it is loaded: a missing, truncated or unreadable file is refused
 with a ``CheckpointError`` naming the file, the iteration and the newest intact iteration (no
-silent fall-back to an older one: ``--load <save>/iter_<step>`` resumes from a chosen one).
+silent fall-back to an older one: ``--load <save>/iter_<step>`` resumes from a chosen one); an
+iteration whose save did not finish (no ``.metadata``) is named incomplete.
+
+Saves are synchronous and write in this process (``_in_process_write_results``): a SIGTERM to
+the job's process group (torchrun, Slurm) reaches no helper process a save depends on.
 """
 
+import contextlib
+import queue
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +22,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..mcore_compat import dist_checkpoint_files, mcore_workaround
@@ -106,12 +114,32 @@ def _init_adam_state(optimizer) -> None:
                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
+@mcore_workaround
+@contextlib.contextmanager
+def _in_process_write_results():
+    """While entered, MCore's torch_dist writer hands each save's results over through a queue
+    in this process. MCore 0.16's ``filesystem_async`` keeps that queue in a
+    ``multiprocessing.Manager`` server, a process it spawns at the first save; the server
+    ignores SIGINT but not SIGTERM, so a SIGTERM to the process group (torchrun, Slurm) kills
+    it and the next save (the one the signal asks for) fails with ``BrokenPipeError``, leaving
+    a partial ``iter_<step>``. A synchronous save runs the writer in this process (its per-file
+    workers are forked children that inherit this process's signal handlers), so the results
+    never cross a process boundary. Ledger row W5."""
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def save_checkpoint(path, step: int, model, optimizer, scheduler, reference=None,
-                    extra_meta: Optional[dict] = None) -> Path:
+                    extra_meta: Optional[dict] = None, keep_last: int = 0) -> Path:
     """Write ``path/iter_<step>`` and point ``path/latest`` at it (rank 0 writes the pointer).
     ``reference``: the trainer's ``KLReference``, saved once taken; ``extra_meta``: more
     entries of the checkpoint's metadata (e.g. the run directory, ``tokenizer``: its identity,
-    ``config``: the run's flat config; ``read_meta``)."""
+    ``config``: the run's flat config; ``read_meta``); ``keep_last`` > 0: then delete all but
+    the newest ``keep_last`` complete iterations (``prune_checkpoints``)."""
     root = Path(path)
     ckpt = root / f"iter_{step:07d}"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -121,11 +149,34 @@ def save_checkpoint(path, step: int, model, optimizer, scheduler, reference=None
     if reference is not None and reference.taken_at is not None:
         state["reference"] = reference.module.sharded_state_dict(prefix=REFERENCE_PREFIX)
         state["meta"]["reference_taken_at"] = reference.taken_at
-    dist_checkpointing.save(state, str(ckpt))
+    with _in_process_write_results():
+        dist_checkpointing.save(state, str(ckpt))
     if torch.distributed.get_rank() == 0:
         (root / "latest").write_text(ckpt.name)
+        if keep_last:
+            prune_checkpoints(root, keep_last)
     torch.distributed.barrier()
     return ckpt
+
+
+def prune_checkpoints(root, keep_last: int) -> list[Path]:
+    """Delete the complete ``iter_*`` directories under ``root`` but the newest ``keep_last``
+    (never the one ``latest`` names; incomplete ones are left for inspection); returns the
+    deleted ones."""
+    root = Path(root)
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    complete = sorted(p for p in root.glob("iter_*") if p.is_dir() and _is_complete(p))
+    doomed = [p for p in complete[:-keep_last] if p.name != named] if keep_last > 0 else []
+    for old in doomed:
+        shutil.rmtree(old)
+    return doomed
+
+
+def _is_complete(ckpt: Path) -> bool:
+    """Whether the save of iteration directory ``ckpt`` finished (MCore writes ``.metadata``,
+    then ``metadata.json``, last)."""
+    return (ckpt / ".metadata").is_file() and (ckpt / "metadata.json").is_file()
 
 
 def read_meta(path) -> dict:
@@ -231,10 +282,16 @@ def find_checkpoint(path) -> Path:
     path = Path(path)
     if (path / "metadata.json").is_file():
         ckpt = path
+    elif _is_iteration(path):
+        raise CheckpointError(f"checkpoint iteration {_iteration(path)} ({path}) is incomplete: "
+                              f"it has no .metadata (its save did not finish); refusing to resume "
+                              f"from it. {_intact_hint(path)}")
     else:
         pointer = path / "latest"
         if not pointer.is_file():
             what = "does not exist" if not path.exists() else f"has no {pointer.name} file"
+            if any(_is_iteration(p) for p in path.glob("iter_*")):
+                what += f" (no save finished). {_intact_hint(pointer, root=path)}"
             raise CheckpointError(f"no checkpoint to load: {path} {what}")
         ckpt = path / pointer.read_text().strip()
     problem = checkpoint_problem(ckpt)
@@ -280,21 +337,27 @@ def checkpoint_problem(ckpt) -> str | None:
     return None
 
 
+def _is_iteration(path: Path) -> bool:
+    """Whether ``path`` is an ``iter_<step>`` directory (complete or not)."""
+    return path.is_dir() and path.name.startswith("iter_") and path.name[5:].isdigit()
+
+
 def _iteration(ckpt: Path) -> str:
     """The step of ``iter_<step>``, as written in messages."""
     digits = ckpt.name.removeprefix("iter_")
     return str(int(digits)) if digits.isdigit() else ckpt.name
 
 
-def _intact_hint(ckpt: Path) -> str:
-    """Where to resume from instead: the newest intact iteration beside ``ckpt``."""
-    others = sorted((p for p in ckpt.parent.glob("iter_*") if p != ckpt and p.is_dir()),
-                    reverse=True)
+def _intact_hint(ckpt: Path, root: Optional[Path] = None) -> str:
+    """Where to resume from instead: the newest intact iteration beside ``ckpt`` (or under
+    ``root``)."""
+    root = ckpt.parent if root is None else root
+    others = sorted((p for p in root.glob("iter_*") if p != ckpt and p.is_dir()), reverse=True)
     for other in others:
         if checkpoint_problem(other) is None:
             return (f"The newest intact iteration is {_iteration(other)}: resume from it with "
                     f"--load {other}")
-    return f"No intact iteration under {ckpt.parent}."
+    return f"No intact iteration under {root}."
 
 
 # ---- weights only: --pretrained-checkpoint (one of ours), --finetune, --no-load-optim ------

@@ -1,11 +1,14 @@
 """Run metrics: one JSON line per step in ``metrics.jsonl`` (with wall-clock time), optional
-TensorBoard scalars, and a PNG of the reward curve at the end, drawn from the whole file (a
-resumed run that continues its run directory plots the whole run)."""
+TensorBoard scalars and Weights & Biases run, and a PNG of the reward curve at the end, drawn
+from the whole file (a resumed run that continues its run directory plots the whole run)."""
 
+import importlib.util
 import json
 import time
 from pathlib import Path
 from typing import Optional
+
+from .arguments import ConfigError, to_dict
 
 CLOCK_KEYS = ("time", "step_ms")
 """Keys ``MetricsLog`` and the loop add that read the clock."""
@@ -15,17 +18,19 @@ class MetricsLog:
     """Appends step records to ``run_dir/metrics.jsonl`` (rank 0 only writes), each with its
     wall-clock ``time`` (seconds since the epoch); with ``tensorboard_dir`` also writes every
     number of a record as a TensorBoard scalar ``<kind>/<key>`` at its step (per-loop
-    accuracies as ``eval/loop_<k>``). A run starting at step ``start`` first drops the file's
-    records from ``start`` on (a fresh run: all of them), which a resumed run writes again;
-    ``dropped`` counts them."""
+    accuracies as ``eval/loop_<k>``); with ``wandb`` (``wandb.init`` arguments,
+    ``wandb_settings``) logs the same scalars to a W&B run. A run starting at step ``start``
+    first drops the file's records from ``start`` on (a fresh run: all of them), which a
+    resumed run writes again; ``dropped`` counts them."""
 
     def __init__(self, run_dir, enabled: bool = True, start: int = 0,
-                 tensorboard_dir: Optional[str] = None):
+                 tensorboard_dir: Optional[str] = None, wandb: Optional[dict] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.records = []
         self.dropped = keep_records_before(self.path, start) if enabled else 0
         self.writer = _summary_writer(tensorboard_dir) if enabled and tensorboard_dir else None
+        self.wandb = _wandb_run(wandb, run_dir) if enabled and wandb else None
 
     def log(self, record: dict) -> None:
         record = {**record, "time": round(time.time(), 3)}
@@ -37,10 +42,40 @@ class MetricsLog:
         if self.writer is not None:
             for tag, value in scalars(record).items():
                 self.writer.add_scalar(tag, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def wandb_settings(cfg) -> Optional[dict]:
+    """``wandb.init`` arguments of a run (Megatron-LM's flags: ``--wandb-project``,
+    ``--wandb-exp-name``, ``--wandb-save-dir``; the run's config as the W&B config), or None
+    without ``--wandb-project``."""
+    lg = cfg.logging
+    if not lg.wandb_project:
+        return None
+    return {"project": lg.wandb_project, "name": lg.wandb_exp_name, "dir": lg.wandb_save_dir,
+            "config": to_dict(cfg)}
+
+
+def check_wandb(cfg) -> None:
+    """Refuse ``--wandb-project`` when the wandb package is missing (before the run starts)."""
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_project: needs the wandb package (the wandb extra: "
+                          "pip install -e '.[wandb]')")
+
+
+def _wandb_run(settings: dict, run_dir):
+    import wandb
+
+    directory = Path(settings["dir"] or run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return wandb.init(**{**settings, "dir": str(directory)})
 
 
 def _summary_writer(log_dir: str):

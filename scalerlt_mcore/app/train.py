@@ -7,6 +7,11 @@ ranks. Without ``--config`` the packaged tiny CPU demo config is used.
 From the command line (``cli``), errors a user causes (flags, config file, ``--load``,
 ``--save``, ``--run-dir``) print one line, ``error: ...``, and exit with status 2; any other
 error keeps its traceback.
+
+SIGINT / SIGTERM (to the process or its whole process group: what torchrun forwards and Slurm
+sends) end the run after the current step with a checkpoint (with ``--save``) and status 0;
+the ranks agree after every step on whether one of them got the signal, so they all stop after
+the same step.
 """
 
 import contextlib
@@ -15,8 +20,10 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
@@ -24,7 +31,7 @@ from tqdm import tqdm
 from ..mcore_compat import fallback_note
 from .arguments import ConfigError, parse_args, save_resolved, to_dict, validate
 from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
-from .metrics import MetricsLog, plot_rewards, read_records
+from .metrics import MetricsLog, check_wandb, plot_rewards, read_records, wandb_settings
 from .pretrained import (
     load_before_wrap,
     resolve_pretrained,
@@ -43,16 +50,38 @@ from .runtime import (
 )
 from .trainer import RLTrainer
 
-USER_ERRORS = (ConfigError, CheckpointError)
-"""Errors a user causes: ``cli`` prints their message alone, without a traceback."""
+USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
+"""Errors a user causes (a bad flag or config, a checkpoint that is missing, damaged or does
+not fit, a file a flag names that is not there): ``cli`` prints their message alone, without a
+traceback."""
+
+LIBRARY_WARNINGS = (
+    (UserWarning, r"full scope is deprecated", r"megatron\.core\."),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\.core\."),
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed\."),
+    (FutureWarning, r".", r"megatron\.core\."),
+    (DeprecationWarning, r".", r"megatron\.core\."),
+)
+"""(category, message, module) of the warnings MCore 0.16 and torch raise from their own code
+on every run (a deprecated config default, MCore's use of deprecated torch collectives and
+checkpoint calls, MCore's optimizer reading ``.grad`` of non-leaf views): nothing a user can
+act on. Only these are silenced (``quiet_library_warnings``); the project's own warnings and
+any other library's still show."""
+
+
+def quiet_library_warnings() -> None:
+    """Ignore ``LIBRARY_WARNINGS`` from here on (each filter bound to the module it names)."""
+    for category, message, module in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 class _Interrupt:
     """While entered, SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current
-    step. The previous handlers are restored on exit."""
+    step. The previous handlers are restored on exit. ``agreed`` tells every rank whether any
+    rank has got a signal."""
 
-    def __init__(self):
-        self.requested, self._previous = False, {}
+    def __init__(self, device: str = "cpu"):
+        self.requested, self._previous, self._device = False, {}, device
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -65,6 +94,16 @@ class _Interrupt:
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any rank has got a signal (a collective: every rank calls it after every
+        step). A signal reaches the ranks at different moments; they stop together."""
+        if dist.get_world_size() == 1:
+            return self.requested
+        flag = torch.tensor([int(self.requested)], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.requested = bool(flag.item())
+        return self.requested
 
 
 def _broadcast_run_dir(cfg, resume) -> Path:
@@ -98,6 +137,8 @@ def _line(step: int, m: dict) -> str:
 def run(cfg) -> dict:
     """Validate, then train; returns the final evaluation. The process group and MCore's
     parallel state are destroyed on return and on error."""
+    quiet_library_warnings()
+    check_wandb(cfg)
     notes = resolve_pretrained(cfg)  # --use-checkpoint-args, --looped-retrofit
     validate(cfg, _world_size())  # before any process group: errors name the key
     device = init_distributed(cfg)
@@ -134,14 +175,16 @@ def _run(cfg, device: str, notes: list) -> dict:
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
     start = resume_after_wrap(cfg, trainer, resume)
+    if rank0 and resume is not None:
+        print(f"loaded {resume}, resuming at step {start}", flush=True)
     log = MetricsLog(run_dir, enabled=rank0, start=start,
-                     tensorboard_dir=cfg.logging.tensorboard_dir)
+                     tensorboard_dir=cfg.logging.tensorboard_dir, wandb=wandb_settings(cfg))
     if log.dropped:
         print(f"{log.path}: dropped {log.dropped} records from step {start} on (written again "
               f"by this run)", flush=True)
     try:
         manual_gc = gc_paused() if cfg.training.manual_gc else contextlib.nullcontext()
-        with _Interrupt() as stop, manual_gc:
+        with _Interrupt(device) as stop, manual_gc:
             return _loop(cfg, trainer, start, run_dir, rank0, stop, log)
     finally:
         log.close()
@@ -154,8 +197,10 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
     step, saved = start, None
     if start == 0:
         _eval(trainer, log, 0, rank0)  # the starting point of the reward curve
-    for step in tqdm(range(start, total), disable=not rank0, desc="RL", initial=start,
-                     total=total, file=sys.stderr):
+    bar = progress_bar(start, total, sft, enabled=rank0)
+    for step in range(start, total):
+        if step == sft:
+            bar.set_description("RL")
         tic = time.perf_counter()
         m = trainer.sft_step(step) if step < sft else trainer.rl_step(step)
         m["step_ms"] = 1000 * (time.perf_counter() - tic)
@@ -174,21 +219,35 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
         gc_every = cfg.training.manual_gc_interval
         if cfg.training.manual_gc and gc_every and (step + 1) % gc_every == 0:
             gc.collect()
-        exiting = _exit_interval_reached(cfg, step + 1)
-        if _maybe_save(cfg, trainer, step + 1, stop.requested or exiting, run_dir):
+        bar.update()
+        exiting, interrupted = _exit_interval_reached(cfg, step + 1), stop.agreed()
+        if _maybe_save(cfg, trainer, step + 1, interrupted or exiting, run_dir, rank0):
             saved = step + 1
-        if stop.requested or exiting:
+        if interrupted or exiting:
+            bar.close()
             if rank0:
                 what = "checkpoint saved" if saved == step + 1 else "nothing saved (no --save)"
-                why = "interrupted" if stop.requested else "exit_interval reached"
+                why = "interrupted" if interrupted else "exit_interval reached"
                 print(f"{why}: {what} after step {step + 1}", flush=True)
             return {}
+    bar.close()
     final = _eval(trainer, log, total, rank0)
     if saved != total:  # not again: rewriting it would expose a complete checkpoint to a kill
-        _maybe_save(cfg, trainer, total, True, run_dir)
+        _maybe_save(cfg, trainer, total, True, run_dir, rank0)
     if rank0:
         _finish(cfg, log, run_dir, final, total - start, time.perf_counter() - t0)
     return final
+
+
+def progress_bar(start: int, total: int, sft: int, enabled: bool, stream=None) -> tqdm:
+    """A tqdm bar over the steps on ``stream`` (stderr), drawn only when ``enabled`` (rank 0)
+    and the stream is a terminal: written to a file (nohup, Slurm) a bar would interleave with
+    every log line, which then say the same. Described ``warm-up`` until step ``sft``, then
+    ``RL``."""
+    stream = sys.stderr if stream is None else stream
+    drawn = enabled and hasattr(stream, "isatty") and stream.isatty()
+    return tqdm(total=total, initial=start, disable=not drawn, file=stream,
+                desc="warm-up" if start < sft else "RL")
 
 
 def _exit_interval_reached(cfg, steps_done: int) -> bool:
@@ -207,16 +266,22 @@ def _eval(trainer, log, step: int, rank0: bool) -> dict:
     return e
 
 
-def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path) -> bool:
-    """Save after ``step`` when forced or at the interval; True when it saved. The checkpoint
-    records the run directory, which a resumed run continues by default."""
-    every = cfg.logging.save_interval
-    if cfg.logging.save and (force or (every and step % every == 0)):
+def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path, rank0: bool) -> bool:
+    """Save after ``step`` when forced or at the interval (one log line); True when it saved.
+    The checkpoint records the run directory, which a resumed run continues by default."""
+    lg = cfg.logging
+    if lg.save and (force or (lg.save_interval and step % lg.save_interval == 0)):
         trainer.use_configured_loops()  # the next step sets its curriculum loop count again
-        save_checkpoint(cfg.logging.save, step, trainer.model, trainer.optimizer,
+        tic = time.perf_counter()
+        save_checkpoint(lg.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler, reference=trainer.ref,
                         extra_meta={"run_dir": str(run_dir.resolve()),
-                                    "tokenizer": trainer.tok.identity(), "config": to_dict(cfg)})
+                                    "tokenizer": trainer.tok.identity(), "config": to_dict(cfg)},
+                        keep_last=lg.save_keep_last)
+        if rank0:
+            tqdm.write(f"saved checkpoint iter {step} to {lg.save} in "
+                       f"{time.perf_counter() - tic:.1f} s")
+            sys.stdout.flush()
         return True
     return False
 
@@ -243,10 +308,24 @@ def cli(argv=None) -> None:
     try:
         main(argv)
     except USER_ERRORS as e:
-        rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None
-        print(f"error: {'' if rank is None else f'rank {rank}: '}{e}", file=sys.stderr,
-              flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(e)
+
+
+def exit_with_error(error: Exception) -> None:
+    """Print ``error: <message>`` as one line on stderr (a list of problems joined with
+    '; '), naming the rank in a job of several, and exit with status 2."""
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None
+    print(f"error: {'' if rank is None else f'rank {rank}: '}{one_line(str(error))}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: 'head:' + indented lines -> 'head: a; b'."""
+    head, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+    if not rest:
+        return head
+    return f"{head} {'; '.join(rest)}" if head.endswith(":") else "; ".join([head, *rest])
 
 
 if __name__ == "__main__":
