@@ -12,7 +12,8 @@ held-out prompts of the run's task and scores the completions with its reward.
 import argparse
 import sys
 
-from scalerlt_mcore.app.arguments import (
+from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
+from scalerlt_mcore.app.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -20,7 +21,6 @@ from scalerlt_mcore.app.arguments import (
     task_from,
     tokenizer_from,
 )
-from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import (
     build_model,

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from scalerlt_mcore.app.arguments import (
+from scalerlt_mcore.app.config import (
     CHOICES,
     KEYS,
     LOOPED_FLAGS,
