@@ -111,6 +111,7 @@ def _check_steps(t: TrainingArgs) -> list[str]:
 
 
 def _check_batches(cfg, world_size: int) -> list[str]:
+    """The batch sizes against the group size and the data-parallel size."""
     t, group = cfg.training, cfg.rl.grpo_group_size
     errors = positive(t, "micro_batch_size", "global_batch_size")
     errors += positive(cfg.rl, "grpo_group_size")
