@@ -2,9 +2,12 @@
 checks."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .library import positive
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @dataclass
@@ -47,7 +50,7 @@ class LoggingArgs:
     nothing."""
 
 
-def check_logging(cfg) -> list[str]:
+def check_logging(cfg: "RunConfig") -> list[str]:
     """Intervals, and the flags that need a checkpoint to apply to."""
     lg = cfg.logging
     errors = positive(lg, "save_interval", minimum=0) + positive(lg, "log_interval")

@@ -3,7 +3,7 @@
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from ...model.config import (
     LoopedTransformerConfig,
@@ -13,6 +13,9 @@ from ...model.config import (
 )
 from .builders import model_config, tokenizer_from
 from .library import LOOPED_FLAGS, library_errors, positive, with_library_fields
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @with_library_fields(LoopedTransformerConfig, LOOPED_FLAGS)
@@ -92,13 +95,13 @@ class ModelArgs:
     it. Evaluation runs the largest count it can draw and reports every loop's accuracy."""
 
 
-def check_model(cfg, world_size: int) -> list[str]:
+def check_model(cfg: "RunConfig", world_size: int) -> list[str]:
     """The model section's checks: sizes, then ``model_config``'s own (MCore's and the looped
     GPT's), then the architecture extras and the loop options."""
     return _check_sizes(cfg, world_size) + _check_architecture(cfg) + _check_loops(cfg)
 
 
-def _check_sizes(cfg, world_size: int) -> list[str]:
+def _check_sizes(cfg: "RunConfig", world_size: int) -> list[str]:
     """The sizes, then ``model_config``'s own checks (MCore's and the looped GPT's): the sizes
     it divides by must be >= 1 first."""
     m = cfg.model
@@ -125,7 +128,7 @@ def _check_sizes(cfg, world_size: int) -> list[str]:
     return errors + library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
 
 
-def _check_architecture(cfg) -> list[str]:
+def _check_architecture(cfg: "RunConfig") -> list[str]:
     """Norms, RoPE, head dimension and the vocabulary against the tokenizer's."""
     m = cfg.model
     errors = [f"{k} must be > 0, got {getattr(m, k)}"
@@ -139,7 +142,7 @@ def _check_architecture(cfg) -> list[str]:
     return errors
 
 
-def _tokenizer_size(cfg) -> Optional[int]:
+def _tokenizer_size(cfg: "RunConfig") -> Optional[int]:
     """The tokenizer's vocabulary size; None when it does not build (the tokenizer section's
     check says why)."""
     try:
@@ -148,7 +151,7 @@ def _tokenizer_size(cfg) -> Optional[int]:
         return None
 
 
-def _check_loops(cfg) -> list[str]:
+def _check_loops(cfg: "RunConfig") -> list[str]:
     """The loop curriculum, loop-count sampling, retrofitted recurrence and truncated
     backprop's need of injection."""
     m = cfg.model

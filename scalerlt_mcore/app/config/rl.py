@@ -3,7 +3,7 @@ through ``OBJECTIVE_FLAGS``) and their checks: the loss's own, what it needs of 
 and the task against the lengths."""
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from ...model.config import parse_loop_sampling
 from ...rl.advantages import AdvantageMode
@@ -19,6 +19,9 @@ from .library import (
     rename,
     with_library_fields,
 )
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @with_library_fields(RLObjective, OBJECTIVE_FLAGS)
@@ -76,7 +79,7 @@ class RLArgs:
     follow the schedule like RL steps."""
 
 
-def check_rl(cfg) -> list[str]:
+def check_rl(cfg: "RunConfig") -> list[str]:
     """Sampling and the update, the loss's own checks (``RLObjective``), its needs of the
     model (loop credit, exit gate) and the task."""
     return (_check_sampling(cfg.rl) + library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
@@ -105,7 +108,7 @@ def _check_sampling(rl: RLArgs) -> list[str]:
     return errors
 
 
-def _check_loop_credit(cfg) -> list[str]:
+def _check_loop_credit(cfg: "RunConfig") -> list[str]:
     """What the loss needs of the model and the model's parts of the loss
     (``RLObjective.model_errors``: loop credit, exit gate), and the rollout's exit gate."""
     m, errors = cfg.model, []
@@ -123,7 +126,7 @@ def _check_loop_credit(cfg) -> list[str]:
     return errors
 
 
-def _check_task(cfg) -> list[str]:
+def _check_task(cfg: "RunConfig") -> list[str]:
     """The task builds, its text encodes, and its longest prompt and
     answer (stated by the task, else measured on a sample) fit the lengths."""
     try:

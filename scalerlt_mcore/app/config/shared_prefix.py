@@ -2,10 +2,13 @@
 prompt (its keys reach the schedule and its ``Planner`` through ``SCHEDULE_FLAGS``)."""
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from .builders import schedule_from
 from .library import SCHEDULE_FLAGS, library_errors
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @dataclass
@@ -28,7 +31,7 @@ class SharedPrefixArgs:
     None: no budget."""
 
 
-def check_shared_prefix(cfg) -> list[str]:
+def check_shared_prefix(cfg: "RunConfig") -> list[str]:
     """The schedule's and its planner's own checks (the loss's bytes per position change none
     of them: a placeholder, so that an invalid objective is reported once, by its own check)."""
     return library_errors(lambda c: schedule_from(c, loss_per_position=1.0), cfg,

@@ -1,10 +1,13 @@
 """The tokenizer section (Megatron-LM's flags; ``scalerlt_mcore.rl.tokenizer``) and its check."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ...rl.tokenizer import TokenizerType
 from .builders import tokenizer_from
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @dataclass
@@ -21,7 +24,7 @@ class TokenizerArgs:
     tokenizer.json of a Hugging Face ``pretrained_checkpoint``."""
 
 
-def check_tokenizer(cfg) -> list[str]:
+def check_tokenizer(cfg: "RunConfig") -> list[str]:
     """The tokenizer builds (``tokenizer_from``: the flags, or a pretrained checkpoint's)."""
     try:
         tokenizer_from(cfg)

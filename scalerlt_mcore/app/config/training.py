@@ -2,9 +2,12 @@
 and their checks."""
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from .library import positive
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 
 @dataclass
@@ -75,7 +78,7 @@ class TrainingArgs:
     """Elements per DDP gradient bucket; None: MCore's default."""
 
 
-def check_training(cfg, world_size: int) -> list[str]:
+def check_training(cfg: "RunConfig", world_size: int) -> list[str]:
     """The optimizer, the LR schedule, the step counts and intervals, and the batch sizes."""
     return _check_optimizer(cfg.training) + _check_steps(cfg.training) + _check_batches(
         cfg, world_size)
@@ -110,7 +113,7 @@ def _check_steps(t: TrainingArgs) -> list[str]:
                              minimum=0)
 
 
-def _check_batches(cfg, world_size: int) -> list[str]:
+def _check_batches(cfg: "RunConfig", world_size: int) -> list[str]:
     """The batch sizes against the group size and the data-parallel size."""
     t, group = cfg.training, cfg.rl.grpo_group_size
     errors = positive(t, "micro_batch_size", "global_batch_size")
