@@ -64,7 +64,7 @@ def build_trainer(config: str, values: dict):
     """An ``RLTrainer`` on the current MCore state, built as ``train.run`` builds it from the
     YAML file ``config`` and the flags ``values``."""
     from scalerlt_mcore.app import runtime
-    from scalerlt_mcore.app.arguments import parse_args, validate
+    from scalerlt_mcore.app.config import parse_args, validate
     from scalerlt_mcore.app.pretrained import run_vocab_size
     from scalerlt_mcore.app.trainer import RLTrainer
 
@@ -220,7 +220,7 @@ def run_rl_step(steps: int = 2, warmup: int = 1, config: str = CONFIG, overrides
     trainers = build_variants(config, overrides, variants or VARIANTS, seed)
     result = summarise_steps(time_steps(trainers, steps, warmup))
     result["rollouts"] = measure_rollouts(trainers["joint"])
-    from scalerlt_mcore.app.arguments import to_dict
+    from scalerlt_mcore.app.config import to_dict
 
     result["config"] = {"file": os.path.relpath(config), "overrides": overrides,
                         "variants": variants or VARIANTS, "steps": steps, "warmup": warmup,

@@ -17,8 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from scalerlt_mcore.app.arguments import ConfigError, RunConfig, apply_overrides, read_yaml
 from scalerlt_mcore.app.checkpoint import CheckpointError, load_model_weights, read_meta
+from scalerlt_mcore.app.config import ConfigError, RunConfig, apply_overrides, read_yaml
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import (
     build_model,

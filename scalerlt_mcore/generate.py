@@ -15,7 +15,8 @@ Errors a user causes (flags, a missing or mismatched checkpoint, a bad config) p
 import argparse
 import sys
 
-from scalerlt_mcore.app.arguments import (
+from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
+from scalerlt_mcore.app.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -23,7 +24,6 @@ from scalerlt_mcore.app.arguments import (
     task_from,
     tokenizer_from,
 )
-from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import (
     build_model,

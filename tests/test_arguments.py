@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from scalerlt_mcore.app.arguments import (
+from scalerlt_mcore.app.config import (
     CHOICES,
     KEYS,
     LOOPED_FLAGS,
@@ -261,6 +261,21 @@ def test_repo_demo_config_is_a_link_to_the_packaged_one():
     assert demo_config_text() == packaged.read_text()
     assert parse_args([]) == parse_args(["--config", str(link)])
     validate(parse_args([]), world_size=1)
+
+
+def test_each_section_has_its_check_beside_it():
+    """Each section's module holds its dataclass and its check (``check_<section>``), which
+    ``validate`` runs."""
+    import importlib
+    import inspect
+
+    from scalerlt_mcore.app.config import run
+
+    for section in dataclasses.fields(RunConfig):
+        module = importlib.import_module(section.default_factory.__module__)
+        check = getattr(module, f"check_{section.name}")
+        assert getattr(run, check.__name__) is check, section.name
+        assert f"{check.__name__}(cfg" in inspect.getsource(run.validate), section.name
 
 
 def test_every_field_has_a_docstring():

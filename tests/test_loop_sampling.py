@@ -5,7 +5,7 @@ scoring and training all run with it."""
 import pytest
 import torch
 
-from scalerlt_mcore.app.arguments import parse_args
+from scalerlt_mcore.app.config import parse_args
 from scalerlt_mcore.app.trainer import RLTrainer
 from scalerlt_mcore.model.config import (
     LOOP_COUNT_SALT,

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from test_pretrained_app import _adam_moments, _flat, _step, build
 
 from scalerlt_mcore import export
-from scalerlt_mcore.app.arguments import ConfigError, parse_args, to_dict
 from scalerlt_mcore.app.checkpoint import save_checkpoint
+from scalerlt_mcore.app.config import ConfigError, parse_args, to_dict
 from scalerlt_mcore.app.pretrained import resolve_pretrained
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.testing import model_parallel_context

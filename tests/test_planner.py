@@ -241,7 +241,7 @@ def test_schedule_auto_picks_naive_for_short_prompts_and_joint_for_long(mcore_si
 
 
 def test_app_flags_parse_and_validate():
-    from scalerlt_mcore.app.arguments import ConfigError, parse_args, schedule_from, validate
+    from scalerlt_mcore.app.config import ConfigError, parse_args, schedule_from, validate
 
     cfg = parse_args(["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
                       "64", "--shared-prefix-prompt", "retain", "--shared-prefix-schedule",

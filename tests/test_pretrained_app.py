@@ -20,8 +20,8 @@ from megatron.core.models.gpt import GPTModel
 from tokenizer_files import train_char_bpe
 
 from scalerlt_mcore.app import runtime
-from scalerlt_mcore.app.arguments import ConfigError, parse_args, task_from, to_dict, validate
 from scalerlt_mcore.app.checkpoint import CheckpointError, save_checkpoint
+from scalerlt_mcore.app.config import ConfigError, parse_args, task_from, to_dict, validate
 from scalerlt_mcore.app.pretrained import (
     load_before_wrap,
     resolve_pretrained,

@@ -82,7 +82,7 @@ def _train(argv: list[str], run_dir: str) -> str:
 
 
 def _torchrun(words: list[str]) -> str:
-    from scalerlt_mcore.app.arguments import parse_args, validate
+    from scalerlt_mcore.app.config import parse_args, validate
 
     nproc = int(words[words.index("--nproc-per-node") + 1])
     validate(parse_args(words[words.index("scalerlt_mcore.train") + 1:]), nproc)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from scalerlt_mcore.app.arguments import ConfigError, parse_args, validate
+from scalerlt_mcore.app.config import ConfigError, parse_args, validate
 from scalerlt_mcore.rl.task_registry import get_task
 
 CHAIN = ("reasoning_gym:chain_sum", {"min_terms": 2, "max_terms": 3, "max_digits": 1})

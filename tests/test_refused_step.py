@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalerlt_mcore.app.arguments import parse_args, validate
+from scalerlt_mcore.app.config import parse_args, validate
 from scalerlt_mcore.shared_prefix import ReplayInputError, get_shared_prefix_forward_backward_func
 
 TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"

@@ -322,7 +322,7 @@ def test_loop_credit_registry_is_the_one_source(monkeypatch):
     """The RL loss, the warm-up loss, the checks and the flag's choices all read
     ``LOOP_CREDIT``: a scheme added there (here: the first readout only) is accepted by the
     objective and weights both losses; a model-part scheme's needs are the checks'."""
-    from scalerlt_mcore.app.arguments import KEYS, choices
+    from scalerlt_mcore.app.config import KEYS, choices
     from scalerlt_mcore.rl import loop_credit
     from scalerlt_mcore.rl.sft import sft_loss
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizer_files import train_bpe
 
-from scalerlt_mcore.app.arguments import parse_args
+from scalerlt_mcore.app.config import parse_args
 from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import model_parallel_context
@@ -106,7 +106,7 @@ def test_two_reasoning_gym_datasets_train(tmp_path):
     both datasets' prompts reach the rollouts, rewards come from their score_answer, and the
     parameters move."""
     from scalerlt_mcore.app import runtime
-    from scalerlt_mcore.app.arguments import tokenizer_from, validate
+    from scalerlt_mcore.app.config import tokenizer_from, validate
     from scalerlt_mcore.app.trainer import RLTrainer
 
     argv = _argv(tmp_path, "rg", "--rl-task", "mix", "--rl-task-options", MIX,

@@ -22,7 +22,7 @@ from test_train_e2e import TRAIN, _run
 from test_train_runs import FAST
 
 from scalerlt_mcore.app import metrics
-from scalerlt_mcore.app.arguments import ConfigError, parse_args
+from scalerlt_mcore.app.config import ConfigError, parse_args
 from scalerlt_mcore.app.train import one_line, progress_bar
 
 GENERATE = [sys.executable, "-m", "scalerlt_mcore.generate"]

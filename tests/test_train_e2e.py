@@ -34,7 +34,7 @@ import pytest
 import torch
 import yaml
 
-from scalerlt_mcore.app.arguments import ConfigError, load_config, parse_args, to_dict, validate
+from scalerlt_mcore.app.config import ConfigError, load_config, parse_args, to_dict, validate
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import _free_port, model_parallel_context, run_distributed
 

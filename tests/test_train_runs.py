@@ -19,8 +19,8 @@ import time
 import pytest
 from test_train_e2e import TRAIN, _flags, _records, _run
 
-from scalerlt_mcore.app.arguments import ConfigError, parse_args
 from scalerlt_mcore.app.checkpoint import CheckpointError
+from scalerlt_mcore.app.config import ConfigError, parse_args
 from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.mcore_compat import dist_checkpoint_files

@@ -129,7 +129,7 @@ def test_an_incomplete_iteration_is_named_with_the_newest_complete_one(one_proce
 
 
 def test_a_resume_logs_what_it_loaded(one_process, tmp_path, capsys):
-    from scalerlt_mcore.app.arguments import parse_args
+    from scalerlt_mcore.app.config import parse_args
     from scalerlt_mcore.app.train import run
 
     ckpt = one_process[3]

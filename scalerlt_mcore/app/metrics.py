@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .arguments import ConfigError, to_dict
+from .config import ConfigError, to_dict
 
 CLOCK_KEYS = ("time", "step_ms")
 """Keys ``MetricsLog`` and the loop add that read the clock."""

@@ -31,7 +31,6 @@ from ..model.looped_import import (
 from ..model.mcore_import import is_dist_checkpoint, load_mcore_gpt_state_dict, source_layers
 from ..model.retrofit import LayerMapping, load_converted_state_dict, retrofit_state_dict
 from ..model.vocab_parallel import padded_vocab_size
-from .arguments import ConfigError, tokenizer_args, tokenizer_from
 from .checkpoint import (
     CheckpointError,
     check_tokenizer,
@@ -42,6 +41,7 @@ from .checkpoint import (
     load_model_weights,
     load_step,
 )
+from .config import ConfigError, tokenizer_args, tokenizer_from
 from .runtime import scheduled_steps
 
 ARCHITECTURE_KEYS = tuple(f.name for f in dataclasses.fields(PretrainedArchitecture)

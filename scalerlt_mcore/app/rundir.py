@@ -6,7 +6,7 @@ import itertools
 import os
 from pathlib import Path
 
-from .arguments import ConfigError, default_run_dir
+from .config import ConfigError, default_run_dir
 
 
 def check_writable(path, key: str) -> Path:

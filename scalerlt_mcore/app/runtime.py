@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from ..cpu_backend import enable_cpu_backend
 from ..model import LoopedGPTModel, get_looped_gpt_block_spec
 from ..model.config import LoopedTransformerConfig
-from .arguments import model_config
+from .config import model_config
 
 __all__ = ["build_model", "init_distributed", "model_config", "shutdown_distributed",
            "wrap_for_training"]

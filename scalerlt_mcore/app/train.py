@@ -29,8 +29,8 @@ from megatron.core import parallel_state
 from tqdm import tqdm
 
 from ..mcore_compat import fallback_note
-from .arguments import ConfigError, parse_args, save_resolved, to_dict, validate
 from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
+from .config import ConfigError, parse_args, save_resolved, to_dict, validate
 from .metrics import MetricsLog, check_wandb, plot_rewards, read_records, wandb_settings
 from .pretrained import (
     load_before_wrap,

@@ -25,7 +25,7 @@ from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
 from ..rl.stats import rollout_metrics, summarise
 from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
-from .arguments import (
+from .config import (
     eval_prompts,
     objective_from,
     prompts_per_step,

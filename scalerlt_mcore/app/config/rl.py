@@ -1,0 +1,162 @@
+"""The RL section: task, sampling and the policy-gradient loss (its ``RLObjective`` keys
+through ``OBJECTIVE_FLAGS``) and their checks: the loss's own, what it needs of the model,
+and the task against the lengths."""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Optional
+
+from ...model.config import parse_loop_sampling
+from ...rl.advantages import AdvantageMode
+from ...rl.objective import RLObjective
+from ...rl.tasks import measure_lengths
+from ...rl.tokenizer import CharTokenizer
+from .builders import objective_from, task_from, tokenizer_args, tokenizer_from
+from .library import (
+    LIBRARY_ERRORS,
+    OBJECTIVE_FLAGS,
+    library_errors,
+    positive,
+    rename,
+    with_library_fields,
+)
+
+if TYPE_CHECKING:
+    from .run import RunConfig
+
+
+@with_library_fields(RLObjective, OBJECTIVE_FLAGS)
+@dataclass
+class RLArgs:
+    """Task, sampling and the policy-gradient loss (``rl_loss_normalization``,
+    ``grpo_clamp_eps_*``, ``grpo_kl_beta``, ``rl_loop_weights``: the fields of ``RLObjective``;
+    Megatron-LM's ``grpo_*`` names where it has the flag)."""
+
+    rl_task: str = "modular_arithmetic"
+    """Task name (``scalerlt_mcore.rl.task_registry.TASKS``)."""
+    rl_task_options: dict = field(default_factory=dict)
+    """Options of the task, e.g. ``{modulus: 7}``; on the command line a YAML mapping,
+    which replaces (does not merge with) the file's."""
+    grpo_group_size: int = 8
+    """G: responses sampled per prompt."""
+    grpo_prompts_per_step: Optional[int] = None
+    """Prompts per RL step, summed over data-parallel ranks; None: ``global_batch_size /
+    grpo_group_size`` (when set, ``global_batch_size`` must equal it x ``grpo_group_size``)."""
+    rl_max_response_length: int = 4
+    """Most tokens sampled per response (eos included); also the length of the ``constant``
+    loss normalisation."""
+    rl_temperature: float = 1.0
+    """Sampling temperature."""
+    rl_top_p: float = 1.0
+    """Nucleus-sampling threshold; 1 disables it."""
+    rl_advantage: AdvantageMode = "grpo"
+    """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
+    grpo_iterations: int = 1
+    """Passes (optimizer steps) over each rollout batch (PPO epochs)."""
+    rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
+    """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
+    samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
+    own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
+    """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
+    loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
+    or ``threshold`` (per token, from the first loop whose exit CDF reaches
+    rl_exit_threshold: Ouro's early exit)."""
+    rl_exit_threshold: float = 0.5
+    """Exit CDF threshold of ``rl_rollout_exit: threshold``, in (0, 1]."""
+    rl_old_logprobs: Literal["score", "rollout"] = "score"
+    """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
+    through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
+    per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
+    forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
+    ``grpo_iterations`` 1."""
+    rl_partial_credit: bool = False
+    """Reward wrong answers with the fraction of correct positions."""
+    rl_warmup_sft_steps: int = 0
+    """Supervised steps on (prompt, answer) pairs before RL."""
+    rl_warmup_sft_lr: Optional[float] = None
+    """Constant learning rate of the supervised warm-up steps, which then leave the schedule
+    alone (``lr``, ``lr_warmup_iters`` and the decay start with RL); None: the warm-up steps
+    follow the schedule like RL steps."""
+
+
+def check_rl(cfg: "RunConfig") -> list[str]:
+    """Sampling and the update, the loss's own checks (``RLObjective``), its needs of the
+    model (loop credit, exit gate) and the task."""
+    return (_check_sampling(cfg.rl) + library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
+            + _check_loop_credit(cfg) + _check_task(cfg))
+
+
+def _check_sampling(rl: RLArgs) -> list[str]:
+    """Rollout lengths and sampling, the updates per batch, the warm-up and the advantage."""
+    errors = positive(rl, "rl_max_response_length", "grpo_iterations")
+    errors += positive(rl, "rl_warmup_sft_steps", "grpo_kl_beta", minimum=0)
+    if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
+        errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")
+    if rl.rl_temperature <= 0:
+        errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
+    if not 0 < rl.rl_top_p <= 1:
+        errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
+    if rl.rl_old_logprobs == "rollout" and rl.grpo_iterations != 1:
+        errors.append(f"rl_old_logprobs 'rollout' needs grpo_iterations 1, got "
+                      f"{rl.grpo_iterations} (the rollout's log-probs replace the scoring pass "
+                      f"of a single update)")
+    if not 0 < rl.rl_exit_threshold <= 1:
+        errors.append(f"rl_exit_threshold must be in (0, 1], got {rl.rl_exit_threshold}")
+    if rl.rl_advantage != "none" and rl.grpo_group_size == 1:
+        errors.append(f"rl_advantage {rl.rl_advantage!r} needs grpo_group_size >= 2 "
+                      "(a group of one has zero advantage)")
+    return errors
+
+
+def _check_loop_credit(cfg: "RunConfig") -> list[str]:
+    """What the loss needs of the model and the model's parts of the loss
+    (``RLObjective.model_errors``: loop credit, exit gate), and the rollout's exit gate."""
+    m, errors = cfg.model, []
+    try:
+        high = parse_loop_sampling(m.looped_num_loops_sampling, m.looped_num_loops)[2]
+    except ValueError:
+        high = None  # reported by the model section's check
+    try:
+        errors += [rename(e, OBJECTIVE_FLAGS)
+                   for e in objective_from(cfg).model_errors(m, max_loops=high)]
+    except LIBRARY_ERRORS:
+        pass  # an invalid objective: reported by its own check
+    if cfg.rl.rl_rollout_exit != "none" and not m.looped_exit_gate:
+        errors.append(f"rl_rollout_exit {cfg.rl.rl_rollout_exit} needs looped_exit_gate true")
+    return errors
+
+
+def _check_task(cfg: "RunConfig") -> list[str]:
+    """The task builds, its text encodes, and its longest prompt and
+    answer (stated by the task, else measured on a sample) fit the lengths."""
+    try:
+        task = task_from(cfg)
+    except ValueError as e:
+        return [f"rl_task / rl_task_options: {e}"]
+    try:
+        tok = tokenizer_from(cfg)
+    except (ValueError, OSError):
+        return []  # reported by the tokenizer section's check
+    try:
+        prompt, answer = _task_lengths(task, tok)
+    except ValueError as e:
+        return [f"rl_task {cfg.rl.rl_task} with tokenizer_type "
+                f"{tokenizer_args(cfg)[0]}: {e}"]
+    errors = []
+    if cfg.rl.rl_max_response_length < answer:
+        errors.append(f"rl_max_response_length ({cfg.rl.rl_max_response_length}) is shorter "
+                      f"than the task's longest answer ({answer})")
+    needed = 1 + prompt + cfg.rl.rl_max_response_length
+    if cfg.model.max_position_embeddings < needed:
+        errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
+                      f">= bos + longest prompt + rl_max_response_length ({needed})")
+    return errors
+
+
+def _task_lengths(task, tok) -> tuple[int, int]:
+    """(longest prompt, longest answer) in tokens: the task's own bounds where it states them
+    and the tokenizer has one token per character, else measured on 256 sampled problems."""
+    measured = measure_lengths(task, tok.encode)  # also: every character encodes
+    exact = task.max_prompt_chars is not None and (
+        isinstance(tok, CharTokenizer) or tok.identity()["type"] == "ByteLevelTokenizer")
+    return (task.max_prompt_chars, task.max_answer_chars) if exact else measured

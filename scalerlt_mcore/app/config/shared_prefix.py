@@ -1,0 +1,38 @@
+"""The shared-prefix section: the schedule that trains a group of responses sharing one
+prompt (its keys reach the schedule and its ``Planner`` through ``SCHEDULE_FLAGS``)."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+from .builders import schedule_from
+from .library import SCHEDULE_FLAGS, library_errors
+
+if TYPE_CHECKING:
+    from .run import RunConfig
+
+
+@dataclass
+class SharedPrefixArgs:
+    """The schedule that trains a group of responses sharing one prompt."""
+
+    shared_prefix_schedule: Literal["joint_replay", "naive", "auto"] = "joint_replay"
+    """``joint_replay`` (prompt computed once, one replay backward), ``naive``, or ``auto``
+    (per group, whichever a cost model calibrated at start predicts faster)."""
+    shared_prefix_wave_size: Union[int, Literal["auto"]] = 4
+    """Responses per wave in joint replay, or ``auto``: per group the largest wave whose
+    predicted activations and prefix adjoints fit ``shared_prefix_memory_budget``."""
+    shared_prefix_checkpoint_waves: bool = False
+    """Recompute each wave in backward instead of keeping its activations."""
+    shared_prefix_prompt: Literal["retain", "recompute", "auto"] = "auto"
+    """``retain`` (keep the prompt's graph: the prompt is computed once), ``recompute`` (run
+    it again in the joint replay), or ``auto`` (retain unless only recompute fits the budget)."""
+    shared_prefix_memory_budget: Optional[float] = None
+    """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
+    None: no budget."""
+
+
+def check_shared_prefix(cfg: "RunConfig") -> list[str]:
+    """The schedule's and its planner's own checks (the loss's bytes per position change none
+    of them: a placeholder, so that an invalid objective is reported once, by its own check)."""
+    return library_errors(lambda c: schedule_from(c, loss_per_position=1.0), cfg,
+                          SCHEDULE_FLAGS)
