@@ -1,5 +1,5 @@
 """What is measured per schedule: FLOPs of one step, peak saved-tensor bytes, wall time,
-agreement with naive, and the cost model of DESIGN.md section 2."""
+agreement with naive, and the cost model of docs/design.md section 2."""
 
 import statistics
 import time
@@ -184,11 +184,11 @@ def check_agreement(steps: dict, model, reference: str = "naive",
     return errors
 
 
-# ---- the cost model of DESIGN.md section 2 --------------------------------------------------
+# ---- the cost model of docs/design.md section 2 -------------------------------------------
 
 def theory(wl) -> dict:
     """Work (token-layer forward = 1, backward = 2) and tokens whose activations are held at
-    peak, per schedule; the work column is DESIGN.md's cost table."""
+    peak, per schedule; the work column is docs/design.md's cost table."""
     G, P, S, W = wl.group_size, wl.prompt_length, wl.response_length, wl.wave_size
     joint = 4 * P + 3 * G * S
     work = {"naive": 3 * G * (P + S), "naive_mb1": 3 * G * (P + S), "tree": 3 * P + 3 * G * S,

@@ -210,7 +210,7 @@ def readme_tables(doc: dict) -> str:
     """The README's benchmark tables, from a ``cpu.json`` document: ratios and raw figures of
     the headline workloads, and the targets: what the README shows after a `make bench`."""
     results = {n: doc[n] for n in HEADLINE_NAMES if n in doc}
-    lines = ["| workload | G | P | S | W | naive / joint FLOPs, causal [all scores] (DESIGN) "
+    lines = ["| workload | G | P | S | W | naive / joint FLOPs, causal [all scores] (design) "
              "| saved bytes | wall | naive_mb1 / joint saved bytes | wall "
              "| tree / joint FLOPs, causal | saved | wall |", "|" + "---|" * 13]
     for name, r in results.items():
@@ -330,7 +330,7 @@ def _plot_bars(ax, results):
         ax.plot([j - 0.4, j + 0.4], [th, th], "k--", lw=1)
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xticks(range(len(groups)), [f"{n}\n{key.replace('_over_', '/')}" for n, key in groups])
-    ax.set_ylabel("ratio (> 1: joint replay better); dashed: DESIGN.md work ratio")
+    ax.set_ylabel("ratio (> 1: joint replay better); dashed: docs/design.md work ratio")
     ax.legend(fontsize=8)
     ax.set_title("headline workloads")
 
@@ -355,6 +355,6 @@ def _plot_sweep(ax, sweep, key):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("G (responses per prompt)")
     ax.set_ylabel(f"{key} ratio"
-                  + (" (dashed: DESIGN.md work ratio)" if key == "flops_causal" else ""))
+                  + (" (dashed: docs/design.md work ratio)" if key == "flops_causal" else ""))
     ax.set_title(f"sweep: {key}")
     ax.legend(fontsize=7)

@@ -85,7 +85,7 @@ NOTES = [
     "against naive's one each, on smaller matrices: at the sweep's small sizes the per-call "
     "cost dominates and its wall time can trail naive's even "
     "where its FLOPs are several times lower.",
-    "Theory: DESIGN.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
+    "Theory: docs/design.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
     "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), "
     "naive_mb1 P+S, tree P+GS, joint P+WS (prompt replay + one wave).",
     "joint_retain: the prompt producer keeps its graph and the joint replay backpropagates "

@@ -3,8 +3,8 @@ NAIVE reference (every response a full prompt+response sequence through STOCK MC
 ``get_forward_backward_func()``, with the RL loss written here in plain PyTorch).
 
 The reference loss never calls ``RLObjective``; it is this file's own implementation of
-DESIGN.md section 2: PPO clipped ratio, k3 KL, per-loop weights, and token_mean / seq_mean /
-constant normalisation over the whole group.
+docs/design.md section 2: PPO clipped ratio, k3 KL, per-loop weights, and token_mean /
+seq_mean / constant normalisation over the whole group.
 """
 
 from __future__ import annotations

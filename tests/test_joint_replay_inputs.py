@@ -1,4 +1,4 @@
-"""Replay inputs are explicit and checked (DESIGN.md section 4).
+"""Replay inputs are explicit and checked (docs/design.md section 4).
 
 - A replay input mutated in place after phase 2 (from the ``phase_callback`` of the last
   non-final wave) is caught before the joint replay: ``ReplayInputError`` naming the tensor

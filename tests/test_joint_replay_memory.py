@@ -1,5 +1,5 @@
 """Saved activations: joint replay holds the prompt once plus one wave; naive holds all G
-full sequences (DESIGN.md section 2, cost table).
+full sequences (docs/design.md section 2, cost table).
 
 Measured with ``SavedTensorProbe`` (peak bytes of tensors autograd saves for backward,
 parameters excluded) around one training step of the same group on the same model:
