@@ -53,11 +53,13 @@ def test_bad_specs_are_refused(spec):
 
 
 class _Trainer(RLTrainer):
-    """Only what ``use_loops_of`` reads: the run config and the model's config."""
+    """Only what ``use_loops_of`` reads: the run config, the model's config and its initial
+    state draw, no KL reference."""
 
     def __init__(self, cfg, model_config):
-        self.cfg = cfg
-        self.model = type("M", (), {"config": model_config})()
+        self.cfg, self.ref = cfg, None
+        self.model = type("M", (), {"config": model_config,
+                                    "set_initial_state_draw": lambda self, seed, step: None})()
 
 
 def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_single):
@@ -112,3 +114,32 @@ def test_one_owner_of_a_steps_loop_count():
     gen = torch.Generator().manual_seed(step_seed(9, 3, 0, LOOP_COUNT_SALT))
     assert sample_num_loops("uniform:1,6", 2, 9, 3) == int(torch.randint(1, 7, (1,),
                                                                          generator=gen))
+
+
+def test_each_step_sets_its_initial_state_draw_in_policy_and_reference():
+    """A random initial state (Huginn) is redrawn per step from (seed, step), in the policy and
+    the KL reference alike, so the step's rollouts, scoring and replay share one s_0."""
+    import types
+
+    from scalerlt_mcore.app.trainer import RLTrainer
+
+    class Stub:
+        def __init__(self):
+            self.config, self.draws = types.SimpleNamespace(looped_num_loops=2), []
+
+        def set_initial_state_draw(self, seed, step=0):
+            self.draws.append((seed, step))
+
+    policy, reference = Stub(), Stub()
+    cfg = types.SimpleNamespace(
+        model=types.SimpleNamespace(looped_num_loops=2, looped_loops_warmup_iters=0,
+                                    looped_num_loops_sampling="fixed"),
+        training=types.SimpleNamespace(seed=7))
+    trainer = types.SimpleNamespace(cfg=cfg, model=policy,
+                                    ref=types.SimpleNamespace(module=reference))
+    for step in (3, 4):
+        assert RLTrainer.use_loops_of(trainer, step) == 2
+    assert policy.draws == reference.draws == [(7, 3), (7, 4)]
+    trainer.ref = None
+    RLTrainer.use_loops_of(trainer, 5)
+    assert policy.draws[-1] == (7, 5)

@@ -91,11 +91,15 @@ class RLTrainer:
     def use_loops_of(self, step: int, evaluation: bool = False) -> int:
         """Set the loop count of ``step``: the ``looped_loops_warmup_iters`` curriculum, then
         ``looped_num_loops_sampling``'s draw for the step (``evaluation``: the largest count it
-        can draw, so that every loop count's accuracy is measured)."""
-        m = self.cfg.model
+        can draw, so that every loop count's accuracy is measured), and the step's draw of a
+        random initial state (``looped_initial_state random``) in the policy and the KL
+        reference alike: the same s_0 for the step's rollouts, scoring and joint replay."""
+        m, seed = self.cfg.model, self.cfg.training.seed
         loops = step_num_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters,
-                               m.looped_num_loops_sampling, self.cfg.training.seed, evaluation)
+                               m.looped_num_loops_sampling, seed, evaluation)
         set_num_loops(self.model.config, loops)
+        for module in (self.model, *([self.ref.module] if self.ref is not None else [])):
+            module.set_initial_state_draw(seed, step)
         return loops
 
     def use_configured_loops(self) -> None:
