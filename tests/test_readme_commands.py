@@ -35,6 +35,9 @@ NOT_RUN = {
     "python -m scalerlt_mcore.train --config configs/retrofit_tiny_llama.yaml "
     "--pretrained-checkpoint /path/to/gpt_checkpoint": "a placeholder for the user's stock "
     "GPTModel checkpoint (tests/test_pretrained_app.py runs that path)",
+    "python -m scalerlt_mcore.train --pretrained-checkpoint /path/to/Ouro-1.4B": "a "
+    "placeholder for the user's Ouro checkpoint (a download; tests/test_looped_app.py runs that "
+    "path on a tiny Ouro written here)",
 }
 """Command prefix -> why this test does not run it."""
 
@@ -126,6 +129,11 @@ def _run(command: str, n: int, scratch: Path) -> str:
         return _generate(words[3:])
     if words[0] == "python" and words[1].startswith("examples/"):
         return _script(words)
+    if words[:3] == ["python", "-m", "scalerlt_mcore.export"]:
+        from scalerlt_mcore.export import main
+
+        main(words[3:])
+        return ""
     raise AssertionError(f"no runner for README command {command!r}: add one, or a reason to "
                          f"NOT_RUN")
 

@@ -5,8 +5,9 @@ Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote co
 modeling code (``modeling_ouro.py`` / ``configuration_ouro.py``; ``raven_modeling_minimal.py``
 / ``raven_config_minimal.py``); the mapping is written once as tables and read in both
 directions (import here, export in ``hf_export.py``), so import -> export -> import is the
-identity. A ``huginn_raven`` checkpoint whose ``auto_map`` names a Llama-style modeling file
-(Retrofitted Recurrence) is told apart and refused (not supported yet).
+identity. A ``huginn_raven`` checkpoint with a Llama-style modeling file (Retrofitted
+Recurrence) is told apart (``is_retrofitted_recurrence``) and imported with its own mapping
+(``RETROFIT_BLOCK``).
 
 Ouro (``looped_family`` ``ouro``), the whole N-layer stack looped ``total_ut_steps`` times:
 
@@ -365,8 +366,9 @@ def huginn_freqs_cis(arch: PretrainedArchitecture, length: int) -> torch.Tensor:
     """The public model's persistent RoPE buffer ``freqs_cis`` [1, length, 1, hd / 2, 2] (cos,
     sin in fp32; ``precompute_freqs_cis``): not a weight, written back on export."""
     dim = arch.kv_channels
-    inv = 1.0 / (arch.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+    even = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+    inv = 1.0 / (arch.rotary_base ** (even / dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device="cpu"), inv)
     return torch.stack([freqs.cos()[None, :, None], freqs.sin()[None, :, None]], dim=4)
 
 

@@ -155,7 +155,9 @@ class QKBiasSelfAttention(LoopedSelfAttention):
         if (config.num_query_groups or heads) != heads:
             raise ValueError(f"qk bias needs num_query_groups == num_attention_heads ({heads}), "
                              f"got {config.num_query_groups}")
-        zeros = torch.zeros(2, 1, heads, config.kv_channels, dtype=config.params_dtype)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        zeros = torch.zeros(2, 1, heads, config.kv_channels, dtype=config.params_dtype,
+                            device=device)
         self.qk_bias = nn.Parameter(zeros)
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
