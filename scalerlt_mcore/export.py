@@ -17,8 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from scalerlt_mcore.app.checkpoint import CheckpointError, load_model_weights, read_meta
-from scalerlt_mcore.app.config import ConfigError, RunConfig, apply_overrides, read_yaml
+from scalerlt_mcore.app.checkpoint import CheckpointError, load_model_weights
+from scalerlt_mcore.app.config import ConfigError
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import (
     build_model,
@@ -26,6 +26,7 @@ from scalerlt_mcore.app.runtime import (
     model_config,
     shutdown_distributed,
 )
+from scalerlt_mcore.generate import run_config
 from scalerlt_mcore.model.hf_export import ExportError, save_hf
 
 FORMATS = ("hf",)
@@ -40,16 +41,6 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--config", help="run config YAML to use instead of the checkpoint's")
     p.add_argument("out", help="output directory")
     return p.parse_args(argv)
-
-
-def run_config(args) -> RunConfig:
-    """The checkpoint's run config (or ``--config``'s)."""
-    if args.config:
-        return apply_overrides(RunConfig(), read_yaml(args.config), f"in {args.config}")
-    meta = read_meta(args.load)
-    if "config" not in meta:
-        raise ConfigError(f"checkpoint {args.load} stores no run config; pass --config")
-    return apply_overrides(RunConfig(), meta["config"], f"in the config of {args.load}")
 
 
 def source_dir(cfg):
