@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
+from helpers.sp import MAX_SEQ, VOCAB
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from sp_helpers import MAX_SEQ, VOCAB
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.attention import LoopedCoreAttention

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step
+from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step
 
 from scalerlt_mcore.model import kernels
 

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from sp_helpers import build_model, make_group
+from helpers.sp import build_model, make_group
 
 from scalerlt_mcore.model import kernels
 from scalerlt_mcore.rl import batch as rl_batch

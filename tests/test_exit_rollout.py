@@ -5,7 +5,7 @@ forward of the same sequences computes: within 1e-5 (fp32)."""
 
 import pytest
 import torch
-from test_exit_gate import _gated
+from helpers.exit_gate import _gated
 
 from scalerlt_mcore.rl.rollout import exit_loop_at, generate
 
@@ -61,7 +61,7 @@ def test_exit_loop_at_is_the_first_loop_past_the_threshold():
 
 
 def test_exit_modes_need_the_gate(mcore_single):
-    from sp_helpers import build_model
+    from helpers.sp import build_model
 
     with pytest.raises(ValueError, match="exit_mode 'mixture' needs the model's exit gate"):
         generate(build_model(R=2), PROMPTS, 2, 3, eos_id=EOS, pad_id=PAD, exit_mode="mixture")

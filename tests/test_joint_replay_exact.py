@@ -14,8 +14,8 @@ from functools import partial
 
 import pytest
 import torch
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from sp_helpers import (
+from helpers.replay_exact import DTYPES, GRID, TOL, _assert_close_rel, _case_id
+from helpers.sp import (
     LossSpec,
     build_model,
     grads,
@@ -26,14 +26,11 @@ from sp_helpers import (
     naive_step,
     rel_errors,
 )
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
-DTYPES = {"f64": torch.float64, "f32": torch.float32}
-
 MEASURED = {}  # dtype -> max relative error seen (printed at the end with -s)
-
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,42 +45,6 @@ def _record(dtype, errs: dict) -> float:
     key = str(dtype).replace("torch.", "")
     MEASURED[key] = max(MEASURED.get(key, 0.0), worst)
     return worst
-
-
-def _assert_close_rel(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    err = float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
-
-
-# Pairwise covering array over the grid (every pair of values of any two factors occurs in
-# some row; in particular every listed value appears). Columns:
-#   dtype, G, W (wave size: 1 | 3 | G), R, arch (prelude + coda + linear_concat injection),
-#   checkpoint_waves, normalization, loop weights, kl (kl_coef > 0 with ref_logprobs),
-#   looped_prefix_attention, naive responses per microbatch (1 | 2 | all G).
-GRID = [
-    ("f32", 8, "1", 3, True, True, "seq_mean", "uniform", 1, "cascade", "all"),
-    ("f64", 1, "G", 1, False, False, "constant", "progressive", 0, "cascade", "1"),
-    ("f64", 5, "3", 3, True, False, "token_mean", "final", 1, "concat", "2"),
-    ("f32", 2, "3", 1, False, True, "seq_mean", "final", 0, "concat", "all"),
-    ("f32", 2, "G", 3, True, True, "constant", "progressive", 1, "concat", "2"),
-    ("f64", 8, "1", 1, False, True, "token_mean", "uniform", 0, "concat", "2"),
-    ("f32", 1, "1", 3, True, False, "seq_mean", "final", 1, "concat", "1"),
-    ("f32", 5, "G", 3, False, False, "token_mean", "uniform", 0, "cascade", "all"),
-    ("f64", 2, "3", 1, True, True, "constant", "uniform", 0, "cascade", "1"),
-    ("f64", 5, "1", 1, True, True, "seq_mean", "progressive", 1, "cascade", "2"),
-    ("f64", 8, "G", 3, False, False, "constant", "final", 1, "cascade", "all"),
-    ("f32", 1, "3", 1, False, True, "token_mean", "progressive", 1, "cascade", "all"),
-    ("f32", 2, "1", 3, False, False, "token_mean", "final", 1, "cascade", "1"),
-    ("f32", 1, "G", 3, True, True, "seq_mean", "uniform", 0, "concat", "2"),
-    ("f32", 5, "1", 3, True, False, "constant", "uniform", 0, "cascade", "1"),
-    ("f64", 8, "3", 1, True, True, "constant", "progressive", 0, "concat", "1"),
-]
-
-
-def _case_id(row) -> str:
-    dt, G, W, R, arch, ck, norm, lw, kl, attn, mb = row
-    return (f"{dt}-G{G}-W{W}-R{R}-{'arch' if arch else 'plain'}-{'ckpt' if ck else 'nockpt'}-"
-            f"{norm}-{lw}-kl{kl}-{attn}-mb{mb}")
 
 
 def test_grid_covers_every_value():

@@ -18,13 +18,10 @@ import math
 
 import pytest
 import torch
-from sp_helpers import VOCAB, LossSpec, build_model, grads, joint_step, make_group
+from helpers.replay_inputs import GID, MUTATIONS, G, P, R, Recorder, S, W, _bump_token, _group
+from helpers.sp import VOCAB, LossSpec, build_model, grads, joint_step, make_group
 
 from scalerlt_mcore.shared_prefix import ReplayInputError
-
-R, G, P, S, W = 2, 5, 6, 4, 2  # waves [0, 1], [2, 3], [4]: two non-final waves
-GID = 17
-
 
 
 @pytest.fixture
@@ -32,43 +29,9 @@ def model(mcore_single):
     return build_model(R=R, arch=True).double()
 
 
-def _group(**kw):
-    return make_group(G, P, S, R, seed=4, kl=True, group_id=GID, **kw)
-
-
-class Recorder:
-    """phase_callback that records the phases and runs ``action`` at the n-th "wave"."""
-
-    def __init__(self, model, at_wave=None, action=None):
-        self.model, self.at_wave, self.action = model, at_wave, action
-        self.calls, self.waves, self.grads_at_action = [], 0, None
-
-    def __call__(self, phase, group):
-        self.calls.append(phase)
-        if phase == "wave":
-            self.waves += 1
-            if self.waves == self.at_wave:
-                self.grads_at_action = grads(self.model)
-                self.action(group)
-
-
-def _bump_token(t: torch.Tensor, index) -> None:
-    t[index] = t[index] % (VOCAB - 1) + 1  # another valid token id
-
-
 def _mutate_data_only(t: torch.Tensor) -> None:
     """Write through ``.data``: the version counter does not move, only the checksum does."""
     t.data[0, 0, P] += 0.125
-
-
-MUTATIONS = {
-    "tokens": lambda g: _bump_token(g.tokens, (G - 1, P)),  # a response token of the last wave
-    "labels": lambda g: _bump_token(g.labels, (1, P - 1)),
-    "loss_mask": lambda g: g.loss_mask[2, P - 1].mul_(0.5),
-    "advantages": lambda g: g.advantages.add_(0.25),
-    "old_logprobs": lambda g: g.old_logprobs[1, 3, P].sub_(0.1),
-    "ref_logprobs": lambda g: g.ref_logprobs[0, 4, P].add_(0.1),
-}
 
 
 @pytest.mark.parametrize("ck", [False, True], ids=["nockpt", "ckpt"])

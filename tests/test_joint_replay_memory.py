@@ -12,7 +12,7 @@ for the per-token logits and attention terms.
 
 import pytest
 import torch
-from sp_helpers import LossSpec, build_model, joint_step, make_group, naive_step
+from helpers.sp import LossSpec, build_model, joint_step, make_group, naive_step
 
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 

@@ -12,8 +12,8 @@ through stock MCore (tests/sp_helpers.py), fp64 <= 1e-12 and fp32 <= 1e-6 per te
 
 import pytest
 import torch
-from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
-from test_joint_replay_exact import DTYPES, GRID, TOL, _assert_close_rel, _case_id
+from helpers.replay_exact import DTYPES, GRID, TOL, _assert_close_rel, _case_id
+from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
 
 from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
 from scalerlt_mcore.shared_prefix.planner import GroupPlan
@@ -170,7 +170,7 @@ def test_retained_step_verifies_inputs_before_the_final_backward(mcore_single, n
     """A field changed after the waves is caught before the joint replay's backward through the
     retained prompt graph: no gradient of that backward arrives (as under recompute,
     tests/test_joint_replay_inputs.py)."""
-    from test_joint_replay_inputs import GID, MUTATIONS, Recorder, W, _group
+    from helpers.replay_inputs import GID, MUTATIONS, Recorder, W, _group
 
     from scalerlt_mcore.shared_prefix import ReplayInputError
 
@@ -191,7 +191,7 @@ def test_retained_step_verifies_inputs_before_the_final_backward(mcore_single, n
 def test_retained_prompt_bf16_within_bf16_rounding(mcore_single):
     """bf16 model, fp32 adjoint leaves, retained bf16 prompt graph: the bounds of
     tests/test_joint_replay_bf16.py against naive fp32 training through stock MCore."""
-    from test_joint_replay_bf16 import (
+    from helpers.replay_bf16 import (
         BF16_TOL,
         CASES,
         L2_FACTOR,

@@ -9,8 +9,8 @@ from typing import ClassVar, Optional
 
 import pytest
 import torch
+from helpers.sp import build_model, grads, rel_errors
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from sp_helpers import build_model, grads, rel_errors
 
 from scalerlt_mcore.shared_prefix import (
     ReplayInputError,

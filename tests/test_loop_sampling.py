@@ -63,7 +63,7 @@ class _Trainer(RLTrainer):
 
 
 def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_single):
-    from sp_helpers import build_model
+    from helpers.sp import build_model
 
     cfg = parse_args(["--looped-num-loops", "3", "--looped-num-loops-sampling", "uniform:1,4",
                       "--seed", "5"])
@@ -79,7 +79,7 @@ def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_singl
 def test_rl_steps_run_at_each_steps_draw(mcore_single):
     """The main job's RL steps with ``uniform:1,3``: every step's rollouts, old log-probs
     (scoring) and training groups carry that step's R, and the metrics log it."""
-    from test_train_e2e import SFT, _flags, _trainer
+    from helpers.train_runs import SFT, _flags, _trainer
 
     torch.manual_seed(7)
     tr = _trainer(_flags(looped_num_loops_sampling="uniform:1,3", grpo_iterations=1,

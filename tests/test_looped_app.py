@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_ouro import load_ouro, ouro_forward, write_ouro_checkpoint
+from helpers.pretrained_app import _adam_moments, _flat, _step, build
+from helpers.reference_ouro import load_ouro, ouro_forward, write_ouro_checkpoint
 from safetensors.torch import load_file
-from test_pretrained_app import _adam_moments, _flat, _step, build
 
 from scalerlt_mcore import export
 from scalerlt_mcore.app.checkpoint import save_checkpoint
@@ -127,7 +127,7 @@ def test_huginn_through_the_app(tmp_path):
     initial state, R = mean_recurrence, its loop sampling and backprop depth); the model the
     app builds is the public function at num_steps = R; a short run trains and exports back
     to the source's tensor names."""
-    from reference_huginn import (
+    from helpers.reference_huginn import (
         documented_initial_state,
         huginn_forward,
         load_huginn,

@@ -22,7 +22,7 @@ GRAD_RTOL = 1e-6
 def _build():
     """test_joint_replay_ddp's model and optimizer (overlapped reduction, several buckets),
     with the exit gate and truncated backprop (k = 1), and no weight decay (plain Adam)."""
-    from test_joint_replay_ddp import _build as build_ddp
+    from helpers.ddp import _build as build_ddp
 
     return build_ddp(True, seed=3, vocab=VOCAB, max_seq=MAX_SEQ, weight_decay=0.0,
                      looped_exit_gate=True, looped_backprop_loops=1)
@@ -33,9 +33,9 @@ def _flat(model) -> torch.Tensor:
 
 
 def _train(rank, world_size):
-    from sp_helpers import LossSpec, make_group
-    from test_exit_gate import _joint, _naive
-    from test_joint_replay_ddp import _global_rel_error, _num_buckets, _reduced_grads
+    from helpers.ddp import _global_rel_error, _num_buckets, _reduced_grads
+    from helpers.exit_gate import _joint, _naive
+    from helpers.sp import LossSpec, make_group
 
     from scalerlt_mcore.model.config import sample_num_loops, set_num_loops
 

@@ -24,8 +24,8 @@ import math
 
 import pytest
 import torch
-from hf_helpers import randomize
-from reference_huginn import (
+from helpers.hf import randomize
+from helpers.reference_huginn import (
     documented_initial_state,
     huginn_forward,
     load_huginn,
@@ -33,9 +33,14 @@ from reference_huginn import (
     write_huginn_checkpoint,
     write_retrofit_checkpoint,
 )
-from reference_ouro import load_ouro, ouro_forward, threshold_exit_step, write_ouro_checkpoint
+from helpers.reference_ouro import (
+    load_ouro,
+    ouro_forward,
+    threshold_exit_step,
+    write_ouro_checkpoint,
+)
+from helpers.sp import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 from safetensors.torch import load_file, save_file
-from sp_helpers import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 
 from scalerlt_mcore.model.hf_export import ExportError, save_hf
 from scalerlt_mcore.model.hf_import import looped_gpt_from_hf, read_hf_architecture
@@ -62,7 +67,7 @@ def ouro_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Tiny random Llama / Qwen2 directories saved by transformers (test_pretrained_import's)."""
-    from test_pretrained_import import BUILDERS
+    from helpers.hf import BUILDERS
 
     out = {}
     for k, (name, build) in enumerate(BUILDERS.items()):
@@ -168,7 +173,7 @@ def test_ouro_threshold_rollout_matches_reference(mcore_single, ouro_dir):
 
 
 def test_ouro_joint_replay_exit_pdf_matches_naive(mcore_single, ouro_dir):
-    from test_exit_gate import _joint, _naive
+    from helpers.exit_gate import _joint, _naive
 
     R = 3
     model = looped_gpt_from_pretrained(ouro_dir, num_loops=R, use_cpu_initialization=True,

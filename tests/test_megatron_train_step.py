@@ -117,6 +117,7 @@ def megatron_evaluate(forward_step_func, data_iterator, model, forward_backward_
 
 
 def _setup():
+    from helpers.sp import build_model
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -124,7 +125,6 @@ def _setup():
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from sp_helpers import build_model
 
     torch.manual_seed(3)
     gpt = build_model(R=LOOPS, arch=True, hidden=16, heads=2, layers=1, vocab=VOCAB)
@@ -147,14 +147,14 @@ def _setup():
 
 
 def _groups(rank: int) -> list:
-    from sp_helpers import make_group
+    from helpers.sp import make_group
 
     return [make_group(G, 6, 4, LOOPS, seed=100 * rank + k, dtype=torch.float32, kl=True,
                        group_id=k, vocab=VOCAB) for k, G in enumerate(PLAN[1])]
 
 
 def _spec():
-    from sp_helpers import LossSpec
+    from helpers.sp import LossSpec
 
     return LossSpec(normalization="token_mean", kl_coef=0.05, loop_weights="uniform")
 
@@ -163,7 +163,7 @@ def _spec():
 
 
 def _naive_batches(groups) -> list:
-    from sp_helpers import naive_microbatches
+    from helpers.sp import naive_microbatches
 
     batches = naive_microbatches(groups, _spec(), per_mb=2)
     factor = len(batches) / len(groups)  # Megatron-LM averages over microbatches
@@ -174,7 +174,7 @@ def _naive_batches(groups) -> list:
 
 
 def _naive_loss(batch, output):
-    from sp_helpers import ref_rl_loss
+    from helpers.sp import ref_rl_loss
 
     loss = ref_rl_loss(_spec(), output, batch["old"], batch["adv"], batch["coef"], batch["ref"])
     f = batch["factor"]

@@ -11,34 +11,11 @@ import copy
 
 import pytest
 import torch
-from reference_looped import RefConfig, reference_forward, weights_from_state_dict
+from helpers.decode import LOOPS, N_CODA, N_CORE, N_PRE, VOCAB, build
+from helpers.reference_looped import reference_forward
 
-from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
-from scalerlt_mcore.model.config import LoopedTransformerConfig
-
-VOCAB, LOOPS, N_PRE, N_CORE, N_CODA = 64, 3, 1, 2, 1
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts are right-padded to 7
 STEPS = 4  # decode steps after the prefill
-
-
-
-def build(pe: str, dtype=torch.float64) -> tuple:
-    """R=3 with prelude, coda and injection, random weights; plus its reference weights."""
-    cfg = LoopedTransformerConfig(
-        num_layers=N_CORE, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        use_cpu_initialization=True, looped_num_loops=LOOPS, looped_num_prelude_layers=N_PRE,
-        looped_num_coda_layers=N_CODA, looped_injection="linear_concat",
-    )
-    model = LoopedGPTModel(cfg, get_looped_gpt_layer_local_spec(), VOCAB, 32,
-                           position_embedding_type=pe).to(dtype)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
-            p.copy_(1 + 0.1 * noise if "layernorm.weight" in name else 0.2 * noise)
-    ref = RefConfig(hidden=32, heads=4, groups=2, n_core=N_CORE, n_prelude=N_PRE,
-                    n_coda=N_CODA, loops=LOOPS, injection="linear_concat", position=pe)
-    return model, ref, weights_from_state_dict(model.state_dict(), ref)
 
 
 def sequences(seed: int = 0) -> tuple:

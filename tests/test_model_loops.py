@@ -6,7 +6,7 @@ prelude and coda on, injection on and off, R in {1, 3}, both position embeddings
 
 import pytest
 import torch
-from reference_looped import RefConfig, reference_forward, weights_from_state_dict
+from helpers.reference_looped import RefConfig, reference_forward, weights_from_state_dict
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig

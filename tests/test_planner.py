@@ -5,7 +5,7 @@ model's calibration and the joint-vs-naive choice, and the app's flags."""
 
 import pytest
 import torch
-from sp_helpers import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
+from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
@@ -266,7 +266,7 @@ def test_app_flags_parse_and_validate():
 
 def test_trainer_logs_the_plans(mcore_single):
     """The main job with every ``auto``: one RL step trains and logs the chosen plans."""
-    from test_train_e2e import SFT, _flags, _trainer
+    from helpers.train_runs import SFT, _flags, _trainer
 
     tr = _trainer(_flags(shared_prefix_schedule="auto", shared_prefix_wave_size="auto",
                          shared_prefix_memory_budget=16, shared_prefix_prompt="auto"))

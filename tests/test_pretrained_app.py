@@ -14,22 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import patch_hf_rms_norm, randomize
+from helpers.hf import patch_hf_rms_norm, randomize
+from helpers.pretrained_app import _adam_moments, _flat, _step, build
+from helpers.tokenizer_files import train_char_bpe
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
-from tokenizer_files import train_char_bpe
 
-from scalerlt_mcore.app import runtime
 from scalerlt_mcore.app.checkpoint import CheckpointError, save_checkpoint
 from scalerlt_mcore.app.config import ConfigError, parse_args, task_from, to_dict, validate
 from scalerlt_mcore.app.pretrained import (
-    load_before_wrap,
     resolve_pretrained,
-    resume_after_wrap,
-    resume_checkpoint,
-    run_vocab_size,
 )
-from scalerlt_mcore.app.trainer import RLTrainer
 from scalerlt_mcore.model.config import curriculum_loops
 from scalerlt_mcore.model.mcore_import import stock_gpt_model
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
@@ -79,36 +74,6 @@ def _argv(pretrained, **overrides) -> list:
         out += ["--" + key.replace("_", "-"), str(value).lower() if isinstance(value, bool)
                 else str(value)]
     return out
-
-
-def build(argv: list):
-    """(trainer, start step, log lines): what ``train._run`` builds, on the current state."""
-    cfg = parse_args(argv)
-    notes = resolve_pretrained(cfg)
-    validate(cfg, torch.distributed.get_world_size())
-    resume = resume_checkpoint(cfg)
-    config = runtime.model_config(cfg, "cpu")
-    model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
-    notes += load_before_wrap(cfg, model)
-    ddp, optimizer, scheduler = runtime.wrap_for_training(cfg, config, model)
-    trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
-    return trainer, resume_after_wrap(cfg, trainer, resume), notes
-
-
-def _step(trainer, step: int) -> dict:
-    sft = trainer.cfg.rl.rl_warmup_sft_steps
-    return trainer.sft_step(step) if step < sft else trainer.rl_step(step)
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _adam_moments(optimizer) -> torch.Tensor:
-    (inner,) = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [inner.optimizer.state[s] for g in inner.shard_fp32_groups for s in g]
-    return torch.cat([torch.cat([s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)])
-                      for s in states])
 
 
 def _adam_state_empty(optimizer) -> bool:

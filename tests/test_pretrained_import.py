@@ -18,14 +18,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_helpers import patch_hf_rms_norm, randomize
+from helpers.hf import BUILDERS, LAYERS, VOCAB, patch_hf_rms_norm, randomize
+from helpers.sp import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from safetensors.torch import load_file, save_file
-from sp_helpers import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_block_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
@@ -42,29 +42,7 @@ from scalerlt_mcore.model.retrofit import (
 )
 from scalerlt_mcore.rl.rollout import generate
 
-VOCAB, LAYERS = 64, 4
 TOL = 1e-10
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-              num_attention_heads=4, num_key_value_heads=2)
-
-
-def _llama():
-    """GQA, untied, llama3 RoPE scaling with a base whose 16-wide heads have frequencies in
-    all three bands of the scaling (kept, smoothed, divided by the factor)."""
-    return LlamaForCausalLM(LlamaConfig(**SHAPES, rope_theta=500000.0, rope_scaling=LLAMA3,
-                                        max_position_embeddings=16384, rms_norm_eps=1e-5,
-                                        tie_word_embeddings=False, attn_implementation="sdpa"))
-
-
-def _qwen2():
-    """GQA, tied embeddings, QKV biases, rope_theta 1e6."""
-    return Qwen2ForCausalLM(Qwen2Config(**SHAPES, rope_theta=1e6, tie_word_embeddings=True,
-                                        attn_implementation="sdpa"))
-
-
-BUILDERS = {"llama": _llama, "qwen2": _qwen2}
 
 
 @pytest.fixture(scope="module")

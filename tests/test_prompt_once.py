@@ -11,8 +11,8 @@ samples keep only their own K/V and read the prompt's single copy through
 
 import pytest
 import torch
-from reference_looped import reference_forward
-from test_model_decode import LOOPS, VOCAB, build
+from helpers.decode import LOOPS, VOCAB, build
+from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.rl.rollout import generate
 

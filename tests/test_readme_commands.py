@@ -157,7 +157,7 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_the_readme_multi_node_line_is_the_tested_launch():
-    from test_train_signals import TWO_NODES
+    from helpers.train_runs import TWO_NODES
 
     line = next(c for c in commands(README.read_text()) if c.startswith("torchrun --nnodes 2"))
     assert shlex.join(TWO_NODES) in line, (TWO_NODES, line)

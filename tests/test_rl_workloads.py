@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizer_files import train_bpe
+from helpers.tokenizer_files import train_bpe
 
 from scalerlt_mcore.app.config import parse_args
 from scalerlt_mcore.app.metrics import CLOCK_KEYS

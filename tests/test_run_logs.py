@@ -18,8 +18,7 @@ import re
 import sys
 
 import pytest
-from test_train_e2e import TRAIN, _run
-from test_train_runs import FAST
+from helpers.train_runs import FAST, TRAIN, _run
 
 from scalerlt_mcore.app import metrics
 from scalerlt_mcore.app.config import ConfigError, parse_args

@@ -145,7 +145,7 @@ def _ddp(model):
 def _groups(step: int, dp_rank: int, dtype) -> list:
     """This data-parallel rank's groups (the same on the ranks of a TP group), drawn in fp32
     and widened to ``dtype``."""
-    from sp_helpers import make_group
+    from helpers.sp import make_group
 
     sizes = PLAN[step][1]
     groups = [make_group(G, PROMPT, RESPONSE, LOOPS, seed=1000 * step + 10 * dp_rank + k,
@@ -161,7 +161,7 @@ def _widen(group, dtype):
 
 
 def _spec():
-    from sp_helpers import LossSpec
+    from helpers.sp import LossSpec
 
     return LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="progressive",
                     clip_high=0.28)
@@ -182,8 +182,8 @@ def _gathered_grads(ddp) -> dict:
 
 def _train_steps(dtype) -> dict:
     """Per step, the gathered reduced gradients of joint replay (A) and naive training (B)."""
+    from helpers.sp import joint_step, naive_step
     from megatron.core import parallel_state
-    from sp_helpers import joint_step, naive_step
 
     model_a, model_b = (_ddp(_model(dtype, TP)) for _ in range(2))
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -265,7 +265,7 @@ def _errors() -> list:
 
 def _tp1_grads(dtype, step: int, dp: int) -> dict:
     """Naive stock-MCore training at TP=1 over every data-parallel rank's groups."""
-    from sp_helpers import naive_step
+    from helpers.sp import naive_step
 
     model = _model(dtype, 1)
     groups = [g for r in range(dp) for g in _groups(step, r, dtype)]

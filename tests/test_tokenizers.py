@@ -3,7 +3,7 @@ project's interface, checked against independent references (Python's UTF-8 code
 ``tokenizers`` package reading the same tokenizer.json)."""
 
 import pytest
-from tokenizer_files import train_bpe
+from helpers.tokenizer_files import train_bpe
 from tokenizers import Tokenizer as RawTokenizer
 
 from scalerlt_mcore.rl.tokenizer import (

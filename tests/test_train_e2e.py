@@ -21,51 +21,26 @@ warm-up on a 2-letter ``reverse`` task), so gradients, PPO clipping (2 epochs), 
 and every loop's readout are all active.
 """
 
-import json
 import math
-import os
 import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from helpers.train_runs import ENV, SFT, TINY, TRAIN, _flags, _records, _run, _trainer, _untimed
 
-from scalerlt_mcore.app.config import ConfigError, load_config, parse_args, to_dict, validate
+from scalerlt_mcore.app.config import ConfigError, load_config, parse_args, to_dict
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import _free_port, model_parallel_context, run_distributed
 
-TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
-TINY = to_dict(load_config(TINY_YAML))
-SFT = TINY["rl_warmup_sft_steps"]
 FINAL_LINE = re.compile(r"final mean reward (\d\.\d{3}) after (\d+) steps in \d+ s")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TRAIN = [sys.executable, "-m", "scalerlt_mcore.train"]
-
-
-def _flags(**overrides) -> list:
-    """The tiny config file, and ``overrides`` as command-line flags."""
-    out = ["--config", str(TINY_YAML)]
-    for key, value in overrides.items():
-        if isinstance(value, bool):
-            value = str(value).lower()
-        elif isinstance(value, dict):
-            value = yaml.safe_dump(value, default_flow_style=True).strip()
-        out += ["--" + key.replace("_", "-"), str(value)]
-    return out
 
 
 def _torchrun(port: int) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(port), "-m", "scalerlt_mcore.train"]
-
-
-def _run(cmd: list, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _ok(proc) -> list:
@@ -74,31 +49,7 @@ def _ok(proc) -> list:
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
-def _untimed(record: dict, *drop: str) -> dict:
-    """``record`` without what reads the clock (and the keys ``drop``)."""
-    from scalerlt_mcore.app.metrics import CLOCK_KEYS
-
-    return {k: v for k, v in record.items() if k not in TIMED_METRICS + CLOCK_KEYS + drop}
-
-
-def _records(run_dir) -> list:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 # ---- in-process building blocks ------------------------------------------------------------
-
-
-def _trainer(argv: list):
-    """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
-    from scalerlt_mcore.app import runtime
-    from scalerlt_mcore.app.pretrained import run_vocab_size
-    from scalerlt_mcore.app.trainer import RLTrainer
-
-    cfg = parse_args(argv)
-    validate(cfg, torch.distributed.get_world_size())
-    config = runtime.model_config(cfg, "cpu")
-    model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
-    return RLTrainer(cfg, model, *runtime.wrap_for_training(cfg, config, model))
 
 
 def _step(trainer, step: int) -> dict:

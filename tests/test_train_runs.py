@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from test_train_e2e import TRAIN, _flags, _records, _run
+from helpers.train_runs import FAST, TRAIN, _records, _run
 
 from scalerlt_mcore.app.checkpoint import CheckpointError
 from scalerlt_mcore.app.config import ConfigError, parse_args
@@ -25,8 +25,6 @@ from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.mcore_compat import dist_checkpoint_files
 
-# small steps: 2 prompts x 4 responses, 2 evaluation prompts, no periodic evaluation
-FAST = _flags(global_batch_size=8, eval_iters=1, eval_interval=0)
 TIMESTAMP = "runs/20260101-000000"
 
 

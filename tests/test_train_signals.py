@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from test_train_e2e import ENV, TRAIN, _flags, _records, _run, _untimed
+from helpers.train_runs import ENV, TRAIN, TWO_NODES, _flags, _records, _run, _untimed
 
 from scalerlt_mcore.app.checkpoint import checkpoint_problem
 from scalerlt_mcore.testing import _free_port
@@ -26,7 +26,6 @@ from scalerlt_mcore.testing import _free_port
 # every step
 JOB = _flags(global_batch_size=8, eval_iters=1, eval_interval=0, train_iters=40, no_plot=True,
              save_interval=1)
-TWO_NODES = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
 """torchrun's multi-node form, one process per node (the README's multi-node line)."""
 STOPPED = re.compile(r"interrupted: checkpoint saved after step (\d+)")
 

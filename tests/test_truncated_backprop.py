@@ -11,9 +11,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from fp32_exact import fp64_group, fp64_twin, whole_gradient_error
-from reference_looped import RefConfig, reference_forward, weights_from_state_dict
-from sp_helpers import (
+from helpers.fp32_exact import fp64_group, fp64_twin, whole_gradient_error
+from helpers.reference_looped import RefConfig, reference_forward, weights_from_state_dict
+from helpers.sp import (
     LossSpec,
     build_model,
     grads,
