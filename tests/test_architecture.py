@@ -105,3 +105,17 @@ def test_schedule_has_no_rl_knowledge():
         found = re.findall(r"\b(ppo|kl_coef|kl|RLObjective|clip_\w+|advantages?|old_logprobs|"
                            r"ref_logprobs|GRPO|RL_\w+)\b", text)
         assert not found, f"shared_prefix/{name} mentions {sorted(set(found))}"
+
+
+def test_tests_import_helpers_not_other_test_files():
+    """What test files share lives in tests/helpers/; a test file imports no other test file
+    (its tests would run twice, and moving one test breaks another)."""
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(tests)} imports {n}" for n in names
+                          if n.split(".")[-1].startswith("test_") or n == "conftest"]
+    assert not offenders, offenders

@@ -10,7 +10,7 @@ joint replay against stock-MCore naive training, and the main job.
   GPU: fp32 (TF32 off) loss and gradients within 1e-5, the gradient error bounded over the
   whole gradient (as the DDP test: per-tensor errors of cancelling layernorm-weight gradients
   move with the attention kernel's summation order); bf16 within 2x naive bf16's error against
-  the same fp32 reference (as tests/test_joint_replay_bf16.py on CPU).
+  the same fp32 reference (as tests/shared_prefix/test_joint_replay_bf16.py on CPU).
 - The main job: 2 steps (warm-up + GRPO) of configs/gpu_check.yaml in bf16, with a checkpoint.
 """
 

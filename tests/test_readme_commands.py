@@ -4,8 +4,8 @@ The commands run in README order in one scratch directory (``configs/`` linked i
 command finds what an earlier one wrote (the demo's checkpoint for ``generate``, the tiny Llama
 for the pretrained starts). The main job runs in this process through its command-line entry
 (``cli``) with ``SHORT`` appended (one step, one evaluation batch, no plot); a torchrun command
-is parsed and validated at its world size (its launch is run by ``tests/test_train_e2e.py`` and
-``tests/test_train_signals.py``). A command the test cannot run here is in ``NOT_RUN`` with the
+is parsed and validated at its world size (its launch is run by ``tests/app/test_train_e2e.py`` and
+``tests/app/test_train_signals.py``). A command the test cannot run here is in ``NOT_RUN`` with the
 reason; any other command is a failure, so a new README command needs a runner or a reason.
 """
 
@@ -30,14 +30,14 @@ NOT_RUN = {
     "GPU_CHECK_DRY_RUN=1 make gpu-check": "run by tests/test_gpu_check.py",
     "pip install -e '.[gpu]'": "Transformer Engine compiles against CUDA (no GPU here)",
     "examples/launch_h20_8gpu.sh": "8 GPUs (not run)",
-    "torchrun --nnodes 2": "two nodes: tests/test_train_signals.py launches a job this way, "
+    "torchrun --nnodes 2": "two nodes: tests/app/test_train_signals.py launches a job this way, "
                            "both agents on localhost",
     "python -m scalerlt_mcore.train --config configs/retrofit_tiny_llama.yaml "
     "--pretrained-checkpoint /path/to/gpt_checkpoint": "a placeholder for the user's stock "
-    "GPTModel checkpoint (tests/test_pretrained_app.py runs that path)",
+    "GPTModel checkpoint (tests/app/test_pretrained_app.py runs that path)",
     "python -m scalerlt_mcore.train --pretrained-checkpoint /path/to/Ouro-1.4B": "a "
-    "placeholder for the user's Ouro checkpoint (a download; tests/test_looped_app.py runs that "
-    "path on a tiny Ouro written here)",
+    "placeholder for the user's Ouro checkpoint (a download; tests/app/test_looped_app.py runs "
+    "that path on a tiny Ouro written here)",
 }
 """Command prefix -> why this test does not run it."""
 

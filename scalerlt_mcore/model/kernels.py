@@ -402,7 +402,8 @@ def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float
 # (fp32-or-wider accumulators). Each function counts what autograd saves for one attention of
 # ``rows`` x ``s`` queries, from the qkv projection's output to the output projection's input
 # (RoPE included); prefix K/V storage is the planner's (``prefix_bytes``). A test holds the sum
-# over the model to within 10% of the bytes autograd really saves (tests/test_planner.py).
+# over the model to within 10% of the bytes autograd really saves
+# (tests/shared_prefix/test_planner.py).
 
 
 def _query_bytes(shape, n: int) -> tuple:

@@ -30,7 +30,7 @@ from scalerlt_mcore.model.mcore_import import stock_gpt_model
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.testing import model_parallel_context
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "retrofit_tiny_llama.yaml"
 SMALL = dict(global_batch_size=8, micro_batch_size=4, grpo_group_size=4, shared_prefix_wave_size=2,
              train_iters=4, rl_warmup_sft_steps=1, grpo_kl_beta=0.05, looped_loops_warmup_iters=3,
@@ -86,7 +86,7 @@ def _adam_state_empty(optimizer) -> bool:
 
 def test_retrofit_at_one_loop_is_the_hf_model(tiny_llama, monkeypatch):
     """Through the app's flags (retrofit 2,4,2, all 8 layers kept), R = 1 gives the HF logits
-    (fp64; the reference's RMSNorm in fp64, tests/hf_helpers.py)."""
+    (fp64; the reference's RMSNorm in fp64, tests/helpers/hf.py)."""
     from transformers import LlamaForCausalLM
 
     with model_parallel_context(3):

@@ -411,7 +411,7 @@ def test_label_off_the_loss_mask_need_not_be_next_token(model):
 
 def test_refused_step_says_its_partial_grads_must_be_discarded(model):
     """Refused after two waves ran: their gradients stay (the schedule never restores grads),
-    and the error tells the caller to discard them and not to step (tests/test_refused_step.py:
+    and the error tells the caller to discard them and not to step (tests/app/test_refused_step.py:
     the trainer does)."""
     rec = Recorder(model, at_wave=2, action=MUTATIONS["advantages"])
     with pytest.raises(ReplayInputError) as info:

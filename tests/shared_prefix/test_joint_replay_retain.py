@@ -1,9 +1,9 @@
 """The retained prompt and per-group plans are exact: same loss and gradients as NAIVE training
-through stock MCore (tests/sp_helpers.py), fp64 <= 1e-12 and fp32 <= 1e-6 per tensor.
+through stock MCore (tests/helpers/sp.py), fp64 <= 1e-12 and fp32 <= 1e-6 per tensor.
 
 - ``prompt="retain"``: the prompt producer keeps its graph; the joint replay backpropagates the
   last wave's loss and the prefix adjoints through it (no recompute): the grid of
-  tests/test_joint_replay_exact.py again, two groups in one step, loss scaling;
+  tests/shared_prefix/test_joint_replay_exact.py again, two groups in one step, loss scaling;
 - the prompt runs once forward under retain (twice under recompute), and the sync-enabled part
   of a step is one backward call whatever the plans;
 - a chooser's plans (wave size, retain, naive full sequences) mixed within one step; each
@@ -169,7 +169,7 @@ def test_plan_arguments_are_checked(mcore_single):
 def test_retained_step_verifies_inputs_before_the_final_backward(mcore_single, name):
     """A field changed after the waves is caught before the joint replay's backward through the
     retained prompt graph: no gradient of that backward arrives (as under recompute,
-    tests/test_joint_replay_inputs.py)."""
+    tests/shared_prefix/test_joint_replay_inputs.py)."""
     from helpers.replay_inputs import GID, MUTATIONS, Recorder, W, _group
 
     from scalerlt_mcore.shared_prefix import ReplayInputError
@@ -190,7 +190,8 @@ def test_retained_step_verifies_inputs_before_the_final_backward(mcore_single, n
 
 def test_retained_prompt_bf16_within_bf16_rounding(mcore_single):
     """bf16 model, fp32 adjoint leaves, retained bf16 prompt graph: the bounds of
-    tests/test_joint_replay_bf16.py against naive fp32 training through stock MCore."""
+    tests/shared_prefix/test_joint_replay_bf16.py against naive fp32 training through stock
+    MCore."""
     from helpers.replay_bf16 import (
         BF16_TOL,
         CASES,

@@ -7,7 +7,7 @@ data are fp32 numbers, used as they are in fp32 and widened to fp64, so the fp64
 exact gradients of the fp32 problem. Per layout, over two steps with different wave sizes:
 
 - joint replay (A) and naive stock-MCore training (B: every response a full sequence through
-  ``get_forward_backward_func()``, RL loss written in plain PyTorch in ``sp_helpers``) on the
+  ``get_forward_backward_func()``, RL loss written in plain PyTorch in ``helpers.sp``) on the
   same TP layout, each in MCore DDP (overlapped, bucketed grad reduction); the reduced
   gradients, gathered over the TP group, agree per tensor (fp64: A vs B <= 1e-12; fp32: A and
   B each within 1e-6 of the exact gradient, B's fp64 one, relative to each tensor's max);

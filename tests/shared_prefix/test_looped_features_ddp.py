@@ -4,10 +4,11 @@ entropy-regularised term, truncated backprop (k = 1) and a loop count drawn per 
 (``uniform:2,3``, the same on both ranks).
 
 Per rank two replicas of one model: A trained by joint replay, C a naive step through stock
-MCore ``get_forward_backward_func()`` (reference loss in plain PyTorch, tests/test_exit_gate.py)
-at A's parameters. Every step the fully reduced gradients of A and C agree to 1e-6 of the
-whole gradient's largest entry (as tests/test_joint_replay_ddp.py), A's ranks hold identical
-parameters, and the optimizer moves them.
+MCore ``get_forward_backward_func()`` (reference loss in plain PyTorch,
+tests/helpers/exit_gate.py) at A's parameters. Every step the fully reduced gradients of A and C
+agree to 1e-6 of the whole gradient's largest entry (as
+tests/shared_prefix/test_joint_replay_ddp.py), A's ranks hold identical parameters, and the
+optimizer moves them.
 """
 
 import torch

@@ -16,7 +16,7 @@ from scalerlt_mcore.app.metrics import CLOCK_KEYS
 from scalerlt_mcore.app.trainer import TIMED_METRICS
 from scalerlt_mcore.testing import model_parallel_context
 
-TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
+TINY_YAML = Path(__file__).resolve().parents[1] / "configs" / "e2e_tiny.yaml"
 ITERS = 5  # 2 supervised warm-up steps + 3 RL steps
 
 

@@ -84,7 +84,7 @@ def test_joint_replay_matches_naive(mcore_single, row):
     model = build(dtype)
     group = make_group(G, 8, 4, R, seed=60 + G, dtype=dtype, kl=True)
     spec = LossSpec(normalization="seq_mean", kl_coef=0.05)
-    if dtype == torch.float32:  # the exact run of the same weights (tests/fp32_exact.py)
+    if dtype == torch.float32:  # the exact run of the same weights (tests/helpers/fp32_exact.py)
         exact_model = fp64_twin(model, build(torch.float64))
         naive_loss = _naive(exact_model, [fp64_group(group)], spec, scheme, gate_coef, beta,
                             per_mb=2)

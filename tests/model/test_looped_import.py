@@ -1,9 +1,9 @@
 """Public looped checkpoints imported in their own format: Ouro (``model_type`` "ouro") and
-Huginn-0125 (``huginn_raven``; tests/reference_huginn.py, the same kind of reference).
+Huginn-0125 (``huginn_raven``; tests/helpers/reference_huginn.py, the same kind of reference).
 
-The reference is tests/reference_ouro.py, a plain-PyTorch Ouro written from the public modeling
-code that reads the checkpoint's own tensor names (it shares no code with the importer). The
-checkpoints are tiny random ones written in Ouro's format (no download).
+The reference is tests/helpers/reference_ouro.py, a plain-PyTorch Ouro written from the public
+modeling code that reads the checkpoint's own tensor names (it shares no code with the
+importer). The checkpoints are tiny random ones written in Ouro's format (no download).
 
 - per-loop logits and the exit distribution equal the reference on a right-padded batch, fp64,
   R in {1, 2, 4} (relative error <= 1e-10 on the non-padding positions);

@@ -1,6 +1,6 @@
 """Joint replay is exact: same loss and same gradients as NAIVE training through stock MCore.
 
-The reference (tests/sp_helpers.py) runs every response as a full, independent prompt+response
+The reference (tests/helpers/sp.py) runs every response as a full, independent prompt+response
 sequence through ``megatron.core.pipeline_parallel.get_forward_backward_func()``, one or more
 responses per microbatch, with its own plain-PyTorch RL loss normalised over the whole group.
 The schedule under test then runs on the same model state and the same group(s).

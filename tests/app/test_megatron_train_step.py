@@ -16,7 +16,7 @@ distributed optimizer takes only Adam):
 - run A: ``forward_backward_func`` = the shared-prefix schedule, groups as microbatches,
   ``forward_step_func`` = ``rl_forward_step(RLObjective)``;
 - run B: stock ``get_forward_backward_func()``, every response a full sequence, with a
-  ``forward_step_func`` whose loss is the plain-PyTorch reference of ``sp_helpers`` and whose
+  ``forward_step_func`` whose loss is the plain-PyTorch reference of ``helpers.sp`` and whose
   loss dict is scaled so that Megatron-LM's microbatch average is the mean group loss.
 The step runs, every reduced value is a float tensor, A's losses, token counts and grad norm
 equal B's, the parameter updates agree to rounding, ranks stay identical, and a forward-only

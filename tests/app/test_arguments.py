@@ -37,7 +37,7 @@ from scalerlt_mcore.model.config import LoopedTransformerConfig
 from scalerlt_mcore.rl.advantages import ADVANTAGE_MODES
 from scalerlt_mcore.rl.objective import RLObjective
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _yaml(tmp_path, text, name="x.yaml"):

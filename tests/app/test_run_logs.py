@@ -1,7 +1,7 @@
 """What a run prints and logs, and its one-line errors from the command line.
 
 - The progress bar is drawn only on a terminal, described ``warm-up`` during the warm-up and
-  ``RL`` after it (written to a file, the log lines alone: ``tests/test_train_signals.py``).
+  ``RL`` after it (written to a file, the log lines alone: ``tests/app/test_train_signals.py``).
 - Several configuration problems are one ``error:`` line; Megatron's ``--sequence-parallel``
   and ``--context-parallel-size`` are accepted keys, any other value than the default refused
   with the reason (a real command).

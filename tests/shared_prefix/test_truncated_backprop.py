@@ -1,9 +1,9 @@
 """Truncated backprop through loops (``looped_backprop_loops`` = k, Huginn).
 
 1. The model's gradients with k match the independent plain-PyTorch reference
-   (tests/reference_looped.py) whose first R - k loops and their readouts run under no_grad.
+   (tests/helpers/reference_looped.py) whose first R - k loops and their readouts run under no_grad.
 2. Joint replay with k matches NAIVE training through stock MCore with the same model
-   (tests/sp_helpers.py): fp64 <= 1e-12, fp32 <= 1e-6 relative per tensor.
+   (tests/helpers/sp.py): fp64 <= 1e-12, fp32 <= 1e-6 relative per tensor.
 3. Under joint replay the prefix K/V of graph-free depths is not a grad leaf and gets no
    adjoint; the saved bytes and adjoint bytes shrink against full backprop (printed with -s).
 """
@@ -146,7 +146,7 @@ def test_joint_replay_matches_naive(mcore_single, row):
     model = _set_k(build_model(R=R, arch=arch, attn=attn).to(dtype), k)
     group = make_group(G, 8, 4, R, seed=40 + G, dtype=dtype, kl=True)
     spec = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights=lw)
-    if dtype == torch.float32:  # the exact run of the same weights (tests/fp32_exact.py)
+    if dtype == torch.float32:  # the exact run of the same weights (tests/helpers/fp32_exact.py)
         exact_model = fp64_twin(model, _set_k(build_model(R=R, arch=arch, attn=attn).double(), k))
         naive_losses, _ = naive_step(exact_model, [fp64_group(group)], spec, per_mb=2)
         ref = grads(exact_model)

@@ -1,9 +1,9 @@
 """The main job from a looped checkpoint in its own format (Ouro, Huginn), and back out.
 
-The source is a tiny random Ouro written by tests/reference_ouro.py in Ouro's format, run
+The source is a tiny random Ouro written by tests/helpers/reference_ouro.py in Ouro's format, run
 through configs/ouro_tiny_cpu.yaml (exit_pdf credit, the gate's own term, threshold-exit
 rollouts) with ``--use-checkpoint-args`` at a smaller batch; built in process exactly as
-``train._run`` builds it (tests/test_pretrained_app.py's ``build``).
+``train._run`` builds it (tests/app/test_pretrained_app.py's ``build``).
 """
 
 import json
@@ -22,8 +22,8 @@ from scalerlt_mcore.app.pretrained import resolve_pretrained
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.testing import model_parallel_context
 
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "ouro_tiny_cpu.yaml")
-HUGINN_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "huginn_tiny_cpu.yaml")
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "ouro_tiny_cpu.yaml")
+HUGINN_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "huginn_tiny_cpu.yaml")
 SMALL = dict(global_batch_size=8, micro_batch_size=4, grpo_group_size=4,
              shared_prefix_wave_size=2, train_iters=4, rl_warmup_sft_steps=1, eval_iters=2,
              lr_warmup_iters=0, seed=3)

@@ -16,7 +16,7 @@ import torch
 from scalerlt_mcore.app.config import parse_args, validate
 from scalerlt_mcore.shared_prefix import ReplayInputError, get_shared_prefix_forward_backward_func
 
-TINY_YAML = Path(__file__).parent / "configs" / "e2e_tiny.yaml"
+TINY_YAML = Path(__file__).resolve().parents[1] / "configs" / "e2e_tiny.yaml"
 
 
 def _trainer():

@@ -9,7 +9,7 @@ non-padding positions of a right-padded batch run through HF with its ``attentio
 
 HF's ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` compute in fp32 whatever the input dtype (a
 mixed-precision guard for half inputs), which rounds an fp64 reference to fp32; the tests run
-the same formula in the input's dtype (tests/hf_helpers.py) so that the reference is a true
+the same formula in the input's dtype (tests/helpers/hf.py) so that the reference is a true
 fp64 function. HF's RoPE tables are fp32 in both implementations (same arithmetic).
 """
 
