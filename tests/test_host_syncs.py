@@ -1,0 +1,40 @@
+"""The host-sync counter (``model/host_syncs.py``): each op kind that makes the host wait for
+the device on CUDA is counted on CPU too; pure tensor ops and host-to-device copies are not."""
+
+import torch
+
+from scalerlt_mcore.model.host_syncs import HostSyncCounter, count_host_syncs
+
+
+def test_counts_a_scalar_read_as_one_and_tensor_ops_as_zero():
+    t = torch.arange(6.0)
+    value, counter = count_host_syncs(lambda: int(t.max()))
+    assert value == 5 and counter.total == 1 and counter.counts["scalar"] == 1
+    _, counter = count_host_syncs(lambda: (t * 2).softmax(-1).cumsum(0)[t.long() % 3])
+    assert counter.total == 0
+
+
+def test_counts_every_kind():
+    t = torch.tensor([0.5, -1.0, 2.0])
+    with HostSyncCounter() as c:
+        bool(t.any())
+        t.tolist()
+        t.numpy()
+        t.nonzero()
+        t[t > 0]
+        torch.multinomial(t.abs(), 1)
+        torch.tensor([1.0, 2.0]).to("meta")  # host -> device: not a sync
+    assert dict(c.counts) == {"scalar": 1, "host_read": 2, "data_dependent": 3, "h2d": 1}
+    assert c.total == 6
+    c.reset()
+    assert c.total == 0
+    assert torch.Tensor.tolist is not None and "counted" not in torch.Tensor.tolist.__name__
+
+
+def test_a_copy_out_of_a_device_is_counted():
+    with HostSyncCounter() as c:
+        try:
+            torch.empty(3, device="meta").cpu()  # meta cannot be read: the op still dispatches
+        except (NotImplementedError, RuntimeError):
+            pass
+    assert c.counts["d2h"] == 1 and c.total == 1
