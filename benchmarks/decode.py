@@ -1,0 +1,201 @@
+"""Host syncs and decode speed on CPU (``host_syncs`` in cpu.json).
+
+- ``decode_per_token``: host syncs (``model/host_syncs.py``; on CPU the ops that *would* make
+  the host wait on CUDA) per decoded token of a greedy rollout in steady state, per row and
+  prompt once: the count of a rollout of ``LONG`` tokens minus one of ``SHORT``, over the
+  difference, with the stop check every ``stop_check_interval`` tokens (its one sync every k
+  tokens counted apart as ``stop_check_per_token``).
+- ``train_step``: host syncs of one joint-replay training step of one group at 2 and 8 waves.
+- ``tokens_per_s``: greedy rollouts of a Llama imported at R = 1 (``looped_gpt_from_hf``)
+  against Hugging Face ``generate`` (static cache, greedy) on the same weights, the same
+  batch, prompt and response lengths (prefill included in both), per row and prompt once
+  (transformers has one way: N * G rows), and the project's two cache-attention
+  paths: ``static`` (the whole preallocated cache under a mask: fixed shapes, CUDA-graphable)
+  and ``sliced`` (the cache up to the host-known longest row).
+
+``python -m benchmarks.decode [--out DIR]`` prints the JSON and merges it into cpu.json.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+N_PROMPTS, GROUP, PROMPT, RESPONSE = 2, 4, 32, 32
+SHORT, LONG = 4, 12
+VOCAB = 256
+HF_SHAPES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+REPEATS = 3
+
+BEFORE = {
+    "commit": "6190762",
+    "decode_per_token": {"per_row": 7.0, "prompt_once": 8.0},
+    "train_step": {"2": 121, "8": 319},
+    "tokens_per_s": {"per_row": None, "prompt_once": None},
+}
+"""The same measurements before the decode and replay checks went sync-free (main at
+``commit``)."""
+
+
+def tiny_llama(path: str):
+    """A random tiny Llama (GQA, untied) saved to ``path``; returns the HF model (fp32, eval)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF_SHAPES, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                         tie_word_embeddings=False,
+                                         attn_implementation="sdpa"))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def prompts(n: int = N_PROMPTS, length: int = PROMPT) -> list:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(1, VOCAB, (n, length), generator=gen).tolist()
+
+
+def _rollout(model, batch: list, steps: int, prompt_once: bool, **kwargs):
+    from scalerlt_mcore.rl.rollout import generate
+
+    return generate(model, batch, GROUP, steps, eos_id=VOCAB, pad_id=0, temperature=0.0,
+                    prompt_once=prompt_once, **kwargs)
+
+
+def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
+    """Steady-state host syncs per decoded token of a greedy rollout."""
+    from scalerlt_mcore.model.host_syncs import count_host_syncs
+
+    batch = prompts()
+    counts = [count_host_syncs(_rollout, model, batch, n, prompt_once, **kwargs)[1].total
+              for n in (SHORT, LONG)]
+    return (counts[1] - counts[0]) / (LONG - SHORT)
+
+
+def _best_seconds(fn) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def project_tokens_per_s(model, prompt_once: bool, **kwargs) -> float:
+    batch = prompts()
+    seconds = _best_seconds(lambda: _rollout(model, batch, RESPONSE, prompt_once, **kwargs))
+    return N_PROMPTS * GROUP * RESPONSE / seconds
+
+
+def hf_tokens_per_s(hf) -> float:
+    """transformers ``generate``: greedy, static cache, exactly ``RESPONSE`` new tokens for
+    each of the N * G rows (it has no prompt-once mode, and greedy takes no
+    ``num_return_sequences``: the G rows of a prompt are repeated)."""
+    rows = torch.tensor(prompts()).repeat_interleave(GROUP, dim=0)
+    kwargs = dict(max_new_tokens=RESPONSE, min_new_tokens=RESPONSE, do_sample=False,
+                  cache_implementation="static", pad_token_id=0, eos_token_id=None)
+
+    def run():
+        with torch.no_grad():
+            return hf.generate(rows, attention_mask=torch.ones_like(rows), **kwargs)
+
+    seconds = _best_seconds(run)
+    return N_PROMPTS * GROUP * RESPONSE / seconds
+
+
+def greedy_agrees(model, hf) -> bool:
+    """The project's greedy tokens equal transformers' on these weights (per row)."""
+    ours = _rollout(model, prompts(), SHORT, False).responses.reshape(-1, SHORT)
+    rows = torch.tensor(prompts()).repeat_interleave(GROUP, dim=0)
+    with torch.no_grad():
+        theirs = hf.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=SHORT,
+                             min_new_tokens=SHORT, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[:, PROMPT:]
+    return bool(torch.equal(ours, theirs))
+
+
+def train_step_syncs(waves: int) -> int:
+    """Host syncs of one joint-replay step of one group of ``waves`` waves of 2."""
+    from scalerlt_mcore.model.host_syncs import count_host_syncs
+
+    from .schedules import joint_step
+    from .workloads import Workload, attach_old_logprobs, build_model, make_group, objective
+
+    wl = Workload("syncs", group_size=2 * waves, prompt_length=8, response_length=4,
+                  wave_size=2, num_loops=2, core_layers=1, hidden=32, heads=2)
+    model = build_model(wl)
+    group = attach_old_logprobs(model, make_group(wl))
+    return count_host_syncs(joint_step, model, group, objective(), 2)[1].total
+
+
+def _paths(model) -> dict:
+    """Keyword arguments of ``generate`` that select each cache-attention path (empty when
+    this version has no switch)."""
+    import inspect
+
+    from scalerlt_mcore.rl.rollout import generate
+
+    if "static_cache" not in inspect.signature(generate).parameters:
+        return {"default": {}}
+    return {"static": {"static_cache": True}, "sliced": {"static_cache": False}}
+
+
+def run_decode_bench() -> dict:
+    from scalerlt_mcore.model.hf_import import looped_gpt_from_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = tiny_llama(tmp)
+        model = looped_gpt_from_hf(tmp, num_loops=1, max_sequence_length=256,
+                                   use_cpu_initialization=True).eval()
+    modes = {"per_row": False, "prompt_once": True}
+    paths = _paths(model)
+    peer = hf_tokens_per_s(hf)
+    out = {
+        "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
+        "train_step": {str(w): train_step_syncs(w) for w in (2, 8)},
+        "greedy_equals_transformers": greedy_agrees(model, hf),
+        "tokens_per_s": {
+            m: {**{f"project_{p}": project_tokens_per_s(model, once, **kw)
+                   for p, kw in paths.items()},
+                "transformers": peer}
+            for m, once in modes.items()},
+        "shape": dict(prompts=N_PROMPTS, group=GROUP, prompt=PROMPT, response=RESPONSE,
+                      threads=torch.get_num_threads(), **HF_SHAPES),
+        "before": BEFORE,
+    }
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    from scalerlt_mcore.testing import model_parallel_context
+
+    with model_parallel_context(seed=0):
+        result = run_decode_bench()
+    print(json.dumps(result, indent=1))
+    if not args.no_write:
+        merge_into(os.path.join(args.out, "cpu.json"), result)
+    return 0
+
+
+def merge_into(path: str, result: dict) -> None:
+    """Store ``result`` under ``host_syncs`` in ``path`` (created when missing)."""
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data["host_syncs"] = result
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
