@@ -3,7 +3,7 @@ the device on CUDA is counted on CPU too; pure tensor ops and host-to-device cop
 
 import torch
 
-from scalerlt_mcore.model.host_syncs import HostSyncCounter, count_host_syncs
+from scalerlt_mcore.model.host_syncs import HostSyncCounter, count_host_syncs, mark_host
 
 
 def test_counts_a_scalar_read_as_one_and_tensor_ops_as_zero():
@@ -38,3 +38,16 @@ def test_a_copy_out_of_a_device_is_counted():
         except (NotImplementedError, RuntimeError):
             pass
     assert c.counts["d2h"] == 1 and c.total == 1
+
+
+def test_host_resident_tensors_and_what_is_computed_from_them_are_not_counted():
+    lengths = mark_host(torch.tensor([3, 5]))
+    device_side = torch.tensor([1, 2])
+    with HostSyncCounter() as c:
+        span = int((lengths + 1).max())
+        lengths.tolist()
+        lengths += 1
+        int(lengths.max())
+        assert c.total == 0 and span == 6
+        int((lengths + device_side).max())  # mixed: the sum lives on the device
+    assert c.total == 1

@@ -163,37 +163,31 @@ class LoopedSelfAttention(SelfAttention):
         return self._core(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):
+        """Write the new K/V into the cache at the step's slots, then attend to the cache up to
+        ``step.span`` under the step's mask (``CacheStep``: no host sync, and with a static
+        cache the same shapes every step)."""
         if ctx.cache.prefix is not None:
             return self._attend_prompt_once(ctx, query, key, value)
-        cache, pos = ctx.cache, ctx.positions  # pos [B, s]
-        batch = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
-        cache.keys[ctx.depth][pos, batch] = key.transpose(0, 1).to(cache.keys.dtype)
-        cache.values[ctx.depth][pos, batch] = value.transpose(0, 1).to(cache.values.dtype)
+        cache, step, d = ctx.cache, ctx.step, ctx.depth
+        cache.keys[d][step.slots, step.rows] = key.transpose(0, 1).to(cache.keys.dtype)
+        cache.values[d][step.slots, step.rows] = value.transpose(0, 1).to(cache.values.dtype)
         if cache.fresh:  # a prefill from an empty cache: plain causal over its own K/V
             return self._core(query, key, value, None)
-        span = int(pos.max()) + 1
-        keys = cache.keys[ctx.depth][:span].to(query.dtype)  # [T, B, ng, hn]
-        vals = cache.values[ctx.depth][:span].to(query.dtype)
-        key_pos = torch.arange(span, device=pos.device)
-        masked = key_pos[None, None, :] > pos[:, :, None]  # [B, s, T]
-        return self._core(query, keys, vals, masked[:, None])
+        keys = cache.keys[d][: step.span].to(query.dtype)  # [T, B, ng, hn]
+        vals = cache.values[d][: step.span].to(query.dtype)
+        return self._core(query, keys, vals, step.masked)
 
     def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
         """Prompt-once decoding: write the new K/V into the continuation cache, attend to it
         and, read once per prompt, to the prompt's K/V in ``cache.prefix``."""
-        cache, d = ctx.cache, ctx.depth
-        slots = ctx.positions - cache.offsets()[:, None]  # [B, s] positions after the prompt
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
-        cache.keys[d][slots, rows] = key.transpose(0, 1).to(cache.keys.dtype)
-        cache.values[d][slots, rows] = value.transpose(0, 1).to(cache.values.dtype)
-        span = int(slots.max()) + 1
-        own = torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
-        prefix = cache.prefix
-        P = int(prefix.lengths.max())
-        prompt = torch.arange(P, device=slots.device)[None, :] < prefix.lengths[:, None]  # [N, P]
+        cache, step, d = ctx.cache, ctx.step, ctx.depth
+        cache.keys[d][step.slots, step.rows] = key.transpose(0, 1).to(cache.keys.dtype)
+        cache.values[d][step.slots, step.rows] = value.transpose(0, 1).to(cache.values.dtype)
+        prefix, span, P = cache.prefix, step.span, step.prompt_span
         out = prompt_once_attention(
             query, cache.keys[d][:span].to(query.dtype), cache.values[d][:span].to(query.dtype),
-            own, prefix.keys[d][:P].to(query.dtype), prefix.values[d][:P].to(query.dtype),
-            prompt, self._prefix_core("prompt-once decoding").scale)  # [B, np, s, hn]
+            step.allowed, prefix.keys[d][:P].to(query.dtype),
+            prefix.values[d][:P].to(query.dtype), step.prompt_allowed,
+            self._prefix_core("prompt-once decoding").scale)  # [B, np, s, hn]
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]

@@ -19,6 +19,10 @@ on CPU it counts what *would* be a sync on CUDA, which is what the CPU tests and
   boolean mask).
 
 A host-to-device copy is not a sync (counted apart as ``h2d``, not in ``total``).
+
+Tensors that live on the host on every device (a decoding cache's ``lengths``, the positions
+computed from them) are marked with ``mark_host``: ops whose tensor inputs are all marked run
+on the host on CUDA too, so they are not counted, and their outputs are marked in turn.
 """
 
 import contextlib
@@ -40,6 +44,24 @@ COPY_OPS = frozenset({aten._to_copy.default, aten.copy_.default, aten.copy.defau
 INDEX_OPS = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default})
 SYNC_KINDS = ("scalar", "d2h", "host_read", "data_dependent")
 """The kinds that ``total`` adds up."""
+
+
+_HOST = "_scalerlt_host_resident"
+
+
+def mark_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a host-resident tensor (on every device; see the module docstring)."""
+    setattr(t, _HOST, True)
+    return t
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return getattr(t, _HOST, False)
+
+
+def _tensors(args, kwargs) -> list:
+    flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    return [a for a in flat if isinstance(a, torch.Tensor)]
 
 
 def _device(x):
@@ -88,8 +110,15 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._count(func, args, kwargs)  # first: the op may raise (a sync on ``meta``)
-        return func(*args, **kwargs)
+        inputs = _tensors(args, kwargs)
+        on_host = bool(inputs) and all(_on_host(t) for t in inputs)
+        if not on_host:
+            self._count(func, args, kwargs)  # first: the op may raise (a sync on ``meta``)
+        out = func(*args, **kwargs)
+        if on_host:
+            for t in _tensors(out, {}):
+                mark_host(t)
+        return out
 
     def _count(self, func, args, kwargs) -> None:
         if func in SCALAR_OPS:
@@ -122,7 +151,8 @@ def _counting_method(counter: HostSyncCounter, name: str):
     real = getattr(torch.Tensor, name)
 
     def counted(self, *args, **kwargs):
-        counter.counts["host_read"] += 1
+        if not _on_host(self):
+            counter.counts["host_read"] += 1
         return real(self, *args, **kwargs)
 
     setattr(torch.Tensor, name, counted)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..mcore_compat import mcore_workaround
+from .host_syncs import mark_host
 
 
 def config_signature(config) -> tuple:
@@ -143,27 +144,34 @@ def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
 class DepthKVCache:
     """Decoding cache: per-depth K/V for a batch with per-sequence lengths.
 
-    keys/values: [D, T_max, B, ng, hn] (ng: this tensor-parallel rank's K/V groups);
-    ``lengths[b]`` = tokens of sequence b in the cache.
-    A forward with this cache writes its new K/V at positions lengths[b] ... lengths[b]+s-1 and
-    attends to every cached position <= the query's own.
+    keys/values: [D, T_max, B, ng, hn] (ng: this tensor-parallel rank's K/V groups), on the
+    model's device; ``lengths[b]`` = tokens of sequence b in the cache, a long tensor on the
+    *host*: the positions of every step are known there, so that reading them never waits for
+    the device. A forward with this cache writes its new K/V at positions lengths[b] ...
+    lengths[b]+s-1 and attends to every cached position <= the query's own.
 
     ``prefix`` (prompt-once decoding): a cache holding N prompts (right-padded, its ``lengths``
     the prompt lengths) that rows n*G ... n*G+G-1 of this cache continue, G = B / N. This cache
     then holds only the continuations' K/V (slot 0 = the first token after the prompt); every
     row reads its prompt's K/V from the single copy in ``prefix``.
+
+    ``static``: attend to the whole preallocated cache (and prompt cache) under a mask, so that
+    every decode step has the same shapes (what a CUDA graph needs); otherwise to the cache up
+    to the longest row (host-known: no sync either, fewer keys). None: static on CUDA only
+    (on CPU the shorter attention is faster; ``benchmarks/decode.py`` measures both).
     """
 
     def __init__(self, config, batch: int, max_length: int, dtype=None, device=None,
-                 prefix: Optional["DepthKVCache"] = None):
+                 prefix: Optional["DepthKVCache"] = None, static: Optional[bool] = None):
         groups = kv_groups_per_rank(config)
         shape = (config.looped_num_depths, max_length, batch, groups, config.kv_channels)
         dtype = dtype or config.params_dtype
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.lengths = mark_host(torch.zeros(batch, dtype=torch.long, device="cpu"))
         self.signature = state_signature(config)
         self.prefix = prefix
+        self.static = self.keys.device.type == "cuda" if static is None else bool(static)
         self.fresh = False
         """Set while ``prefill`` writes an emptied cache (every row's positions 0 ... T-1):
         attention is then plain causal over the new K/V (``is_causal``, a fused kernel)."""
@@ -178,18 +186,81 @@ class DepthKVCache:
     def batch(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
     def offsets(self) -> Tensor:
-        """[B] absolute position of every row's slot 0: its prompt's length in ``prefix``
-        (0 without a prefix)."""
+        """[B] absolute position of every row's slot 0 (host): its prompt's length in
+        ``prefix`` (0 without a prefix)."""
         if self.prefix is None:
-            return torch.zeros_like(self.lengths)
-        return self.prefix.lengths.repeat_interleave(self.batch // self.prefix.batch)
+            return mark_host(torch.zeros_like(self.lengths))
+        return mark_host(self.prefix.lengths.repeat_interleave(self.batch // self.prefix.batch))
 
     def positions(self, steps: int) -> Tensor:
-        """Absolute positions of the next ``steps`` tokens of every sequence: [B, s]."""
-        offsets = torch.arange(steps, device=self.lengths.device)
+        """Absolute positions of the next ``steps`` tokens of every sequence: [B, s] (host)."""
+        offsets = mark_host(torch.arange(steps, device="cpu"))
         start = self.lengths if self.prefix is None else self.lengths + self.offsets()
-        return start[:, None] + offsets[None, :]
+        return mark_host(start[:, None] + offsets[None, :])
+
+    def plan(self, steps: int) -> "CacheStep":
+        """Where a forward of ``steps`` tokens per row reads and writes this cache, from the
+        host-known lengths, uploaded to the cache's device (``CacheStep``)."""
+        positions = self.positions(steps)  # [B, s] host
+        slots = positions - self.offsets()[:, None] if self.prefix is not None else positions
+        if self.static:
+            span, prompt_span = self.max_length, self._prompt_span(static=True)
+            rope_span = span + (0 if self.prefix is None else self.prefix.max_length)
+        else:
+            span, prompt_span = int(slots.max()) + 1, self._prompt_span(static=False)
+            rope_span = int(positions.max()) + 1
+        prompt_lengths = None if self.prefix is None else upload(self.prefix.lengths, self.device)
+        return CacheStep(upload(positions, self.device), upload(slots, self.device),
+                         prompt_lengths, span, prompt_span, rope_span).with_masks()
+
+    def _prompt_span(self, static: bool) -> int:
+        if self.prefix is None:
+            return 0
+        return self.prefix.max_length if static else int(self.prefix.lengths.max())
+
+
+def upload(host: Tensor, device) -> Tensor:
+    """A device copy of a small host tensor (always a new tensor; no sync: host to device)."""
+    return host.to(device, non_blocking=True, copy=True)
+
+
+@dataclass
+class CacheStep:
+    """One forward's reads and writes of a ``DepthKVCache``, computed once per forward (not
+    per layer application). Device tensors: ``positions`` [B, s] absolute positions,
+    ``slots`` [B, s] the cache slots written (positions after the prompt with a prefix),
+    ``prompt_lengths`` [N] (prompt once, else None); host ints: ``span`` keys of the own cache
+    attended, ``prompt_span`` keys of the prompt cache, ``rope_span`` rows of the RoPE table.
+    ``with_masks`` derives (on the device) ``rows`` [B, s], ``allowed`` [B, s, span] (True =
+    attend: slot <= the query's), ``masked`` its negation (MCore's convention) and
+    ``prompt_allowed`` [N, prompt_span]."""
+
+    positions: Tensor
+    slots: Tensor
+    prompt_lengths: Optional[Tensor]
+    span: int
+    prompt_span: int
+    rope_span: int
+    rows: Optional[Tensor] = None
+    allowed: Optional[Tensor] = None
+    masked: Optional[Tensor] = None
+    prompt_allowed: Optional[Tensor] = None
+
+    def with_masks(self) -> "CacheStep":
+        device, slots = self.slots.device, self.slots
+        self.rows = torch.arange(slots.shape[0], device=device)[:, None].expand_as(slots)
+        keys = torch.arange(self.span, device=device)
+        self.allowed = keys[None, None, :] <= slots[:, :, None]  # [B, s, T]
+        self.masked = ~self.allowed[:, None]  # [B, 1, s, T]
+        if self.prompt_lengths is not None:
+            prompt = torch.arange(self.prompt_span, device=device)
+            self.prompt_allowed = prompt[None, :] < self.prompt_lengths[:, None]  # [N, P]
+        return self
 
 
 def _check_prefix_cache(prefix: DepthKVCache, cache: DepthKVCache) -> None:
@@ -223,6 +294,7 @@ class LoopKV:
     prefix: Optional[PrefixState] = None
     cache: Optional[DepthKVCache] = None
     positions: Optional[Tensor] = None  # [B, s] absolute positions (cache mode)
+    step: Optional[CacheStep] = None  # the cache's reads and writes (cache mode)
     record: bool = False
     prefix_attention: str = "cascade"
     depth: int = 0

@@ -149,17 +149,18 @@ class LoopedGPTModel(LanguageModule):
                      record: bool) -> tuple:
         """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
         or None)."""
-        positions = self._positions(input_ids, position_ids, prefix_state, kv_cache)  # [B, S]
+        step = kv_cache.plan(input_ids.shape[1]) if kv_cache is not None else None
+        positions, span = self._positions(input_ids, position_ids, prefix_state, step)  # [B, S]
         ctx = None
         if prefix_state is not None or kv_cache is not None or record:
-            ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions,
+            ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions, step=step,
                          record=record, prefix_attention=self.config.looped_prefix_attention)
         hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
         if self.config.looped_embedding_scale != 1.0:
             hidden = hidden * self.config.looped_embedding_scale  # Huginn's sqrt(H)
         drawn = (self.initial_state(positions) if self.config.looped_initial_state == "random"
                  else None)
-        return self.decoder(hidden, attention_mask, ctx, self._rope(positions),
+        return self.decoder(hidden, attention_mask, ctx, self._rope(positions, span),
                             initial_state=drawn), ctx
 
     # ---- the drawn initial state (looped_initial_state random) -----------------------------
@@ -172,14 +173,15 @@ class LoopedGPTModel(LanguageModule):
     def initial_state(self, positions: Tensor) -> Tensor:
         """s_0 [S, B, H] at absolute positions [B, S]: rows of ``initial_state_table``."""
         draw = getattr(self, "_state_draw", (0, 0))
+        p = next(self.parameters())
+        key = (draw, p.device, p.dtype)
         cached = getattr(self, "_state_table", None)
-        if cached is None or cached[0] != draw:
+        if cached is None or cached[0] != key:  # moved to the device once per draw
             c = self.config
             table = initial_state_table(*draw, self.max_sequence_length, c.hidden_size,
                                         c.looped_drawn_state_std, c.looped_embedding_scale)
-            self._state_table = cached = (draw, table)
-        p = next(self.parameters())
-        return cached[1].to(p.device, p.dtype)[positions].transpose(0, 1)  # [S, B, H]
+            self._state_table = cached = (key, table.to(p.device, p.dtype))
+        return cached[1][positions].transpose(0, 1)  # [S, B, H]
 
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
         """Every loop's readout (and exit gate); a loop left graph-free by truncated backprop
@@ -275,14 +277,15 @@ class LoopedGPTModel(LanguageModule):
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def new_kv_cache(self, batch: int, max_length: int,
-                     prefix: Optional[DepthKVCache] = None) -> DepthKVCache:
+    def new_kv_cache(self, batch: int, max_length: int, prefix: Optional[DepthKVCache] = None,
+                     static: Optional[bool] = None) -> DepthKVCache:
         """An empty depth-indexed cache in the model's dtype and device. ``prefix``: a cache
         of N prefilled prompts that this cache's ``batch`` = N * G rows continue (prompt-once
-        decoding: ``max_length`` then counts only the tokens after the prompt)."""
+        decoding: ``max_length`` then counts only the tokens after the prompt). ``static``:
+        see ``DepthKVCache`` (None: static on CUDA)."""
         p = next(self.parameters())
         return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device,
-                            prefix=prefix)
+                            prefix=prefix, static=static)
 
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor,
@@ -300,7 +303,8 @@ class LoopedGPTModel(LanguageModule):
             states, _ = self._loop_states(tokens, None, None, None, cache, False)  # R x [T, B, H]
         finally:
             cache.fresh = False
-        cache.lengths.copy_(lengths)
+        cache.lengths.copy_(lengths)  # host (once per prefill: a copy from the device)
+        lengths = lengths.to(tokens.device, non_blocking=True)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         last = [h[lengths - 1, rows][None] for h in states]  # R x [1, B, H]
         out = LoopedOutput()
@@ -329,19 +333,23 @@ class LoopedGPTModel(LanguageModule):
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _positions(self, input_ids, position_ids, prefix_state, kv_cache) -> Tensor:
+    def _positions(self, input_ids, position_ids, prefix_state, step) -> tuple:
+        """-> (absolute positions [B, S] on the device, a bound on them known on the host:
+        the RoPE table's rows). Only explicit ``position_ids`` are read on the host."""
         if position_ids is not None:
-            return position_ids.expand_as(input_ids)
-        if kv_cache is not None:
-            return kv_cache.positions(input_ids.shape[1])
+            span = int(position_ids.max()) + 1 if self.position_embedding_type == "rope" else 0
+            return position_ids.expand_as(input_ids), span
+        if step is not None:
+            return step.positions, step.rope_span
         start = prefix_state.length if prefix_state is not None else 0
         pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        return pos[None, :].expand_as(input_ids)
+        return pos[None, :].expand_as(input_ids), start + input_ids.shape[1]
 
-    def _rope(self, positions: Tensor) -> Optional[Tensor]:
+    def _rope(self, positions: Tensor, span: int) -> Optional[Tensor]:
+        """RoPE of ``positions`` [B, S] (all < ``span``) -> [S, B, 1, d], or None."""
         if self.position_embedding_type != "rope":
             return None
-        table = self.rotary_pos_emb(int(positions.max()) + 1)  # [T, 1, 1, d]
+        table = self.rotary_pos_emb(span)  # [T, 1, 1, d]
         return table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
 
     def _collect_prefix_state(self, ctx: LoopKV, states: list) -> PrefixState:
@@ -367,7 +375,7 @@ class LoopedGPTModel(LanguageModule):
         if kv_cache is not None:
             if kv_cache.signature != state_signature(self.config):
                 raise ValueError("kv_cache was built for a different model config")
-            if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:
+            if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:  # host
                 raise ValueError(f"kv_cache holds {kv_cache.max_length} positions; this step "
                                  f"would write past it")
 
