@@ -146,7 +146,8 @@ class RLTrainer:
                        banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
                        prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
-                       exit_threshold=self.cfg.rl.rl_exit_threshold)
+                       exit_threshold=self.cfg.rl.rl_exit_threshold,
+                       stop_check_interval=self.cfg.rl.rl_stop_check_interval)
         self.model.train()
         return out
 

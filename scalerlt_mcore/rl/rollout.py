@@ -23,6 +23,12 @@ Under tensor parallelism the model returns the whole (padded) vocabulary's logit
 of a TP group and each rank's KV caches (per row, or the prompt-once prefix and continuation)
 hold its own heads; ranks that pass the same prompts and generator state draw the same tokens.
 Padding ids (>= ``vocab_size``) are never drawn.
+
+No decoded token waits for the device (``model/host_syncs.py`` counts it): the cache's
+positions are known on the host, the banned ids are one device mask built before decoding,
+tokens are drawn with ``torch.multinomial``'s own one-sample method without its input check
+(which reads a value on the host), and whether every response has stopped is asked every
+``stop_check_interval`` tokens (that read waits for the device).
 """
 
 from dataclasses import dataclass
@@ -30,6 +36,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..model.host_syncs import mark_host
 
 
 @dataclass
@@ -69,18 +77,50 @@ def exit_loop_at(exit_logprobs: Tensor, threshold: float) -> Tensor:
     return (cdf < threshold).sum(0).clamp(max=exit_logprobs.shape[0] - 1)
 
 
+STOP_CHECK_INTERVALS = {"cuda": 8}
+"""Default ``stop_check_interval`` per device type (1 elsewhere: a read on the host is free)."""
+
+
+def default_stop_check_interval(device) -> int:
+    return STOP_CHECK_INTERVALS.get(torch.device(device).type, 1)
+
+
+def ban_mask(banned, vocab_size, width: int, device) -> Optional[Tensor]:
+    """[width] bool on ``device``, True on the ``banned`` ids and the padding ids >=
+    ``vocab_size``; None when nothing is banned. Built once per rollout (no host index tensor
+    per token)."""
+    padded = vocab_size is not None and vocab_size < width
+    if not len(banned) and not padded:
+        return None
+    mask = torch.zeros(width, dtype=torch.bool, device="cpu")
+    mask[list(banned)] = True
+    if padded:
+        mask[vocab_size:] = True
+    return mask.to(device)
+
+
+def _banned(logits: Tensor, banned, vocab_size) -> Tensor:
+    """``logits`` with the banned ids (a ``ban_mask`` or ids) and padding ids at -inf."""
+    mask = banned if isinstance(banned, Tensor) else ban_mask(banned, vocab_size,
+                                                               logits.shape[-1], logits.device)
+    return logits if mask is None else logits.masked_fill(mask, float("-inf"))
+
+
+def draw(probs: Tensor, generator) -> Tensor:
+    """One index per row of ``probs`` [..., V]: ``torch.multinomial(probs, 1)``'s own method
+    (exponential race: argmax p / E, E ~ Exp(1)), the same draws from the same generator
+    state, without its input check that reads a value on the host."""
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
+
+
 def sample_mixture(logits: Tensor, exit_logprobs: Tensor, temperature: float, top_p: float,
                    generator, banned=(), vocab_size=None) -> Tensor:
     """A token per row from sum_r p(r) pi_r: logits [R, B, V], exit_logprobs [R, B] -> [B]
     (each loop's distribution with temperature and top-p; greedy at temperature 0; ``banned``
     and padding ids as in ``sample_next``)."""
     check_generator(generator, logits.device)
-    logits = logits.float()
-    if banned or (vocab_size is not None and vocab_size < logits.shape[-1]):
-        logits = logits.clone()
-        logits[..., list(banned)] = float("-inf")
-        if vocab_size is not None:
-            logits[..., vocab_size:] = float("-inf")
+    logits = _banned(logits.float(), banned, vocab_size)
     if temperature == 0:
         probs = logits.softmax(-1)
     else:
@@ -88,7 +128,7 @@ def sample_mixture(logits: Tensor, exit_logprobs: Tensor, temperature: float, to
     mixture = (exit_logprobs.float().exp()[..., None] * probs).sum(0)  # [B, V]
     if temperature == 0:
         return mixture.argmax(-1)
-    return torch.multinomial(mixture, 1, generator=generator).squeeze(-1)
+    return draw(mixture, generator)
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
@@ -104,20 +144,15 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
 
 def sample_next(logits: Tensor, temperature: float, top_p: float, generator,
                 banned=(), vocab_size=None) -> Tensor:
-    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids and the padding
-    ids >= ``vocab_size`` (Megatron's vocabulary padding) are never drawn. ``generator`` (or
-    None: the default one) must be on the logits' device."""
+    """logits [B, V] -> token ids [B]; temperature 0 is greedy; ``banned`` ids (or their
+    ``ban_mask``) and the padding ids >= ``vocab_size`` (Megatron's vocabulary padding) are
+    never drawn. ``generator`` (or None: the default one) must be on the logits' device."""
     check_generator(generator, logits.device)
-    padded = vocab_size is not None and vocab_size < logits.shape[-1]
-    if banned or padded:
-        logits = logits.clone()
-        logits[:, list(banned)] = float("-inf")
-        if padded:
-            logits[:, vocab_size:] = float("-inf")
+    logits = _banned(logits, banned, vocab_size)
     if temperature == 0:
         return logits.argmax(-1)
     probs = top_p_filter(logits.float() / temperature, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
 
 
 def check_generator(generator, device: torch.device) -> None:
@@ -131,7 +166,7 @@ def check_generator(generator, device: torch.device) -> None:
 def _right_pad(rows: list, pad_id: int) -> tuple:
     """Host tensors: rows right-padded [B, Tp] and their lengths [B] (moved once by the
     caller)."""
-    lengths = torch.tensor([len(r) for r in rows], device="cpu")
+    lengths = mark_host(torch.tensor([len(r) for r in rows], device="cpu"))
     out = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, device="cpu")
@@ -143,7 +178,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
              generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
              exit_mode: str = "none", exit_threshold: float = 0.5,
-             vocab_size=None) -> Rollout:
+             vocab_size=None, stop_check_interval: Optional[int] = None,
+             static_cache: Optional[bool] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
     ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
     from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
@@ -157,31 +193,35 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     check_generator(generator, device)
     if exit_mode not in EXIT_MODES:
         raise ValueError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
+    every = stop_check_interval or default_stop_check_interval(device)
+    if every < 1:
+        raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
     if prompt_once:
         cache, logits, exit_lp = prefill_prompt_once(model, prompts, group_size,
-                                                     max_new_tokens, pad_id)
+                                                     max_new_tokens, pad_id, static_cache)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
-        tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp]
-        tokens, lengths = tokens.to(device), lengths.to(device)
-        cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens)
-        logits, exit_lp = model.prefill(cache, tokens, lengths, with_exit=True)  # [R, B, V]
+        tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp] host
+        cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
+                                   static=static_cache)
+        logits, exit_lp = model.prefill(cache, tokens.to(device), lengths,
+                                        with_exit=True)  # [R, B, V]
     if exit_mode != "none" and exit_lp is None:
         raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
                          f"(looped_exit_gate)")
+    mask = ban_mask(banned, vocab_size, logits.shape[-1], device)
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
+    rows_index = torch.arange(logits.shape[1], device=device)
     for t in range(max_new_tokens):
         chosen = None if exit_mode != "threshold" else exit_loop_at(exit_lp, exit_threshold)
         if exit_mode == "mixture":
-            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, banned,
-                                 vocab_size)
+            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, mask)
         else:
-            rows = logits[loop] if chosen is None else logits[chosen, torch.arange(
-                logits.shape[1], device=device)]  # [B, V]
-            nxt = sample_next(rows, temperature, top_p, generator, banned, vocab_size)
+            rows = logits[loop] if chosen is None else logits[chosen, rows_index]  # [B, V]
+            nxt = sample_next(rows, temperature, top_p, generator, mask)
         rec.add(t, nxt, logits, exit_lp, exit_mode, chosen, loop)
-        if bool(rec.done.all()) or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or ((t + 1) % every == 0 and bool(rec.done.all())):
             break
         logits, exit_lp = model.decode_step(cache, rec.out[:, t], with_exit=True)
     return rec.rollout(prompts, group_size, exit_mode)
@@ -234,17 +274,18 @@ class _Record:
 
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,
-                        pad_id: int) -> tuple:
+                        pad_id: int, static: Optional[bool] = None) -> tuple:
     """Each of the N prompts prefilled once. -> (a cache for the N * G samples that continue
     them, holding ``max_new_tokens`` of their own; per-loop logits [R, N * G, V] of every
     sample's first token, the prompt's repeated G times; their exit distribution [R, N * G]
-    or None without a gate)."""
+    or None without a gate). ``static``: the caches' ``static`` (``DepthKVCache``)."""
     device = next(model.parameters()).device
-    tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp]
-    prefix = model.new_kv_cache(len(prompts), tokens.shape[1])
-    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths.to(device),
+    tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp] host
+    prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static)
+    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths,
                                     with_exit=True)  # [R, N, V], [R, N]
-    cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix)
+    cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
+                               static=static)
     if exit_lp is not None:
         exit_lp = exit_lp.repeat_interleave(group_size, dim=1)  # [R, N * G]
     return cache, logits.repeat_interleave(group_size, dim=1), exit_lp  # [R, N * G, V]

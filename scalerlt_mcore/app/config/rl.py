@@ -63,6 +63,10 @@ class RLArgs:
     rl_exit_threshold: Ouro's early exit)."""
     rl_exit_threshold: float = 0.5
     """Exit CDF threshold of ``rl_rollout_exit: threshold``, in (0, 1]."""
+    rl_stop_check_interval: Optional[int] = None
+    """Rollouts ask whether every response has stopped every this many tokens (each ask
+    makes the host wait for the device; tokens after a stop are padding either way); None:
+    by device (8 on CUDA, 1 elsewhere)."""
     rl_old_logprobs: Literal["score", "rollout"] = "score"
     """Old (behaviour) log-probs of the update: ``score`` (a forward-only pass of the policy
     through the shared-prefix schedule after the rollout) or ``rollout`` (the rollout's own
@@ -89,6 +93,9 @@ def check_rl(cfg: "RunConfig") -> list[str]:
 def _check_sampling(rl: RLArgs) -> list[str]:
     """Rollout lengths and sampling, the updates per batch, the warm-up and the advantage."""
     errors = positive(rl, "rl_max_response_length", "grpo_iterations")
+    if rl.rl_stop_check_interval is not None and rl.rl_stop_check_interval < 1:
+        errors.append(f"rl_stop_check_interval must be >= 1 or null, got "
+                      f"{rl.rl_stop_check_interval}")
     errors += positive(rl, "rl_warmup_sft_steps", "grpo_kl_beta", minimum=0)
     if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
         errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")
