@@ -1,0 +1,108 @@
+"""Decoding without host syncs.
+
+- A decode step (per row and prompt once, RoPE, GQA, the drawn initial state) runs end to end
+  on ``meta``: no value is read on the host inside it (``meta`` cannot be read).
+- ``HostSyncCounter`` counts 0 syncs per decoded token of a rollout in steady state on CPU
+  (greedy and sampled, per row and prompt once, with banned ids and vocabulary padding), and
+  one per ``stop_check_interval`` tokens for the stop check.
+- A static cache (the whole preallocated cache under a mask: fixed shapes, what a CUDA graph
+  needs) gives the independent reference's logits, per row and prompt once.
+"""
+
+import pytest
+import torch
+import test_model_decode
+import test_prompt_once
+from test_model_decode import LENGTHS, LOOPS, VOCAB, build
+
+from scalerlt_mcore.model.host_syncs import count_host_syncs
+from scalerlt_mcore.model.kv import DepthKVCache
+from scalerlt_mcore.rl.rollout import draw, generate
+
+META = torch.device("meta")
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+
+
+def _meta_model(pe: str, **config):
+    model, _, _ = build(pe, torch.float32)
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    model = model.to(META).eval()
+    if pe == "rope":  # MCore keeps inv_freq as a plain attribute, made on the init device
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(META)
+    return model
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
+def test_decode_step_runs_on_meta(mcore_single, pe, static):
+    model = _meta_model(pe)
+    cache = model.new_kv_cache(3, 12, static=static)
+    assert cache.keys.device == META and cache.lengths.device.type == "cpu"
+    cache.lengths.copy_(LENGTHS)
+    logits = model.decode_step(cache, torch.zeros(3, dtype=torch.long, device=META))
+    assert logits.device == META and logits.shape == (LOOPS, 3, VOCAB)
+    assert cache.lengths.tolist() == (LENGTHS + 1).tolist()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_prompt_once_decode_step_runs_on_meta(mcore_single, static):
+    model = _meta_model("rope")
+    prefix = model.new_kv_cache(3, 7, static=static)
+    prefix.lengths.copy_(LENGTHS)
+    cache = model.new_kv_cache(6, 5, prefix=prefix, static=static)
+    cache.lengths.fill_(2)
+    logits, _ = model.decode_step(cache, torch.zeros(6, dtype=torch.long, device=META),
+                                  with_exit=True)
+    assert logits.device == META and logits.shape == (LOOPS, 6, VOCAB)
+
+
+def test_decode_step_with_the_drawn_initial_state_runs_on_meta(mcore_single):
+    model = _meta_model("rope", looped_initial_state="random")
+    cache = model.new_kv_cache(3, 12)
+    cache.lengths.copy_(LENGTHS)
+    model.decode_step(cache, torch.zeros(3, dtype=torch.long, device=META))
+
+
+def _syncs(model, steps: int, **kwargs) -> int:
+    _, counter = count_host_syncs(generate, model, PROMPTS, 2, steps, eos_id=VOCAB + 1,
+                                  pad_id=0, generator=torch.Generator().manual_seed(0),
+                                  **kwargs)
+    return counter.total
+
+
+@pytest.mark.parametrize("prompt_once", [False, True])
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
+def test_no_host_sync_per_decoded_token(mcore_single, prompt_once, temperature, top_p):
+    model, _, _ = build("rope", torch.float32)
+    kw = dict(prompt_once=prompt_once, temperature=temperature, top_p=top_p, banned=(0, 5),
+              vocab_size=VOCAB - 4, stop_check_interval=100)
+    assert _syncs(model, 3, **kw) == _syncs(model, 9, **kw)  # setup only, none per token
+    kw["stop_check_interval"] = 2  # one stop check every 2 tokens
+    assert _syncs(model, 9, **kw) - _syncs(model, 3, **kw) == 3
+
+
+def test_draw_is_multinomials_draw():
+    probs = torch.rand(5, 40, dtype=torch.float64).softmax(-1)
+    probs[:, :7] = 0
+    for seed in range(5):
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(draw(probs, torch.Generator().manual_seed(seed)), want[:, 0])
+
+
+@pytest.fixture
+def static_caches(monkeypatch):
+    """Every decoding cache static (the CUDA default) for this test."""
+    real = DepthKVCache.__init__
+
+    def init(self, *args, static=None, **kwargs):
+        real(self, *args, static=True, **kwargs)
+
+    monkeypatch.setattr(DepthKVCache, "__init__", init)
+
+
+@pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
+def test_static_cache_decode_matches_reference(mcore_single, static_caches, pe):
+    test_model_decode.test_decode_matches_full_forward(mcore_single, pe, torch.float64, 1e-10)
+    test_prompt_once.test_prompt_once_decode_matches_reference(mcore_single, pe, torch.float64,
+                                                               1e-10)
