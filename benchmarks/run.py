@@ -6,7 +6,9 @@ joint replay, one process, same model and data.
 Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
 schedule's loss or gradients differ from naive training's by more than 1e-5 (fp32, relative
 to each tensor's max). ``rl_step`` (benchmarks/rl_step.py): the main job's whole RL step,
-naive vs joint, on the long-prompt task; stored under ``rl_step`` in cpu.json.
+naive vs joint, on the long-prompt task; stored under ``rl_step`` in cpu.json. ``host_syncs``
+(benchmarks/decode.py): host syncs per decoded token and training step, decode tokens/s
+against transformers; stored under ``host_syncs``.
 """
 
 import argparse
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rl-step", action="store_true",
                         help="skip the whole-RL-step benchmark (benchmarks/rl_step.py)")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="skip the host-sync and decode benchmark (benchmarks/decode.py)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     for category in (UserWarning, DeprecationWarning, FutureWarning):  # MCore's import notes
@@ -125,11 +129,12 @@ def main(argv=None) -> int:
     from .prompt_sweep import run_sweep
 
     workloads = list(HEADLINE) + [DEMO] + ([] if args.no_sweep else sweep_workloads())
-    rl_step = not args.no_rl_step
+    rl_step, decode = not args.no_rl_step, not args.no_decode
     if args.only:
         keep = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in keep]
         rl_step = rl_step and "rl_step" in keep
+        decode = decode and "host_syncs" in keep
     results, extra, prompt_sweep = {}, {}, []
     with model_parallel_context(seed=args.seed):
         for wl in workloads:
@@ -150,6 +155,10 @@ def main(argv=None) -> int:
             from .rl_step import run_rl_step
 
             extra["rl_step"] = run_rl_step(seed=args.seed)
+        if decode:
+            from .decode import run_decode_bench
+
+            extra["host_syncs"] = run_decode_bench()
     total = time.perf_counter() - t0
     return _write(args.out, results, total, extra, prompt_sweep)
 
