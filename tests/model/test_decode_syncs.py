@@ -11,15 +11,15 @@
 
 import pytest
 import torch
-import test_model_decode
-import test_prompt_once
-from test_model_decode import LENGTHS, LOOPS, VOCAB, build
+from helpers.decode import LOOPS, VOCAB, build
+from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
 from scalerlt_mcore.model.kv import DepthKVCache
 from scalerlt_mcore.rl.rollout import draw, generate
 
 META = torch.device("meta")
+LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts right-padded to 7
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
 
 
@@ -90,19 +90,34 @@ def test_draw_is_multinomials_draw():
         assert torch.equal(draw(probs, torch.Generator().manual_seed(seed)), want[:, 0])
 
 
-@pytest.fixture
-def static_caches(monkeypatch):
-    """Every decoding cache static (the CUDA default) for this test."""
-    real = DepthKVCache.__init__
-
-    def init(self, *args, static=None, **kwargs):
-        real(self, *args, static=True, **kwargs)
-
-    monkeypatch.setattr(DepthKVCache, "__init__", init)
+def _reference_logits(weights, ref, seq: torch.Tensor, first: int) -> torch.Tensor:
+    """[R, S - first + 1, V]: the reference's per-loop logits of positions first - 1 ... ."""
+    want, _ = reference_forward(weights, ref, seq[None])
+    return torch.stack([w[0, first - 1 :] for w in want])
 
 
+@pytest.mark.parametrize("prompt_once", [False, True])
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
-def test_static_cache_decode_matches_reference(mcore_single, static_caches, pe):
-    test_model_decode.test_decode_matches_full_forward(mcore_single, pe, torch.float64, 1e-10)
-    test_prompt_once.test_prompt_once_decode_matches_reference(mcore_single, pe, torch.float64,
-                                                               1e-10)
+def test_static_cache_decode_matches_reference(mcore_single, pe, prompt_once):
+    """Teacher-forced decoding with static caches (fp64) against the plain-PyTorch reference
+    forward of every full sequence."""
+    model, ref, weights = build(pe, torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    steps, G = 3, 2 if prompt_once else 1
+    prompts = torch.randint(0, VOCAB, (3, 7), generator=gen)  # right-padded, junk padding
+    conts = torch.randint(0, VOCAB, (3 * G, steps), generator=gen)
+    with torch.no_grad():
+        if prompt_once:
+            prefix = model.new_kv_cache(3, 7, static=True)
+            first = model.prefill(prefix, prompts, LENGTHS).repeat_interleave(G, dim=1)
+            cache = model.new_kv_cache(3 * G, steps + 1, prefix=prefix, static=True)
+        else:
+            cache = model.new_kv_cache(3, 7 + steps + 1, static=True)
+            first = model.prefill(cache, prompts, LENGTHS)
+        outs = [first] + [model.decode_step(cache, conts[:, j]) for j in range(steps)]
+    got = torch.stack(outs, dim=2)  # [R, 3G, steps + 1, V]
+    for b in range(3 * G):
+        n = int(LENGTHS[b // G])
+        seq = torch.cat([prompts[b // G, :n], conts[b]])
+        err = (got[:, b] - _reference_logits(weights, ref, seq, n)).abs().max().item()
+        assert err <= 1e-10, (b, err)
