@@ -4,7 +4,6 @@ behaviour log-probs, ...) declares them in a subclass (``EXTRAS``), and they are
 guarded like the group's own."""
 
 import numbers
-import zlib
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -274,23 +273,43 @@ class WaveBatch:
 
 
 def fingerprint(t: Optional[Tensor]) -> Optional[tuple]:
-    """(shape, dtype, version counter, CRC32 of the bytes) of a tensor, None for None: any
-    in-place change alters the version or the checksum."""
+    """(shape, dtype, version counter, data pointer) of a tensor, read on the host without
+    waiting for the device; None for None. An in-place change through torch moves the
+    version, a swapped tensor or ``.data`` the pointer; a write that bypasses both (through
+    ``.data[...]``) is caught by ``content_checksum``."""
     if t is None:
         return None
-    data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-    return tuple(t.shape), t.dtype, t._version, zlib.crc32(data)
+    return tuple(t.shape), t.dtype, t._version, t.data_ptr()
+
+
+CHECKSUM_STRIDE = 2 * 0x9E3779B97F4A7C15 % 2**63
+"""Even step of the odd per-byte weights of ``content_checksum``."""
+
+
+def content_checksum(t: Tensor) -> Tensor:
+    """An int64 scalar on ``t``'s device: sum_i byte_i * w_i mod 2^64 with odd weights w_i
+    (so any one changed byte changes it), computed there and not read on the host."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).long()
+    weights = torch.arange(data.numel(), dtype=torch.long, device=data.device)
+    return (data * (weights * CHECKSUM_STRIDE + 1)).sum()
 
 
 class ReplayGuard:
     """Fingerprints every field of a group the replay reads at first use and verifies them
     before replays: the tensors (``guarded_fields``: the group's own and its ``EXTRAS``; one that
-    was None must stay None) and ``prompt_length`` and ``group_id``."""
+    was None must stay None) and ``prompt_length`` and ``group_id``.
+
+    ``verify`` reads only host-side facts (shape, dtype, version counter, data pointer,
+    the scalars): it never waits for the device, so it runs before every phase and wave.
+    ``verify(..., contents=True)`` also compares the tensors' content checksums, computed on
+    the device, in one read on the host: once per group, before the joint replay (or a
+    naive plan's last microbatch), whatever the number of waves."""
 
     def __init__(self, group: SharedPrefixGroup):
         self.group = group
         self.group_id = group.group_id
         self.prints = self._prints()
+        self.sums = self._checksums()
 
     def _prints(self) -> dict:
         prints = {n: getattr(self.group, n) for n in GUARDED_SCALARS}
@@ -298,7 +317,11 @@ class ReplayGuard:
                        for n in self.group.guarded_fields()})
         return prints
 
-    def verify(self, where: str) -> None:
+    def _checksums(self) -> dict:
+        return {n: content_checksum(t) for n in self.group.guarded_fields()
+                if (t := getattr(self.group, n)) is not None}
+
+    def verify(self, where: str, contents: bool = False) -> None:
         now = self._prints()
         for name, before in self.prints.items():
             if now[name] != before:
@@ -306,9 +329,23 @@ class ReplayGuard:
                     f"group {self.group_id}: replay input '{name}' changed since first use "
                     f"({_describe(before)} -> {_describe(now[name])}); refusing the {where}"
                 )
+        if contents:
+            self._verify_contents(where)
+
+    def _verify_contents(self, where: str) -> None:
+        names = list(self.sums)
+        if not names:
+            return
+        now = torch.stack([content_checksum(getattr(self.group, n)) for n in names])
+        changed = now != torch.stack([self.sums[n] for n in names])
+        if bool(changed.any()):  # the one read on the host
+            name = names[int(changed.nonzero()[0, 0])]
+            raise ReplayInputError(
+                f"group {self.group_id}: replay input '{name}' changed since first use (its "
+                f"content checksum; the version counter did not move); refusing the {where}")
 
 
 def _describe(value) -> str:
     if isinstance(value, tuple):  # a tensor's fingerprint
-        return f"shape/dtype/version/checksum {value}"
+        return f"shape/dtype/version/data pointer {value}"
     return repr(value)

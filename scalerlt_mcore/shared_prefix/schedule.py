@@ -296,7 +296,7 @@ class SharedPrefixSchedule:
         """Phase 3: the prompt with grad (recomputed unless ``state`` was retained), the last
         wave, and one backward of loss_last + sum_k <state_k, adjoint_k>: the adjoints enter
         as the state tensors' incoming gradients (roots of the same backward call)."""
-        run.guard.verify("joint replay")
+        run.guard.verify("joint replay", contents=True)
         if state is None:
             state = self._prompt_state(run)
         loss = self._wave_loss(run, state, wave, len(run.results))
@@ -315,6 +315,7 @@ class SharedPrefixSchedule:
         with waves_context():
             for n, wave in enumerate(waves[:-1]):
                 self._naive_microbatch(run, wave, n)
+        run.guard.verify("naive step", contents=True)
         self._naive_microbatch(run, waves[-1], len(waves) - 1)
 
     def _naive_microbatch(self, run: _GroupRun, wave: WaveBatch, wave_no: int) -> None:
