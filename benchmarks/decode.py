@@ -3,8 +3,8 @@
 - ``decode_per_token``: host syncs (``model/host_syncs.py``; on CPU the ops that *would* make
   the host wait on CUDA) per decoded token of a greedy rollout in steady state, per row and
   prompt once: the count of a rollout of ``LONG`` tokens minus one of ``SHORT``, over the
-  difference, with the stop check every ``stop_check_interval`` tokens (its one sync every k
-  tokens counted apart as ``stop_check_per_token``).
+  difference, without the stop check (its one sync every ``stop_check_interval`` tokens,
+  default by device, is ``stop_check_per_token``).
 - ``train_step``: host syncs of one joint-replay training step of one group at 2 and 8 waves.
 - ``tokens_per_s``: greedy rollouts of a Llama imported at R = 1 (``looped_gpt_from_hf``)
   against Hugging Face ``generate`` (static cache, greedy) on the same weights, the same
@@ -53,9 +53,10 @@ def tiny_llama(path: str):
     return model.eval()
 
 
-def prompts(n: int = N_PROMPTS, length: int = PROMPT) -> list:
+def prompts() -> list:
+    """N_PROMPTS random prompts of PROMPT tokens."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(1, VOCAB, (n, length), generator=gen).tolist()
+    return torch.randint(1, VOCAB, (N_PROMPTS, PROMPT), generator=gen).tolist()
 
 
 def _rollout(model, batch: list, steps: int, prompt_once: bool, **kwargs):
@@ -70,6 +71,7 @@ def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
     from scalerlt_mcore.model.host_syncs import count_host_syncs
 
     batch = prompts()
+    kwargs.setdefault("stop_check_interval", LONG + 1)  # counted apart (stop_check_per_token)
     counts = [count_host_syncs(_rollout, model, batch, n, prompt_once, **kwargs)[1].total
               for n in (SHORT, LONG)]
     return (counts[1] - counts[0]) / (LONG - SHORT)
@@ -146,6 +148,7 @@ def _paths(model) -> dict:
 
 def run_decode_bench() -> dict:
     from scalerlt_mcore.model.hf_import import looped_gpt_from_hf
+    from scalerlt_mcore.rl.rollout import default_stop_check_interval
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = tiny_llama(tmp)
@@ -156,6 +159,7 @@ def run_decode_bench() -> dict:
     peer = hf_tokens_per_s(hf)
     out = {
         "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
+        "stop_check_per_token": {d: 1 / default_stop_check_interval(d) for d in ("cpu", "cuda")},
         "train_step": {str(w): train_step_syncs(w) for w in (2, 8)},
         "greedy_equals_transformers": greedy_agrees(model, hf),
         "tokens_per_s": {

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType

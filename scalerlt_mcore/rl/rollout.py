@@ -89,6 +89,7 @@ def ban_mask(banned, vocab_size, width: int, device) -> Optional[Tensor]:
     """[width] bool on ``device``, True on the ``banned`` ids and the padding ids >=
     ``vocab_size``; None when nothing is banned. Built once per rollout (no host index tensor
     per token)."""
+    banned = () if banned is None else banned
     padded = vocab_size is not None and vocab_size < width
     if not len(banned) and not padded:
         return None

@@ -15,7 +15,6 @@ from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.model.kv import DepthKVCache
 from scalerlt_mcore.rl.rollout import draw, generate
 
 META = torch.device("meta")
@@ -121,3 +120,9 @@ def test_static_cache_decode_matches_reference(mcore_single, pe, prompt_once):
         seq = torch.cat([prompts[b // G, :n], conts[b]])
         err = (got[:, b] - _reference_logits(weights, ref, seq, n)).abs().max().item()
         assert err <= 1e-10, (b, err)
+
+
+def test_rollout_without_banned_ids_or_padding(mcore_single):
+    model, _, _ = build("learned_absolute", torch.float32)
+    out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0)
+    assert out.responses.shape == (3, 2, 3)

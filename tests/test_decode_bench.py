@@ -1,0 +1,30 @@
+"""The host-sync and decode benchmark (benchmarks/decode.py) on a tiny setting: the counts
+are in its result (0 per decoded token, a training step's count the same at 2 and 8 waves),
+the project's greedy tokens equal transformers' on the same weights, and it merges into
+cpu.json under ``host_syncs``."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import decode  # noqa: E402
+
+
+def test_decode_bench_reports_counts_and_peer(mcore_single, monkeypatch, tmp_path):
+    monkeypatch.setattr(decode, "RESPONSE", 4)
+    monkeypatch.setattr(decode, "REPEATS", 1)
+    monkeypatch.setattr(decode, "PROMPT", 8)
+    result = decode.run_decode_bench()
+    assert result["decode_per_token"] == {"per_row": 0.0, "prompt_once": 0.0}
+    assert result["train_step"]["2"] == result["train_step"]["8"]
+    assert result["greedy_equals_transformers"] is True
+    for mode in ("per_row", "prompt_once"):
+        speeds = result["tokens_per_s"][mode]
+        assert set(speeds) == {"project_static", "project_sliced", "transformers"}
+        assert all(v > 0 for v in speeds.values())
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"A": {"x": 1}}))
+    decode.merge_into(str(path), result)
+    assert set(json.loads(path.read_text())) == {"A", "host_syncs"}
