@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -77,23 +78,20 @@ def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
     return (counts[1] - counts[0]) / (LONG - SHORT)
 
 
-def _best_seconds(fn) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def tokens_per_s(runs: dict) -> dict:
+    """name -> response tokens/s of each rollout function, the best of ``REPEATS`` after a
+    warm-up, the functions interleaved (a shared host's load drifts)."""
+    best = dict.fromkeys(runs, float("inf"))
+    for rep in range(REPEATS + 1):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # the first round is the warm-up
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: N_PROMPTS * GROUP * RESPONSE / s for name, s in best.items()}
 
 
-def project_tokens_per_s(model, prompt_once: bool, **kwargs) -> float:
-    batch = prompts()
-    seconds = _best_seconds(lambda: _rollout(model, batch, RESPONSE, prompt_once, **kwargs))
-    return N_PROMPTS * GROUP * RESPONSE / seconds
-
-
-def hf_tokens_per_s(hf) -> float:
+def hf_rollout(hf):
     """transformers ``generate``: greedy, static cache, exactly ``RESPONSE`` new tokens for
     each of the N * G rows (it has no prompt-once mode, and greedy takes no
     ``num_return_sequences``: the G rows of a prompt are repeated)."""
@@ -105,8 +103,7 @@ def hf_tokens_per_s(hf) -> float:
         with torch.no_grad():
             return hf.generate(rows, attention_mask=torch.ones_like(rows), **kwargs)
 
-    seconds = _best_seconds(run)
-    return N_PROMPTS * GROUP * RESPONSE / seconds
+    return run
 
 
 def greedy_agrees(model, hf) -> bool:
@@ -155,18 +152,21 @@ def run_decode_bench() -> dict:
         model = looped_gpt_from_hf(tmp, num_loops=1, max_sequence_length=256,
                                    use_cpu_initialization=True).eval()
     modes = {"per_row": False, "prompt_once": True}
-    paths = _paths(model)
-    peer = hf_tokens_per_s(hf)
+    batch = prompts()
+    runs = {"transformers": hf_rollout(hf)}
+    for mode, once in modes.items():
+        for path, kw in _paths(model).items():
+            runs[f"{mode}/project_{path}"] = partial(_rollout, model, batch, RESPONSE, once, **kw)
+    speeds = tokens_per_s(runs)
     out = {
         "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
         "stop_check_per_token": {d: 1 / default_stop_check_interval(d) for d in ("cpu", "cuda")},
         "train_step": {str(w): train_step_syncs(w) for w in (2, 8)},
         "greedy_equals_transformers": greedy_agrees(model, hf),
         "tokens_per_s": {
-            m: {**{f"project_{p}": project_tokens_per_s(model, once, **kw)
-                   for p, kw in paths.items()},
-                "transformers": peer}
-            for m, once in modes.items()},
+            m: {**{k.split("/")[1]: v for k, v in speeds.items() if k.startswith(m + "/")},
+                "transformers": speeds["transformers"]}
+            for m in modes},
         "shape": dict(prompts=N_PROMPTS, group=GROUP, prompt=PROMPT, response=RESPONSE,
                       threads=torch.get_num_threads(), **HF_SHAPES),
         "before": BEFORE,

@@ -14,7 +14,8 @@ by ``make gpu-check``; not in CI.
 ``--budget-s``: the timed repetitions shrink (to one at least) so that the workloads finish
 within it; a workload that cannot start in time is recorded as skipped. ``--decode``: the
 rollout decode micro-benchmark too (workload A's model in bf16, prompts prefilled per row and
-once: response tokens/s and the time per decoding step).
+once: response tokens/s and the time per decoding step, eager and on CUDA with the decode step
+captured as a CUDA graph).
 
 ``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]`` writes the
 JSON and the tables beside it (``gpu.md``) after every workload, and on a failure with the
@@ -285,7 +286,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             for _ in range(prompts)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def wall(mode: str, tokens: int) -> list:
+    def wall(mode: str, tokens: int, graph: bool = False) -> list:
         out = []
         for _ in range(1 + reps):  # the first is a warm-up
             sampler = torch.Generator(device=device).manual_seed(2)
@@ -293,7 +294,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             start = time.perf_counter()
             generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, banned=(0,),
                      generator=sampler, prompt_once=mode == "prompt_once",
-                     vocab_size=wl.vocab)
+                     vocab_size=wl.vocab, cuda_graph=graph)
             sync()
             out.append(time.perf_counter() - start)
         return out[1:]
@@ -311,6 +312,10 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
                         "tokens_per_s": samples * new_tokens / median(full),
                         "decode_step_s": step,
                         "decode_tokens_per_s": samples / step if step > 0 else None}
+        if device.type == "cuda":  # the decode step captured as a CUDA graph and replayed
+            graphed = median(wall(mode, new_tokens, graph=True))
+            result[mode]["graphed_wall_s"] = graphed
+            result[mode]["graphed_tokens_per_s"] = samples * new_tokens / graphed
     return result
 
 
@@ -318,12 +323,14 @@ def decode_table(d: dict) -> str:
     lines = [f"{d['prompts']} prompts x {d['group_size']} samples, prompt {d['prompt_length']}, "
              f"{d['new_tokens']} new tokens, {d['dtype']}, hidden {d['hidden']}, "
              f"{d['num_loops']} loops", "",
-             "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s |",
-             "|---|---|---|---|---|"]
+             "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s "
+             "| CUDA-graph response tokens/s |",
+             "|---|---|---|---|---|---|"]
     for mode in ("per_row", "prompt_once"):
         m = d[mode]
         lines.append(f"| {mode} | {1e3 * m['wall_s']:.1f} | {m['tokens_per_s']:.0f} "
-                     f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} |")
+                     f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} "
+                     f"| {_f(m.get('graphed_tokens_per_s'))} |")
     return "\n".join(lines)
 
 

@@ -32,3 +32,28 @@ def test_static_cache_on_cuda_greedy_tokens_and_no_syncs(mcore_single, prompt_on
                                stop_check_interval=100)[1].total for n in (3, 9)]
     print(f"\n[decode cuda] host syncs of a rollout of 3 / 9 tokens: {counts}")
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt_once", [False, True])
+def test_graphed_decoding_yields_the_eager_tokens(mcore_single, prompt_once, temperature):
+    model = build("rope", torch.float32)[0].cuda().eval()
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.cuda()
+
+    def run(graph: bool):
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        return generate(model, PROMPTS, 2, 8, eos_id=VOCAB + 1, pad_id=0, banned=(0,),
+                        temperature=temperature, generator=gen, prompt_once=prompt_once,
+                        cuda_graph=graph)
+
+    eager, graphed = run(False), run(True)
+    assert torch.equal(eager.responses, graphed.responses)
+    assert torch.allclose(eager.loop_logprobs, graphed.loop_logprobs, atol=1e-5)
+
+
+def test_graphed_step_rejects_a_sliced_cache(mcore_single):
+    from scalerlt_mcore.model.decode_graph import DecodeGraph
+
+    model = build("learned_absolute", torch.float32)[0].cuda().eval()
+    with pytest.raises(ValueError, match="needs a static cache"):
+        DecodeGraph(model, model.new_kv_cache(2, 8, static=False))

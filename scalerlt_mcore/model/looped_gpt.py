@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .block import exit_log_distribution, loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES, step_seed
-from .kv import DepthKVCache, LoopKV, PrefixState, state_signature
+from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
 
@@ -146,10 +146,11 @@ class LoopedGPTModel(LanguageModule):
         return out
 
     def _loop_states(self, input_ids, position_ids, attention_mask, prefix_state, kv_cache,
-                     record: bool) -> tuple:
+                     record: bool, step: Optional[CacheStep] = None) -> tuple:
         """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
-        or None)."""
-        step = kv_cache.plan(input_ids.shape[1]) if kv_cache is not None else None
+        or None). ``step``: the cache's reads and writes (default: planned from its lengths)."""
+        if step is None and kv_cache is not None:
+            step = kv_cache.plan(input_ids.shape[1])
         positions, span = self._positions(input_ids, position_ids, prefix_state, step)  # [B, S]
         ctx = None
         if prefix_state is not None or kv_cache is not None or record:
@@ -320,11 +321,19 @@ class LoopedGPTModel(LanguageModule):
         """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V] (as
         ``prefill``; ``with_exit``: and the exit distribution log p(r) [R, B], None without a
         gate)."""
-        out = self.forward(tokens[:, None], kv_cache=cache)
+        self._check_inputs(tokens[:, None], None, None, cache)
+        logits, exit_lp = self.decode_on_device(cache, tokens, cache.plan(1))
         cache.lengths += 1
+        return (logits, exit_lp) if with_exit else logits
+
+    def decode_on_device(self, cache: DepthKVCache, tokens: Tensor, step: CacheStep) -> tuple:
+        """The device part of ``decode_step`` (what a CUDA graph captures, ``DecodeGraph``):
+        tokens [B] at ``step`` (``cache.plan(1)``) -> (logits [R, B, V], exit distribution
+        [R, B] or None); the cache's host ``lengths`` are left alone."""
+        states, _ = self._loop_states(tokens[:, None], None, None, None, cache, False, step)
+        out = LoopedOutput()
+        self._readout_all(states, None, out)
         logits = self._full_vocab([lg[:, 0] for lg in out.logits])
-        if not with_exit:
-            return logits
         return logits, None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
 
     def _full_vocab(self, per_loop: list) -> Tensor:

@@ -32,11 +32,13 @@ tokens are drawn with ``torch.multinomial``'s own one-sample method without its 
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..model.decode_graph import DecodeGraph
 from ..model.host_syncs import mark_host
 
 
@@ -180,7 +182,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
              exit_mode: str = "none", exit_threshold: float = 0.5,
              vocab_size=None, stop_check_interval: Optional[int] = None,
-             static_cache: Optional[bool] = None) -> Rollout:
+             static_cache: Optional[bool] = None, cuda_graph: bool = False) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
     ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
     from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
@@ -211,6 +213,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
         raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
                          f"(looped_exit_gate)")
     mask = ban_mask(banned, vocab_size, logits.shape[-1], device)
+    step = (DecodeGraph(model, cache) if cuda_graph
+            else partial(model.decode_step, cache, with_exit=True))
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
     rows_index = torch.arange(logits.shape[1], device=device)
@@ -224,7 +228,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
         rec.add(t, nxt, logits, exit_lp, exit_mode, chosen, loop)
         if t == max_new_tokens - 1 or ((t + 1) % every == 0 and bool(rec.done.all())):
             break
-        logits, exit_lp = model.decode_step(cache, rec.out[:, t], with_exit=True)
+        logits, exit_lp = step(rec.out[:, t])
     return rec.rollout(prompts, group_size, exit_mode)
 
 

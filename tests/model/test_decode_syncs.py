@@ -126,3 +126,10 @@ def test_rollout_without_banned_ids_or_padding(mcore_single):
     model, _, _ = build("learned_absolute", torch.float32)
     out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0)
     assert out.responses.shape == (3, 2, 3)
+
+
+def test_cuda_graph_decoding_needs_a_static_cuda_cache(mcore_single):
+    model, _, _ = build("rope", torch.float32)
+    with pytest.raises(ValueError, match="needs a CUDA cache; this one is on cpu"):
+        generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0,
+                 cuda_graph=True)
