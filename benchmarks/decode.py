@@ -117,8 +117,9 @@ def greedy_agrees(model, hf) -> bool:
     return bool(torch.equal(ours, theirs))
 
 
-def train_step_syncs(waves: int) -> int:
-    """Host syncs of one joint-replay step of one group of ``waves`` waves of 2."""
+def train_step_syncs(waves: int, device="cpu") -> int:
+    """Host syncs of one joint-replay step of one group of ``waves`` waves of 2 on
+    ``device``."""
     from scalerlt_mcore.model.host_syncs import count_host_syncs
 
     from .schedules import joint_step
@@ -126,8 +127,8 @@ def train_step_syncs(waves: int) -> int:
 
     wl = Workload("syncs", group_size=2 * waves, prompt_length=8, response_length=4,
                   wave_size=2, num_loops=2, core_layers=1, hidden=32, heads=2)
-    model = build_model(wl)
-    group = attach_old_logprobs(model, make_group(wl))
+    model = build_model(wl).to(device)
+    group = attach_old_logprobs(model, make_group(wl, device=device))
     return count_host_syncs(joint_step, model, group, objective(), 2)[1].total
 
 

@@ -15,7 +15,8 @@ by ``make gpu-check``; not in CI.
 within it; a workload that cannot start in time is recorded as skipped. ``--decode``: the
 rollout decode micro-benchmark too (workload A's model in bf16, prompts prefilled per row and
 once: response tokens/s and the time per decoding step, eager and on CUDA with the decode step
-captured as a CUDA graph).
+captured as a CUDA graph; and the host syncs of a joint-replay training step at 2 and 8
+waves).
 
 ``python -m benchmarks.gpu [--hidden 1024] [--out benchmarks/results/gpu.json]`` writes the
 JSON and the tables beside it (``gpu.md``) after every workload, and on a failure with the
@@ -316,6 +317,9 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             graphed = median(wall(mode, new_tokens, graph=True))
             result[mode]["graphed_wall_s"] = graphed
             result[mode]["graphed_tokens_per_s"] = samples * new_tokens / graphed
+    from .decode import train_step_syncs
+
+    result["train_step_host_syncs"] = {str(w): train_step_syncs(w, device) for w in (2, 8)}
     return result
 
 
