@@ -7,10 +7,12 @@ Block spec: ``get_looped_gpt_block_spec`` names every part of the recurrent bloc
 """
 
 import copy
+import functools
 from typing import Optional
 
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import LoopedCoreAttention, LoopedSelfAttention
@@ -59,13 +61,31 @@ def get_looped_sandwich_layer_local_spec(normalization: str = "RMSNorm") -> Modu
     a norm after the attention and after the MLP, each before its residual add."""
     spec = get_looped_gpt_layer_local_spec(normalization=normalization)
     norm = LocalSpecProvider().layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
-    attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    attention = spec.submodules.self_attention
     attention.module = SandwichSelfAttention
     attention.submodules = SandwichSelfAttentionSubmodules(
         **vars(attention.submodules), post_layernorm=norm)
-    mlp.module = SandwichMLP
-    mlp.submodules = SandwichMLPSubmodules(**vars(mlp.submodules), post_layernorm=norm)
+    spec.submodules.mlp = _sandwich_mlp(spec.submodules.mlp, norm)
     return spec
+
+
+def _sandwich_mlp(mlp, norm):
+    """MCore's MLP entry of a layer spec, in the form the installed MCore holds, with
+    ``SandwichMLP`` for ``MLP`` and ``norm`` as its output norm: a ``ModuleSpec(MLP)`` in
+    MCore 0.16.1, a ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19.2
+    (patches/README.md, API differences)."""
+    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+        return ModuleSpec(module=SandwichMLP, params=mlp.params, submodules=SandwichMLPSubmodules(
+            **vars(mlp.submodules), post_layernorm=norm))
+    if (isinstance(mlp, functools.partial) and not mlp.args
+            and mlp.func == getattr(MLP, "as_mlp_submodule", None)):
+        keywords = dict(mlp.keywords)
+        submodules = SandwichMLPSubmodules(**vars(keywords.pop("submodules")),
+                                           post_layernorm=norm)
+        return functools.partial(SandwichMLP.as_mlp_submodule, submodules=submodules, **keywords)
+    raise TypeError(f"sandwich layer spec: MCore's local layer spec has an MLP entry of unknown "
+                    f"form {mlp!r} (expected ModuleSpec(MLP) or "
+                    f"functools.partial(MLP.as_mlp_submodule, submodules=...))")
 
 
 def get_looped_residual_norm_layer_local_spec(normalization: str = "RMSNorm") -> ModuleSpec:

@@ -33,6 +33,8 @@ from scalerlt_mcore.model import (
 from scalerlt_mcore.model import specs as specs_module
 from scalerlt_mcore.model.block import LinearConcatInjection
 from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.model.sandwich import SandwichMLP
+from scalerlt_mcore.model.specs import get_looped_sandwich_layer_local_spec
 
 H, HEADS, V, MAX_LEN = 32, 4, 64, 16
 
@@ -91,6 +93,29 @@ def test_local_spec_swaps_only_attention():
     assert get_gpt_layer_local_spec().submodules.self_attention.module is SelfAttention
     core = get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention
     assert core is DotProductAttention
+
+
+def test_sandwich_spec_keeps_mcores_mlp_form():
+    """The sandwich spec swaps MLP for SandwichMLP in the form MCore's spec holds (a ModuleSpec
+    in 0.16, an ``as_mlp_submodule`` partial in 0.19) and adds the output norm."""
+    spec = get_looped_sandwich_layer_local_spec()
+    assert type(spec.submodules.mlp) is type(get_gpt_layer_local_spec().submodules.mlp)
+    mlp, mlp_parts = _mlp_spec(spec)
+    assert mlp is SandwichMLP
+    assert mlp_parts.linear_fc1 is ColumnParallelLinear
+    assert mlp_parts.linear_fc2 is RowParallelLinear
+    assert mlp_parts.post_layernorm is not None
+
+
+def test_sandwich_layer_builds_a_sandwich_mlp(mcore_single):
+    cfg = LoopedTransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
+                                  use_cpu_initialization=True, normalization="RMSNorm",
+                                  add_bias_linear=False, looped_family="ouro")
+    model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg), V, MAX_LEN)
+    for layer in all_layers(model):
+        assert isinstance(layer.mlp, SandwichMLP)
+        assert isinstance(layer.mlp.post_layernorm, torch.nn.RMSNorm)
+    model(torch.randint(0, V, (2, 5))).logits[-1].sum().backward()
 
 
 # ---- module types of the built model -------------------------------------------------------
