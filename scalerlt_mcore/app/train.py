@@ -61,12 +61,17 @@ LIBRARY_WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed\."),
     (FutureWarning, r".", r"megatron\.core\."),
     (DeprecationWarning, r".", r"megatron\.core\."),
+    (UserWarning, r"MimoModelConfig is experimental", r"megatron\.core\.models\.mimo\."),
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
+                  r"intent is to load in a single process", r"torch\.distributed\.checkpoint\."),
 )
-"""(category, message, module) of the warnings MCore 0.16 and torch raise from their own code
-on every run (a deprecated config default, MCore's use of deprecated torch collectives and
-checkpoint calls, MCore's optimizer reading ``.grad`` of non-leaf views): nothing a user can
-act on. Only these are silenced (``quiet_library_warnings``); the project's own warnings and
-any other library's still show."""
+"""(category, message, module) of the warnings MCore and torch raise from their own code on
+every run (a deprecated config default, MCore's use of deprecated torch collectives and
+checkpoint calls, MCore's optimizer reading ``.grad`` of non-leaf views; MCore 0.19 also
+imports its experimental multimodal config, which warns, when building an optimizer, and reads
+a checkpoint's common state with ``torch.distributed.checkpoint.load(no_dist=True)``, which
+warns on every call): nothing a user can act on. Only these are silenced
+(``quiet_library_warnings``); the project's own warnings and any other library's still show."""
 
 
 def quiet_library_warnings() -> None:
