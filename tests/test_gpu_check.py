@@ -83,14 +83,18 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
 
 
 def test_missing_wheelhouse_fails_at_once_with_the_fix(tmp_path):
+    """A megatron-core this Python lacks (0.19.2 in .venv, 0.16.1 in .venv-mcore0.19.2) and no
+    wheelhouse: the check stops before any stage, naming the fix."""
     out = tmp_path / "out"
+    absent = next(v for v in gpu_check.MCORE_VERSIONS
+                  if v != importlib.metadata.version("megatron-core"))
     start = time.monotonic()
     run = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(out), "--mcore",
-                          "0.19.2", "--wheelhouse", str(tmp_path / "none"), "--work",
+                          absent, "--wheelhouse", str(tmp_path / "none"), "--work",
                           str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=ENV)
     assert run.returncode == 1
-    assert "megatron-core==0.19.2 is not installed" in run.stderr
+    assert f"megatron-core=={absent} is not installed" in run.stderr
     assert "make wheelhouse" in run.stderr and "ignored paths that travel" in run.stderr
     summary = _json(out / "summary.json")
     assert summary["ok"] is False and "make wheelhouse" in summary["error"]
