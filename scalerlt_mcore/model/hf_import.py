@@ -120,22 +120,27 @@ def read_hf_architecture(path) -> PretrainedArchitecture:
     where = Path(path) / "config.json"
     arch = _architecture_name(cfg, where)
     _reject_unsupported(cfg, arch, where)
+    return llama_like_architecture(
+        cfg, where, qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)))
+
+
+def llama_like_architecture(cfg: dict, where: Path, qkv_bias: bool) -> PretrainedArchitecture:
+    """The architecture of a Llama-style HF ``config.json`` (``num_hidden_layers``,
+    ``num_key_value_heads``, ``rope_theta``, ...; Llama, Qwen2, Ouro), with or without a qkv
+    bias."""
     heads = required_int(cfg, "num_attention_heads", where)
     hidden = required_int(cfg, "hidden_size", where)
     scaling, factor = rope_scaling(cfg, where)
     return PretrainedArchitecture(
         num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
         ffn_hidden_size=required_int(cfg, "intermediate_size", where),
-        num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
         kv_channels=cfg.get("head_dim") or hidden // heads,
         vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
-        use_rope_scaling=scaling, rope_scaling_factor=factor,
-        add_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-    )
+        use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
 
 
 def _architecture_name(cfg: dict, where: Path) -> str:

@@ -74,6 +74,7 @@ from .config import LoopedTransformerConfig
 from .hf_import import (
     PretrainedArchitecture,
     SafetensorsReader,
+    llama_like_architecture,
     pack_qkv,
     read_hf_config,
     required_int,
@@ -178,27 +179,11 @@ def _read_ouro(cfg: dict, where: Path) -> LoopedSource:
                                       and 0 < threshold <= 1):
         raise ValueError(f"{where}: early_exit_threshold must be in (0, 1], got {threshold!r}")
     return LoopedSource(
-        model_type="ouro", arch=_llama_like_arch(cfg, where, qkv_bias=False),
+        model_type="ouro", arch=llama_like_architecture(cfg, where, qkv_bias=False),
         num_loops=required_int(cfg, "total_ut_steps", where, default=4),
         max_sequence_length=required_int(cfg, "max_position_embeddings", where, default=32768),
         exit_threshold=None if threshold is None else float(threshold),
         looped={"looped_family": "ouro", "looped_exit_gate": True})
-
-
-def _llama_like_arch(cfg: dict, where: Path, qkv_bias: bool) -> PretrainedArchitecture:
-    heads = required_int(cfg, "num_attention_heads", where)
-    hidden = required_int(cfg, "hidden_size", where)
-    scaling, factor = rope_scaling(cfg, where)
-    return PretrainedArchitecture(
-        num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
-        ffn_hidden_size=required_int(cfg, "intermediate_size", where),
-        num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=cfg.get("head_dim") or hidden // heads,
-        vocab_size=required_int(cfg, "vocab_size", where),
-        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
-        use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=qkv_bias,
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
 
 
 def _reject(cfg: dict, where: Path, checks: dict) -> None:
@@ -391,23 +376,26 @@ def huginn_shapes(source: LoopedSource) -> dict:
     return out
 
 
-def huginn_to_looped(hf: dict, source: LoopedSource) -> dict:
-    """Huginn-named tensors -> looped-GPT-named tensors (the tables above)."""
-    arch, h = source.arch, source.arch.hidden_size
+def _stacks_to_looped(hf: dict, source: LoopedSource, block: dict) -> dict:
+    """Tensors named as Huginn names them (``HUGINN_TOP``; per layer of each stack ``block``'s
+    one-to-one tensors and ``attn.Wqkv``, split into q, k, v) -> looped-GPT-named tensors: the
+    import of Huginn and of Retrofitted Recurrence, which differ in ``block``."""
+    arch = source.arch
+    q, kv = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
     out = {ours: hf[theirs] for theirs, ours in HUGINN_TOP.items()}
     if arch.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for stack, (ours_stack, count) in _huginn_stacks(source).items():
         for i in range(count):
             src, dst = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
-            out.update({dst + o: hf[src + t] for t, o in HUGINN_BLOCK.items()})
-            q, k, v = hf[src + "attn.Wqkv.weight"].split([h, h, h])
-            out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(q, k, v, arch)
+            out.update({dst + o: hf[src + t] for t, o in block.items()})
+            parts = hf[src + "attn.Wqkv.weight"].split([q, kv, kv])
+            out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*parts, arch)
     return out
 
 
-def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
-    """The inverse of ``huginn_to_looped`` (plus the ``freqs_cis`` buffer)."""
+def _looped_to_stacks(sd: dict, source: LoopedSource, block: dict) -> dict:
+    """The inverse of ``_stacks_to_looped``."""
     arch = source.arch
     out = {theirs: sd[ours] for theirs, ours in HUGINN_TOP.items()}
     if arch.untie_embeddings_and_output_weights:
@@ -415,10 +403,21 @@ def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
     for stack, (ours_stack, count) in _huginn_stacks(source).items():
         for i in range(count):
             dst, src = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
-            out.update({dst + t: sd[src + o] for t, o in HUGINN_BLOCK.items()})
+            out.update({dst + t: sd[src + o] for t, o in block.items()})
             out[dst + "attn.Wqkv.weight"] = torch.cat(
                 unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch))
-    out["freqs_cis"] = huginn_freqs_cis(arch, source.max_sequence_length or 4096)
+    return out
+
+
+def huginn_to_looped(hf: dict, source: LoopedSource) -> dict:
+    """Huginn-named tensors -> looped-GPT-named tensors (the tables above)."""
+    return _stacks_to_looped(hf, source, HUGINN_BLOCK)
+
+
+def looped_to_huginn(sd: dict, source: LoopedSource) -> dict:
+    """The inverse of ``huginn_to_looped`` (plus the ``freqs_cis`` buffer)."""
+    out = _looped_to_stacks(sd, source, HUGINN_BLOCK)
+    out["freqs_cis"] = huginn_freqs_cis(source.arch, source.max_sequence_length or 4096)
     return out
 
 
@@ -495,33 +494,13 @@ def retrofitted_shapes(source: LoopedSource) -> dict:
 
 
 def retrofitted_to_looped(hf: dict, source: LoopedSource) -> dict:
-    arch = source.arch
-    q, kv = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
-    out = {ours: hf[theirs] for theirs, ours in HUGINN_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for stack, (ours_stack, count) in _huginn_stacks(source).items():
-        for i in range(count):
-            src, dst = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
-            out.update({dst + o: hf[src + t] for t, o in RETROFIT_BLOCK.items()})
-            parts = hf[src + "attn.Wqkv.weight"].split([q, kv, kv])
-            out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*parts, arch)
-    return out
+    """Retrofitted-Recurrence-named tensors -> looped-GPT-named tensors."""
+    return _stacks_to_looped(hf, source, RETROFIT_BLOCK)
 
 
 def looped_to_retrofitted(sd: dict, source: LoopedSource) -> dict:
     """The inverse of ``retrofitted_to_looped``."""
-    arch = source.arch
-    out = {theirs: sd[ours] for theirs, ours in HUGINN_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = sd["output_layer.weight"]
-    for stack, (ours_stack, count) in _huginn_stacks(source).items():
-        for i in range(count):
-            dst, src = f"transformer.{stack}.{i}.", f"decoder.{ours_stack}.{i}."
-            out.update({dst + t: sd[src + o] for t, o in RETROFIT_BLOCK.items()})
-            out[dst + "attn.Wqkv.weight"] = torch.cat(
-                unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch))
-    return out
+    return _looped_to_stacks(sd, source, RETROFIT_BLOCK)
 
 
 # ---- one call ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Helpers of the pretrained-import tests: random weights everywhere, and Hugging Face RMSNorm
 in the input's dtype (HF computes it in fp32 whatever the input, which rounds an fp64
 reference to fp32; the same formula in fp64 makes the reference a true fp64 function); the
-tiny Llama and Qwen2 builders (``BUILDERS``)."""
+tiny Llama and Qwen2 builders (``BUILDERS``) and their saved directories
+(``write_hf_dirs``)."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -55,3 +56,16 @@ def _qwen2():
 
 
 BUILDERS = {"llama": _llama, "qwen2": _qwen2}
+
+
+def write_hf_dirs(tmp_path_factory) -> dict:
+    """name -> directory of each ``BUILDERS`` model, random (``randomize``), saved by
+    transformers: one per name, the same weights for every caller."""
+    out = {}
+    for k, (name, build) in enumerate(BUILDERS.items()):
+        torch.manual_seed(k)
+        model = build()
+        randomize(model, seed=10 + k)
+        out[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out[name])
+    return out

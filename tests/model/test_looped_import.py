@@ -24,7 +24,7 @@ import math
 
 import pytest
 import torch
-from helpers.hf import randomize
+from helpers.hf import write_hf_dirs
 from helpers.reference_huginn import (
     documented_initial_state,
     huginn_forward,
@@ -67,16 +67,7 @@ def ouro_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Tiny random Llama / Qwen2 directories saved by transformers (test_pretrained_import's)."""
-    from helpers.hf import BUILDERS
-
-    out = {}
-    for k, (name, build) in enumerate(BUILDERS.items()):
-        torch.manual_seed(k)
-        model = build()
-        randomize(model, seed=10 + k)
-        out[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(out[name])
-    return out
+    return write_hf_dirs(tmp_path_factory)
 
 
 def padded_batch(seed: int = 1) -> tuple:

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.hf import BUILDERS, LAYERS, VOCAB, patch_hf_rms_norm, randomize
+from helpers.hf import BUILDERS, LAYERS, VOCAB, patch_hf_rms_norm, randomize, write_hf_dirs
 from helpers.sp import LossSpec, grads, joint_step, make_group, naive_step, rel_errors
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
@@ -48,14 +48,7 @@ TOL = 1e-10
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """name -> directory of a saved tiny random HF model."""
-    out = {}
-    for k, (name, build) in enumerate(BUILDERS.items()):
-        torch.manual_seed(k)
-        model = build()
-        randomize(model, seed=10 + k)
-        out[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(out[name])
-    return out
+    return write_hf_dirs(tmp_path_factory)
 
 
 @pytest.fixture
