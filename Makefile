@@ -34,9 +34,10 @@ MCORE_PYTEST_ARGS ?=  # more pytest options for test-mcore
 # tensor parallelism, the layer specs and the checkpoint importers, the prefix and decode paths
 # through MCore's TransformerLayer, Megatron-LM's train_step, and the main job end to end
 # (torchrun, checkpoints, resume, SIGTERM). `.ci/run` runs them against 0.19.2 after `make
-# test`'s whole suite: 254 passed, 1 skipped (the TE spec test) in 626 s (643 s with start-up)
-# on this 2-core machine, shared with other jobs (2026-12-01); the whole 0.19.2 suite takes
-# about 17 minutes, its environment about 6 to build, `make test` 15 to 18.
+# test`'s whole suite: 254 passed, 1 skipped (the TE spec test) in 453 s (7 min 33 s; 467 s
+# with start-up) on this 2-core machine, shared with other jobs (2026-12-02; 626 s under a
+# heavier load); the whole 0.19.2 suite takes about 17 minutes, its environment about 6 to
+# build, `make test` 15 to 18.
 MCORE_SUBSET ?=
 MCORE_CI_TESTS := \
 	tests/test_cpu_backend.py tests/test_mcore_compat.py tests/test_distributed_cpu.py \
