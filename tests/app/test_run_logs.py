@@ -98,8 +98,6 @@ def test_wandb_project_without_the_package_is_refused(monkeypatch):
         metrics.check_wandb(cfg)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                    reason="wandb is not installed (the optional wandb extra)")
 def test_wandb_offline_run_logs_every_scalar(tmp_path, monkeypatch):
     import wandb
 
