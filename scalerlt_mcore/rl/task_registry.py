@@ -1,6 +1,7 @@
-"""Tasks by name: the built-in ones (``rl/tasks.py``), ``mix`` and ``reasoning_gym:<dataset>``
-(``rl/reasoning_gym.py``). Both task modules sit below this one: neither imports the other's
-builder."""
+"""Tasks by name: the built-in ones (``rl/tasks.py``), ``mix``, ``reasoning_gym:<dataset>``
+(``rl/reasoning_gym.py``), and the user's (``rl/user_task.py``): ``jsonl:PATH`` /
+``parquet:PATH`` rows and ``module.path:factory``. The task modules sit below this one: none
+imports another's builder."""
 
 import dataclasses
 import random
@@ -9,23 +10,33 @@ from typing import Any, Optional
 
 from .reasoning_gym import reasoning_gym_task
 from .tasks import KeyValueRetrieval, ModularArithmetic, Problem, Reverse, Sort, Task, _require
+from .user_task import dataset_task, factory_task, is_dataset
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort,
                                                     KeyValueRetrieval)}
-"""Registry of built-in tasks by name (besides ``mix`` and ``reasoning_gym:<dataset>``)."""
+"""Registry of built-in tasks by name (besides ``mix``, ``reasoning_gym:<dataset>`` and the
+user's: ``jsonl:PATH``, ``parquet:PATH``, ``module.path:factory``)."""
 
 
-def get_task(name: str, **options) -> Task:
-    """The task ``name`` built with ``options``; unknown names or options raise ValueError."""
+def get_task(name: str, *, rl_reward: Optional[str] = None, **options) -> Task:
+    """The task ``name`` built with ``options`` (a dataset task scored by ``rl_reward``,
+    ``module.path:function``); unknown names or options raise ValueError."""
+    _require(rl_reward is None or is_dataset(name), f"rl_reward scores a dataset task "
+             f"(jsonl:PATH or parquet:PATH), not {name!r}")
+    if is_dataset(name):
+        return dataset_task(name, options, rl_reward)
     if name.startswith("reasoning_gym:"):
         return reasoning_gym_task(name, options)
     if name == "mix":
         _require(set(options) <= {"tasks"}, f"task 'mix' takes only the option 'tasks', got "
                  f"{sorted(options)}")
         return MixedTask(**options)
+    if ":" in name:
+        return factory_task(name, options)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
-                         "mix, reasoning_gym:<dataset>")
+                         "mix, reasoning_gym:<dataset>, jsonl:PATH, parquet:PATH, "
+                         "module.path:factory")
     cls = TASKS[name]
     allowed = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(allowed))
@@ -42,11 +53,12 @@ def get_task(name: str, **options) -> Task:
 class MixedTask(Task):
     """Several tasks drawn with weights: ``rl_task: mix`` with ``rl_task_options:
     {tasks: [{task: reverse, weight: 2, options: {max_len: 3}}, {task: reasoning_gym:chain_sum}]}``
-    (weight defaults to 1, options to {}). Each response is scored by its own task."""
+    (weight defaults to 1, options to {}; a dataset entry may name its ``reward``,
+    ``module.path:function``). Each response is scored by its own task."""
 
     name = "mix"
     tasks: list = field(default_factory=list)
-    """Entries ``{task: NAME, weight: W, options: {...}}``."""
+    """Entries ``{task: NAME, weight: W, options: {...}, reward: SPEC}``."""
 
     def __post_init__(self):
         _require(isinstance(self.tasks, list) and len(self.tasks) > 0,
@@ -83,14 +95,15 @@ def _mix_entry(i: int, entry: Any) -> tuple:
     where = f"task 'mix' entry {i}"
     _require(isinstance(entry, dict) and "task" in entry,
              f"{where} must be a mapping with a 'task' key, got {entry!r}")
-    unknown = sorted(set(entry) - {"task", "weight", "options"})
+    unknown = sorted(set(entry) - {"task", "weight", "options", "reward"})
     _require(not unknown, f"{where} has unknown key {unknown[0] if unknown else ''!r}; "
-             "keys: task, weight, options")
+             "keys: task, weight, options, reward")
     weight = entry.get("weight", 1)
     _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
              f"{where}: weight must be a number > 0, got {weight!r}")
     _require(entry["task"] != "mix", f"{where}: a mix cannot contain a mix")
-    return get_task(entry["task"], **entry.get("options", {})), float(weight)
+    task = get_task(entry["task"], rl_reward=entry.get("reward"), **entry.get("options", {}))
+    return task, float(weight)
 
 
 def _max_or_none(values) -> Optional[int]:

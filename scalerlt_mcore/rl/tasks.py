@@ -12,9 +12,10 @@ agentic and long-context RL): ``kv_retrieval``, the value of one key from a cont
 key-value pairs, ``"abcdef:1234,...,uvwxyz:9876|abcdef="`` -> ``"1234"`` (511 characters by
 default: 512 tokens with bos).
 
-``reasoning_gym:<dataset>`` draws from a reasoning-gym dataset (``rl/reasoning_gym.py``), and
-``mix`` draws from several tasks with weights; ``rl/task_registry.py`` builds any of them by
-name (``get_task``) and holds ``MixedTask``.
+``reasoning_gym:<dataset>`` draws from a reasoning-gym dataset (``rl/reasoning_gym.py``),
+``mix`` draws from several tasks with weights, ``jsonl:PATH`` / ``parquet:PATH`` from the rows of
+a file and ``module.path:factory`` is the user's own task (``rl/user_task.py``);
+``rl/task_registry.py`` builds any of them by name (``get_task``) and holds ``MixedTask``.
 
 Every prompt belongs to one split, fixed by a hash of its text (``split_of``): training draws
 (``sample(..., split="train")``, ``supervised_pairs``) never produce an evaluation prompt and
@@ -240,10 +241,11 @@ class KeyValueRetrieval(Task):
         return self.value_len
 
 
-def measure_lengths(task: Task, encode, n: int = 256, seed: int = 0) -> tuple[int, int]:
-    """(longest prompt, longest answer) in tokens of ``encode`` over ``n`` sampled problems:
-    the bound used where the task states none."""
-    problems = task.sample(seed, n)
+def measure_lengths(task: Task, encode, n: int = 256, seed: int = 0,
+                    problems: Optional[list[Problem]] = None) -> tuple[int, int]:
+    """(longest prompt, longest answer) in tokens of ``encode`` over ``problems`` (by default
+    ``n`` sampled ones): the bound used where the task states none."""
+    problems = task.sample(seed, n) if problems is None else problems
     return (max(len(encode(p.prompt)) for p in problems),
             max(len(encode(p.answer)) for p in problems))
 

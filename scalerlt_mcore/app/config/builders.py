@@ -81,8 +81,8 @@ def schedule_from(cfg: RunConfig, model=None, loss_per_position: Optional[float]
 
 
 def task_from(cfg: RunConfig):
-    """The run's task."""
-    return get_task(cfg.rl.rl_task, **cfg.rl.rl_task_options)
+    """The run's task (a dataset task scored by ``rl_reward``)."""
+    return get_task(cfg.rl.rl_task, rl_reward=cfg.rl.rl_reward, **cfg.rl.rl_task_options)
 
 
 @functools.lru_cache(maxsize=4)

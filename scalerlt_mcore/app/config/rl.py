@@ -10,7 +10,8 @@ from ...rl.advantages import AdvantageMode
 from ...rl.objective import RLObjective
 from ...rl.tasks import measure_lengths
 from ...rl.tokenizer import CharTokenizer
-from .builders import objective_from, task_from, tokenizer_args, tokenizer_from
+from ...rl.user_task import DatasetTask
+from .builders import eval_prompts, objective_from, task_from, tokenizer_args, tokenizer_from
 from .library import (
     LIBRARY_ERRORS,
     OBJECTIVE_FLAGS,
@@ -32,10 +33,18 @@ class RLArgs:
     Megatron-LM's ``grpo_*`` names where it has the flag)."""
 
     rl_task: str = "modular_arithmetic"
-    """Task name (``scalerlt_mcore.rl.task_registry.TASKS``)."""
+    """Task: a built-in name (``scalerlt_mcore.rl.task_registry.TASKS``), ``mix``,
+    ``reasoning_gym:<dataset>``, rows of a file (``jsonl:PATH``, ``parquet:PATH``: columns
+    ``prompt``, ``answer``, others passed to ``rl_reward``) or the user's
+    ``module.path:factory`` (or ``file.py:factory``), called as ``factory(**rl_task_options)``
+    and returning a ``scalerlt_mcore.rl.Task``."""
     rl_task_options: dict = field(default_factory=dict)
     """Options of the task, e.g. ``{modulus: 7}``; on the command line a YAML mapping,
     which replaces (does not merge with) the file's."""
+    rl_reward: Optional[str] = None
+    """Reward of a dataset task (``jsonl:PATH``, ``parquet:PATH``): ``module.path:function``
+    (or ``file.py:function``), called as ``function(response_text, row) -> float`` with the
+    decoded response and the row (every column); None: 1.0 for the exact answer, else 0.0."""
     grpo_group_size: int = 8
     """G: responses sampled per prompt."""
     grpo_prompts_per_step: Optional[int] = None
@@ -109,6 +118,9 @@ def _check_sampling(rl: RLArgs) -> list[str]:
                       f"of a single update)")
     if not 0 < rl.rl_exit_threshold <= 1:
         errors.append(f"rl_exit_threshold must be in (0, 1], got {rl.rl_exit_threshold}")
+    if rl.rl_reward is not None and rl.rl_partial_credit:
+        errors.append("rl_partial_credit applies to the exact-match reward, not to rl_reward "
+                      "(its function's value is the reward)")
     if rl.rl_advantage != "none" and rl.grpo_group_size == 1:
         errors.append(f"rl_advantage {rl.rl_advantage!r} needs grpo_group_size >= 2 "
                       "(a group of one has zero advantage)")
@@ -134,12 +146,16 @@ def _check_loop_credit(cfg: "RunConfig") -> list[str]:
 
 
 def _check_task(cfg: "RunConfig") -> list[str]:
-    """The task builds, its text encodes, and its longest prompt and
-    answer (stated by the task, else measured on a sample) fit the lengths."""
+    """The task builds (with its reward), has evaluation prompts when the run evaluates, its
+    text encodes, and its longest prompt and answer (stated by the task, else measured on a
+    sample) fit the lengths."""
     try:
         task = task_from(cfg)
+        if eval_prompts(cfg) > 0:
+            task.sample(0, 1, split="eval")
     except ValueError as e:
-        return [f"rl_task / rl_task_options: {e}"]
+        named = str(e).startswith(("rl_task ", "rl_reward "))
+        return [f"{'' if named else 'rl_task / rl_task_options: '}{e}"]
     try:
         tok = tokenizer_from(cfg)
     except (ValueError, OSError):
@@ -163,7 +179,10 @@ def _check_task(cfg: "RunConfig") -> list[str]:
 def _task_lengths(task, tok) -> tuple[int, int]:
     """(longest prompt, longest answer) in tokens: the task's own bounds where it states them
     and the tokenizer has one token per character, else measured on 256 sampled problems."""
-    measured = measure_lengths(task, tok.encode)  # also: every character encodes
+    if isinstance(task, DatasetTask):  # every row, not a sample of them
+        measured = measure_lengths(task, tok.encode, problems=task.problems())
+    else:
+        measured = measure_lengths(task, tok.encode)  # also: every character encodes
     exact = task.max_prompt_chars is not None and (
         isinstance(tok, CharTokenizer) or tok.identity()["type"] == "ByteLevelTokenizer")
     return (task.max_prompt_chars, task.max_answer_chars) if exact else measured
