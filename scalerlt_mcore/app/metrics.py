@@ -126,7 +126,8 @@ def keep_records_before(path, start: int) -> int:
 
 
 def plot_rewards(records: list, path) -> Path:
-    """Reward curve (train mean reward, eval reward) and per-loop eval accuracy."""
+    """Reward curve (sampled rollout reward, held-out greedy reward) and per-loop held-out
+    greedy accuracy, over the steps; a dashed line marks the end of the supervised warm-up."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,19 +135,26 @@ def plot_rewards(records: list, path) -> Path:
 
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
+    warmup = [r["step"] for r in records if r.get("kind") == "sft"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="rollout")
-    ax1.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o-", label="eval")
-    ax1.set(xlabel="RL step", ylabel="mean reward", ylim=(-0.05, 1.05), title="reward")
-    ax1.legend()
+    ax1.plot([r["step"] for r in train], [r["reward_mean"] for r in train],
+             label="sampled rollouts (training prompts)")
+    ax1.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o-",
+             label="held-out greedy")
+    ax1.set(xlabel="step", ylabel="mean reward", ylim=(-0.05, 1.05), title="reward")
     if evals:
         for loop in range(max(len(r["eval_per_loop"]) for r in evals)):  # grows in a curriculum
             points = [(r["step"], r["eval_per_loop"][loop]) for r in evals
                       if loop < len(r["eval_per_loop"])]
             ax2.plot(*zip(*points), "o-", label=f"loop {loop + 1}")
-        ax2.legend()
-    ax2.set(xlabel="RL step", ylabel="greedy accuracy", ylim=(-0.05, 1.05),
-            title="per-loop readout accuracy")
+    ax2.set(xlabel="step", ylabel="greedy accuracy", ylim=(-0.05, 1.05),
+            title="per-loop held-out greedy accuracy")
+    for ax in (ax1, ax2):
+        if warmup:
+            ax.axvline(max(warmup) + 1, color="gray", linestyle="--",
+                       label=f"end of warm-up (step {max(warmup) + 1})")
+        if ax.lines:
+            ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -7,6 +7,8 @@
   with the reason (a real command).
 - ``scalerlt_mcore.generate`` errors are one line too (a real command for a missing
   checkpoint).
+- The reward plot says what it plots (sampled rollouts, held-out greedy) and marks the end of
+  the supervised warm-up.
 - Weights & Biases in offline mode (no network): the run's scalars, by step, in a W&B run
   under ``--wandb-save-dir``; without the package ``--wandb-project`` is refused at start.
 """
@@ -89,6 +91,28 @@ def test_generate_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "error: the following arguments are required: --load (see python -m "
         "scalerlt_mcore.generate --help)\n")
+
+
+def test_the_reward_plot_marks_the_warm_up_and_names_held_out_greedy(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                  savefig(fig, *a, **k)))
+    records = ([{"kind": "sft", "step": s} for s in range(3)]
+               + [{"kind": "train", "step": s, "reward_mean": 0.5} for s in range(3, 6)]
+               + [{"kind": "eval", "step": s, "eval_reward": 0.5, "eval_per_loop": [0.4, 0.5]}
+                  for s in (0, 5)])
+    assert metrics.plot_rewards(records, tmp_path / "r.png").stat().st_size > 0
+    (fig,) = figures
+    reward, per_loop = fig.axes
+    labels = [t.get_text() for t in reward.get_legend().get_texts()]
+    assert labels == ["sampled rollouts (training prompts)", "held-out greedy",
+                      "end of warm-up (step 3)"]
+    assert "end of warm-up (step 3)" in [t.get_text() for t in per_loop.get_legend().get_texts()]
+    assert "held-out greedy" in per_loop.get_title()
+    marks = [line.get_xdata()[0] for line in reward.lines if line.get_linestyle() == "--"]
+    assert marks == [3]
 
 
 def test_wandb_project_without_the_package_is_refused(monkeypatch):
