@@ -11,7 +11,7 @@ from ...rl.objective import RLObjective
 from ...rl.tasks import measure_lengths
 from ...rl.tokenizer import CharTokenizer
 from ...rl.user_task import DatasetTask
-from .builders import eval_prompts, objective_from, task_from, tokenizer_args, tokenizer_from
+from .builders import objective_from, task_from, tokenizer_args, tokenizer_from
 from .library import (
     LIBRARY_ERRORS,
     OBJECTIVE_FLAGS,
@@ -146,13 +146,12 @@ def _check_loop_credit(cfg: "RunConfig") -> list[str]:
 
 
 def _check_task(cfg: "RunConfig") -> list[str]:
-    """The task builds (with its reward), has evaluation prompts when the run evaluates, its
+    """The task builds (with its reward), has evaluation prompts (every run evaluates), its
     text encodes, and its longest prompt and answer (stated by the task, else measured on a
     sample) fit the lengths."""
     try:
         task = task_from(cfg)
-        if eval_prompts(cfg) > 0:
-            task.sample(0, 1, split="eval")
+        task.sample(0, 1, split="eval")
     except ValueError as e:
         named = str(e).startswith(("rl_task ", "rl_reward "))
         return [f"{'' if named else 'rl_task / rl_task_options: '}{e}"]
