@@ -140,6 +140,7 @@ def _run(command: str, n: int, scratch: Path) -> str:
 
 def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     (tmp_path / "tmp").mkdir()
     monkeypatch.chdir(tmp_path)
     failures, ran = [], 0
