@@ -303,7 +303,8 @@ def plot(path: str, results: dict, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
+    # the headline panel twice as wide: its bars carry two-line labels (workload, ratio)
+    fig, axes = plt.subplots(1, 4, figsize=(24, 5.5), gridspec_kw={"width_ratios": (2, 1, 1, 1)})
     _plot_bars(axes[0], {n: r for n, r in results.items() if not n.startswith("sweep_")})
     sweep = {n: r for n, r in results.items() if n.startswith("sweep_")}
     for ax, key in zip(axes[1:], ("flops_causal", "saved_bytes", "wall")):
@@ -329,7 +330,8 @@ def _plot_bars(ax, results):
         th = results[n]["theory"][f"{key}_work"]
         ax.plot([j - 0.4, j + 0.4], [th, th], "k--", lw=1)
     ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xticks(range(len(groups)), [f"{n}\n{key.replace('_over_', '/')}" for n, key in groups])
+    ax.set_xticks(range(len(groups)), [f"{n}\n{key.replace('_over_', '/')}" for n, key in groups],
+                  fontsize=8)
     ax.set_ylabel("ratio (> 1: joint replay better); dashed: docs/design.md work ratio")
     ax.legend(fontsize=8)
     ax.set_title("headline workloads")

@@ -118,14 +118,16 @@ def summarise_steps(records: dict) -> dict:
         }
     naive = out["naive"]
 
-    def ratios(other: dict) -> dict:
+    def ratios(other: dict, skip: tuple = ()) -> dict:
+        """naive's phase times over ``other``'s; None for the phases in ``skip``."""
         return {("wall" if p == "step" else p):
-                naive[f"{p}_s"] / other[f"{p}_s"] if other[f"{p}_s"] > 0 else None
-                for p in PHASES}
+                naive[f"{p}_s"] / other[f"{p}_s"] if other[f"{p}_s"] > 0 and p not in skip
+                else None for p in PHASES}
 
     result = {"variants": out, "naive_over_joint": ratios(out["joint"])}
-    if "joint_rollout_logprobs" in out:
-        result["naive_over_joint_rollout_logprobs"] = ratios(out["joint_rollout_logprobs"])
+    if "joint_rollout_logprobs" in out:  # no scoring pass: its score time is bookkeeping only
+        result["naive_over_joint_rollout_logprobs"] = ratios(out["joint_rollout_logprobs"],
+                                                             skip=("score",))
     return result
 
 
@@ -247,8 +249,9 @@ def markdown(result: dict) -> str:
     for key in ("naive_over_joint", "naive_over_joint_rollout_logprobs"):
         if key in result:
             r = result[key]
+            score = "none (no scoring pass)" if r["score"] is None else _fmt(r["score"])
             lines.append(f"\n{key}: wall {_fmt(r['wall'])}, rollout {_fmt(r['rollout'])}, "
-                         f"score {_fmt(r['score'])}, train {_fmt(r['train'])}")
+                         f"score {score}, train {_fmt(r['train'])}")
     ro = result["rollouts"]
     lines += ["", "| rollout | wall s | response tokens/s | peak tensor MiB | KV cache MiB |",
               "|---|---|---|---|---|"]

@@ -141,16 +141,12 @@ def main(argv=None) -> int:
             try:
                 results[wl.name] = run_workload(wl, seed=args.seed)
             except AgreementError as err:
-                print(f"ABORT [{wl.name}]: schedules disagree with naive training: {err}",
-                      file=sys.stderr)
-                return 2
+                return _abort(args.out, wl.name, "schedules disagree with naive training", err)
         if not args.no_prompt_sweep:
             try:
                 prompt_sweep = run_sweep(seed=args.seed)
             except AgreementError as err:
-                print(f"ABORT [prompt sweep]: retain disagrees with recompute: {err}",
-                      file=sys.stderr)
-                return 2
+                return _abort(args.out, "prompt sweep", "retain disagrees with recompute", err)
         if rl_step:
             from .rl_step import run_rl_step
 
@@ -161,6 +157,21 @@ def main(argv=None) -> int:
             extra["host_syncs"] = run_decode_bench()
     total = time.perf_counter() - t0
     return _write(args.out, results, total, extra, prompt_sweep)
+
+
+def _abort(out: str, name: str, what: str, err) -> int:
+    """A disagreement: cpu.json holds the error and every schedule's measured errors (as
+    benchmarks/gpu.py writes them), no table or plot is written; exit status 2."""
+    from .measure import TOLERANCE
+    from .report import write_json
+
+    error = f"{name}: {what}: {err}"
+    print(f"ABORT [{error}]", file=sys.stderr)
+    meta = {"device": "cpu", "torch": torch.__version__, "dtype": "float32",
+            "tolerance": TOLERANCE, "status": "failed", "error": error}
+    write_json(os.path.join(out, "cpu.json"),
+               {name: {"error": f"{what}: {err}", "agreement": err.errors}}, meta)
+    return 2
 
 
 def _write(out: str, results: dict, total: float, extra: dict = None,

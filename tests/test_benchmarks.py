@@ -77,6 +77,43 @@ def test_disagreeing_schedule_aborts(mcore_single):
         check_agreement(steps, model)
 
 
+def test_a_disagreement_writes_the_json_with_the_errors_and_exits_2(monkeypatch, tmp_path):
+    from benchmarks import harness, run
+
+    def disagreeing(wl, seed):
+        raise AgreementError("joint disagrees with naive: grad 1.0e-02", {"joint": {"grad": 1e-2}})
+
+    monkeypatch.setattr(harness, "run_workload", disagreeing)
+    assert run.main(["--only", "A", "--no-prompt-sweep", "--no-rl-step",
+                     "--out", str(tmp_path)]) == 2
+    doc = json.loads((tmp_path / "cpu.json").read_text())
+    assert doc["meta"]["status"] == "failed"
+    assert doc["meta"]["error"] == ("A: schedules disagree with naive training: joint disagrees "
+                                    "with naive: grad 1.0e-02")
+    assert doc["A"]["agreement"] == {"joint": {"grad": 1e-2}}
+    assert not (tmp_path / "cpu.md").exists() and not (tmp_path / "cpu.png").exists()
+
+
+def test_the_headline_tick_labels_do_not_overlap(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                  savefig(fig, *a, **k)))
+    with open(os.path.join(ROOT, "benchmarks", "results", "cpu.json")) as f:
+        doc = json.load(f)
+    results = {n: r for n, r in doc.items() if isinstance(r, dict) and "workload" in r}
+    plot(str(tmp_path / "cpu.png"), results, "CPU")
+    (fig,) = figures
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].get_xticklabels()]
+    assert len(boxes) == 9
+    overlaps = [(a, b) for a, b in zip(boxes, boxes[1:]) if a.x1 > b.x0]
+    assert not overlaps, overlaps
+
+
 def test_cpu_sdpa_flops_dense_and_causal():
     q, k, v = (torch.randn(1, 1, 4, 2, requires_grad=True) for _ in range(3))
 
