@@ -8,8 +8,8 @@ from .measure import median, prefix_state_bytes, theory
 # (workload, figure, minimum) from the benchmark brief: naive / joint replay on CPU. FLOPs
 # targets are checked against the causal count (the (query, key) pairs a causal attention
 # kernel computes), the primary FLOPs figure; the all-scores count is reported beside it only.
-# Issue 14 (retained prompt) raised A's FLOPs to 3.1 and B's wall to 5.0; "joint" is the best
-# joint-replay variant (``joint_variant``, named beside the figure).
+# The retained-prompt variant raised A's FLOPs target to 3.1 and B's wall to 5.0; "joint" is
+# the best joint-replay variant (``joint_variant``, named beside the figure).
 TARGETS = (
     ("A", "naive_over_joint.flops_causal", 3.1), ("A", "naive_over_joint.saved_bytes", 5.0),
     ("A", "naive_over_joint.wall", 3.0),
@@ -28,7 +28,7 @@ NAMES = {"naive": "naive (G in one microbatch)",
          "auto": "auto (planner: joint replay or naive)"}
 """How the README names each schedule."""
 AUTO_OVER_FASTEST_WALL_MAX = 1.10
-"""Issue 14: ``auto`` at most 10% slower than the faster of naive and joint replay."""
+"""``auto`` at most 10% slower than the faster of naive and joint replay."""
 
 
 def _div(a, b):

@@ -48,63 +48,8 @@ def sweep_workloads() -> list:
     return out
 
 
-NOTES = [
-    "Model: looped GPT (local MCore layer spec, fp32), no prelude/coda, learned absolute "
-    "positions; A/B hidden 256, 4 heads (head dim 64), 2 core layers x 4 loops; sweep hidden "
-    "128, 2 heads, response 32.",
-    "Vocabulary 64 on purpose, so the readout (every loop reads out) does not dominate the "
-    "layer work; with a real vocabulary the readout adds the same per-token cost to every "
-    "schedule's response tokens, and naive also reads out every prompt position G times.",
-    "Loss: PPO-clipped, token-mean over the whole group, progressive loop credit (all R "
-    "readouts train); old log-probs = current policy + N(0, 0.05) noise.",
-    "Naive baselines: `naive` runs all G full sequences in one microbatch; `naive_mb1` runs "
-    "them as G microbatches of one (MCore's usual gradient accumulation): the same FLOPs, "
-    "one sequence's activations held at a time.",
-    "FLOPs: torch.utils.flop_counter.FlopCounterMode over one step (forward + backward), "
-    "the no-grad prompt forward of joint replay included. PyTorch has no formula for the CPU "
-    "SDPA kernel (it would count that attention as zero); the benchmark registers one. The "
-    "primary figure, `flops_causal`, counts only the causal triangle of is_causal calls: the "
-    "work a causal kernel does. `flops` (in brackets) is PyTorch's convention for its other "
-    "SDPA kernels, the full score square, causal or not; targets are checked against the "
-    "causal count. The tree mask is an explicit mask, counted in full by both. The cost table "
-    "counts token-layer (linear) work only; every response token's attention to all P prompt "
-    "keys (G*S*P pairs) is the same in every schedule, so with the causal count attention "
-    "narrows the naive/joint gap below the table's ratio.",
-    "Saved bytes: SavedTensorProbe peak (autograd-saved tensors, parameters excluded). The "
-    "probe does not see activations recomputed in backward, so joint_ckpt's figure is a lower "
-    "bound (its true peak adds one wave's recomputed activations); joint replay's prefix "
-    "adjoints (gradients, not saved tensors) are reported apart as "
-    "joint_prefix_adjoint_bytes.",
-    "Wall: median of the timed repetitions after one warm-up; all schedules of a workload "
-    "interleaved round-robin in one process, default torch threads; Python's garbage collection "
-    "runs before each timed step and is off during it, for every schedule (Megatron-LM's "
-    "`--manual-gc --manual-gc-interval 1`; the main job has the same flags). The host is "
-    "shared: other "
-    "jobs inflate single repetitions (wall_all_s holds them all; `wall_min` ratios, from the "
-    "fastest repetitions, are given beside the median ones in the JSON). Joint replay runs "
-    "n + 2 "
-    "forward and n + 1 backward passes through the layer stack (n waves, the prompt twice) "
-    "against naive's one each, on smaller matrices: at the sweep's small sizes the per-call "
-    "cost dominates and its wall time can trail naive's even "
-    "where its FLOPs are several times lower.",
-    "Theory: docs/design.md cost table, token-layer forward = 1, backward = 2: naive 3G(P+S), "
-    "tree 3P+3GS, joint 4P+3GS (+GS with checkpointed waves); held tokens naive G(P+S), "
-    "naive_mb1 P+S, tree P+GS, joint P+WS (prompt replay + one wave).",
-    "joint_retain: the prompt producer keeps its graph and the joint replay backpropagates "
-    "through it (3P+3GS, the tree mask's FLOP limit). naive_over_joint compares naive with the "
-    "joint-replay variant with the fewest FLOPs (causal count), then the fewest saved bytes "
-    "(`joint_variant`): figures that are the same in every run; picking by wall time would "
-    "pick whichever variant the host's noise favoured; "
-    "naive_over_joint_recompute keeps the recomputed-prompt figures. `auto`: the planner picks "
-    "joint replay (retain) or naive (all G in one microbatch) per group from a cost model "
-    "calibrated on the model at the start (fixed cost per layer call + cost per FLOP); "
-    "auto_over_fastest_wall is its wall time over the faster of naive and the best joint "
-    "variant. Wall ratios are noisy on this shared host.",
-    "Prompt-length sweep: G=8, S=32, W=4, hidden 128, 2 heads, 2 core layers x 4 loops; "
-    "recompute vs retain (saved bytes measured, planner prediction in brackets) and the plan "
-    "(largest wave, retain unless only recompute fits) per memory budget (activations + "
-    "prefix adjoints).",
-]
+METHOD = "docs/benchmarks.md"
+"""Where the model, the loss, the FLOP and byte counts and the timing are described."""
 
 
 def main(argv=None) -> int:
@@ -191,10 +136,11 @@ def _write(out: str, results: dict, total: float, extra: dict = None,
     )
 
     extra = extra or {}
-    notes = NOTES + (extra["rl_step"]["notes"] if "rl_step" in extra else [])
+    notes = extra["rl_step"]["notes"] if "rl_step" in extra else []
     meta = {"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "notes": notes}
+            "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "method": METHOD,
+            "notes": notes}
     targets = check_targets({**results, **extra})
     meta["targets"] = targets
     os.makedirs(out, exist_ok=True)
@@ -202,7 +148,8 @@ def _write(out: str, results: dict, total: float, extra: dict = None,
     write_json(os.path.join(out, "cpu.json"), {**results, **extra, **sweep}, meta)
     preamble = (f"# CPU benchmark: naive vs packed tree mask vs joint replay\n\n"
                 f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; "
-                f"whole run {total:.0f} s.\n\n" + "\n".join(f"- {n}" for n in notes))
+                f"whole run {total:.0f} s. How each figure is measured: {METHOD}.\n\n"
+                + "\n".join(f"- {n}" for n in notes))
     write_markdown(os.path.join(out, "cpu.md"), results, targets, preamble, prompt_sweep)
     if "rl_step" in extra:
         from .rl_step import MD_HEADING

@@ -25,27 +25,24 @@ from scalerlt_mcore.rl.objective import RLObjective, rl_forward_step
 from scalerlt_mcore.shared_prefix import (
     SharedPrefixGroup,
     get_shared_prefix_forward_backward_func,
+    naive_step,
 )
-from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
 from scalerlt_mcore.shared_prefix.planner import CostModel, Planner
 
 SCHEDULES = ("naive", "naive_mb1", "tree", "joint", "joint_retain", "joint_ckpt", "joint_concat",
              "auto")
 JOINT_VARIANTS = ("joint", "joint_retain", "joint_ckpt", "joint_concat")
 VARIANTS = ("joint_retain", "auto")
-"""Issue 14's rows, which a workload may leave out (``Workload.variants``)."""
+"""The variant rows (retained prompt graph, the planner's choice), which a workload may leave
+out (``Workload.variants``)."""
 
 
-# ---- naive: stock MCore schedule, one microbatch of all G full sequences --------------------
+# ---- naive: the project's naive step (stock MCore schedule over full sequences) -----------
 
-def naive_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size: int,
-               micro_batch_size: int | None = None):
-    """Full sequences through stock MCore's schedule (the library's ``naive_step``), all G in
-    one microbatch unless ``micro_batch_size`` says otherwise; token weights come from the whole
-    group, so the loss (the sum of the microbatches' parts) equals joint's."""
-    out = library_naive_step([model], [group], rl_forward_step(objective),
-                             micro_batch_size=micro_batch_size or group.group_size)
-    return sum(o["loss"] for o in out)
+def step_loss(outputs: list) -> torch.Tensor:
+    """The step's loss from a schedule's per-microbatch results (token weights come from the
+    whole group, so the sum of the microbatches' parts equals joint replay's loss)."""
+    return sum(o["loss"] for o in outputs)
 
 
 # ---- packed tree mask: one sequence, prefix once, each response sees prompt + itself --------
@@ -130,8 +127,10 @@ def step_functions(model, group: SharedPrefixGroup, objective: RLObjective,
     if variants:
         planner = planner or auto_planner(model, group, wave_size)
     raw = {
-        "naive": partial(naive_step, model, group, objective, wave_size),
-        "naive_mb1": partial(naive_step, model, group, objective, wave_size, micro_batch_size=1),
+        "naive": lambda: step_loss(naive_step([model], [group], rl_forward_step(objective),
+                                              micro_batch_size=group.group_size)),
+        "naive_mb1": lambda: step_loss(naive_step([model], [group], rl_forward_step(objective),
+                                                  micro_batch_size=1)),
         "tree": partial(tree_step, model, group, objective, wave_size, packed=packed),
         "joint": partial(joint_step, model, group, objective, wave_size),
         "joint_retain": partial(joint_step, model, group, objective, wave_size, prompt="retain"),

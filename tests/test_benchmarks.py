@@ -296,6 +296,8 @@ def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
         assert set(result[key]) == {"wall", "rollout", "score", "train"}
         assert all(isinstance(result[key][p], float) and result[key][p] > 0
                    for p in ("wall", "rollout", "train")), result[key]
+    assert result["naive_over_joint"]["score"] > 0
+    assert result["naive_over_joint_rollout_logprobs"]["score"] is None  # no scoring pass
     variants = result["variants"]
     assert set(variants) == {"naive", "joint", "joint_rollout_logprobs"}
     assert variants["joint_rollout_logprobs"]["score_s"] < variants["joint"]["score_s"]
@@ -317,6 +319,7 @@ def test_rl_step_benchmark_reports_the_split(mcore_single, tmp_path):
     assert doc["rl_step"]["naive_over_joint"] == result["naive_over_joint"]
     assert [t["workload"] for t in doc["meta"]["targets"]] == ["rl_step"]
     assert "## Whole RL step (rl_step)" in (tmp_path / "cpu.md").read_text()
+    assert "score none (no scoring pass)" in (tmp_path / "cpu.md").read_text()
     # run alone, it joins the results already there (twice: its section is replaced)
     (tmp_path / "cpu.json").write_text(json.dumps({"meta": {"targets": [{"workload": "A"}]},
                                                    "A": {"x": 1}}))
