@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 import pytest
-from test_train_e2e import ENV, TRAIN, _flags, _ok
+from helpers.train_runs import ENV, TRAIN, _flags
 
 from scalerlt_mcore.app.config import ConfigError, parse_args, validate
 from scalerlt_mcore.rl import get_task
@@ -95,6 +95,12 @@ def user_files(tmp_path):
     sys.path.remove(str(tmp_path))
     for name in ("myreward", "mytask"):
         sys.modules.pop(name, None)
+
+
+def _ok(proc) -> list:
+    """The non-empty stdout lines of a run that must have succeeded."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
 def _train(tmp_path, **flags) -> subprocess.CompletedProcess:
