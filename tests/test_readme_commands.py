@@ -1,12 +1,13 @@
 """Every command in the README's ``bash`` blocks works as written, shortened.
 
 The commands run in README order in one scratch directory (``configs/`` and ``examples/`` linked
-in), so a later command finds what an earlier one wrote (the demo's checkpoint for
-``generate``, the tiny Llama for the pretrained starts). The main job runs in this process through its command-line entry
-(``cli``) with ``SHORT`` appended (one step, one evaluation batch, no plot); a torchrun command
-is parsed and validated at its world size (its launch is run by ``tests/app/test_train_e2e.py`` and
-``tests/app/test_train_signals.py``). A command the test cannot run here is in ``NOT_RUN`` with the
-reason; any other command is a failure, so a new README command needs a runner or a reason.
+in), so a later command finds what an earlier one wrote (the demo's checkpoint for ``generate``,
+the tiny Llama for the pretrained starts). The main job runs in this process through its
+command-line entry (``cli``) with ``SHORT`` appended (one step, one evaluation batch, no plot);
+a torchrun command is parsed and validated at its world size (its launch is run by
+``tests/app/test_train_e2e.py`` and ``tests/app/test_train_signals.py``). A command the test
+cannot run here is in ``NOT_RUN`` with the reason; any other command is a failure, so a new
+README command needs a runner or a reason.
 """
 
 import contextlib
