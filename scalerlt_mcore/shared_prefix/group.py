@@ -142,6 +142,7 @@ class SharedPrefixGroup:
         tensors a loss needs is the loss's check (``forward_step_func.check_group``)."""
         tag = f"group {self.group_id}"
         self._check_shapes(tag, num_loops)
+        self._check_constants(tag)
         self._check_prompt_shared(tag)
         if vocab_size is not None:
             self._check_ids(tag, vocab_size)
@@ -161,6 +162,9 @@ class SharedPrefixGroup:
         if self.tokens.dim() != 2:
             raise ValueError(f"{tag}: tokens must be [G, T], got {tuple(self.tokens.shape)}")
         G, T = self.tokens.shape
+        if G == 0:
+            raise ValueError(f"{tag}: the group has no responses (tokens has shape "
+                             f"{tuple(self.tokens.shape)}); give each group >= 1 response")
         sizes = {"R": num_loops, "G": G, "T": T}
         expected = {"labels": (G, T), "loss_mask": (G, T)}
         expected.update({n: tuple(sizes[d] for d in dims) for n, dims in self.EXTRAS.items()})
@@ -176,6 +180,16 @@ class SharedPrefixGroup:
         if not isinstance(P, numbers.Integral) or not 1 <= P < T:
             raise ValueError(f"{tag}: prompt_length {P!r} must be an integer in [1, {T - 1}] "
                              f"(T={T})")
+
+    def _check_constants(self, tag: str) -> None:
+        """Every field the replay reads is a constant of the step: one that still carries an
+        autograd graph would be backpropagated through by a one-wave group and be freed by the
+        first wave's backward of a group of several."""
+        for name, t in self.guarded().items():
+            if t.requires_grad:
+                how = f"grad_fn {type(t.grad_fn).__name__}" if t.grad_fn else "requires_grad"
+                raise ValueError(f"{tag}: {name} carries an autograd graph ({how}); the "
+                                 f"schedule's inputs are constants: pass {name}.detach()")
 
     def _check_ids(self, tag: str, vocab_size: int) -> None:
         """Token ids (all positions) and the read labels (positions P-1 .. T-2) in the vocab."""
@@ -203,15 +217,24 @@ class SharedPrefixGroup:
                 f"tokens shifted by one wherever loss_mask is non-zero)")
 
     def _check_prompt_shared(self, tag: str) -> None:
-        prompt = self.tokens[:, : self.prompt_length]
-        differs = (prompt != prompt[:1]).any(dim=1)
-        if differs.any():
-            i = int(differs.nonzero()[0])
-            P = self.prompt_length
+        """Every row starts with the group's prompt: the first P tokens most rows share. A row
+        that differs is named; with no prompt in a majority of the rows, the group is."""
+        P = self.prompt_length
+        prompts, which, counts = torch.unique(self.tokens[:, :P], dim=0, return_inverse=True,
+                                              return_counts=True)  # [U, P], [G], [U]
+        if prompts.shape[0] == 1:
+            return
+        shared = int(counts.argmax())
+        if 2 * int(counts[shared]) <= self.group_size:
             raise ReplayInputError(
-                f"{tag}: response {i} is not preceded by the group's prompt tokens "
-                f"(tokens[{i}, :{P}] differs from tokens[0, :{P}])"
-            )
+                f"{tag}: the responses share no prompt (tokens[:, :{P}] holds "
+                f"{prompts.shape[0]} different prompts, none in a majority of the "
+                f"{self.group_size} rows)")
+        i = int((which != shared).nonzero()[0])
+        raise ReplayInputError(
+            f"{tag}: response {i} is not preceded by the group's prompt tokens "
+            f"(tokens[{i}, :{P}] differs from the prompt {int(counts[shared])} of the "
+            f"{self.group_size} rows share)")
 
     def _check_responses(self, tag: str, max_response_length: Optional[int]) -> None:
         P = self.prompt_length

@@ -65,6 +65,9 @@ PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
 DROPOUT_FIELDS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
 """Config dropout fields joint replay rejects when > 0, with their Megatron flags."""
 
+_EXHAUSTED = object()
+"""``next``'s default: the data iterator had no microbatch left."""
+
 PARTIAL_GRADS = ("the step was refused after compute began: gradients of the waves that already "
                  "ran remain in the grad buffers; discard them (DDP zero_grad_buffer() and "
                  "optimizer.zero_grad()) and do not step the optimizer")
@@ -166,7 +169,10 @@ class SharedPrefixSchedule:
         del stock_kwargs["data_iterator"]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("shared-prefix joint replay needs pipeline parallel size 1")
-        first = next(_single(data_iterator, "data_iterator"))
+        first = next(_single(data_iterator, "data_iterator"), _EXHAUSTED)
+        if first is _EXHAUSTED:
+            raise ValueError(f"num_microbatches = {num_microbatches}, but data_iterator "
+                             f"yielded no microbatch")
         if not isinstance(first, SharedPrefixGroup):
             rest = _single(data_iterator, "data_iterator")
             return get_forward_backward_func()(
@@ -179,7 +185,7 @@ class SharedPrefixSchedule:
                              "replay runs without it (as MCore's non-pipelined schedule)")
         model = _single(model, "model")
         it = _single(data_iterator, "data_iterator")
-        groups = [first] + [next(it) for _ in range(num_microbatches - 1)]
+        groups = _take_groups(first, it, num_microbatches)
         inner, config = unwrap_model(model), get_model_config(model)
         loss_runs = not (forward_only and collect_non_loss_data)  # the loss's needs matter
         check_group = getattr(forward_step_func, "check_group", None) if loss_runs else None
@@ -444,6 +450,18 @@ def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
 
 def _scaled(loss, config):
     return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss
+
+
+def _take_groups(first, rest, num_microbatches: int) -> list:
+    """``first`` and the next ``num_microbatches - 1`` microbatches of ``rest``; an iterator
+    that runs out first is an error saying how many it yielded."""
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    groups = [first, *itertools.islice(rest, num_microbatches - 1)]
+    if len(groups) < num_microbatches:
+        raise ValueError(f"num_microbatches = {num_microbatches}, but data_iterator yielded "
+                         f"only {len(groups)} groups")
+    return groups
 
 
 def _single(obj, name: str):

@@ -2,6 +2,7 @@
 
 - The exit distribution against the product formula written here; it sums to one.
 - The gate is MCore-built, in the state dict, absent when off.
+- With truncated backprop to one loop the gate gets no gradient: the run config refuses it.
 - Joint replay with ``exit_pdf`` / ``learned`` credit and the gate's entropy-regularised term
   matches NAIVE training through stock MCore with a loss written here in plain PyTorch:
   fp64 <= 1e-12, fp32 <= 1e-6 relative per tensor. With the gate's own term in fp32 the naive
@@ -24,6 +25,7 @@ from helpers.sp import (
     rel_errors_with_zeros,
 )
 
+from scalerlt_mcore.app.config import ConfigError, parse_args, validate
 from scalerlt_mcore.model.block import exit_log_distribution
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -151,3 +153,29 @@ def test_fp32_gate_term_error_is_the_references_own(mcore_single):
           f"joint {joint:.2e}")
     assert naive < 1e-5  # the same weights: only fp32 roundoff separates them
     assert joint <= 2 * naive  # measured 2.31e-6 vs 1.47e-6
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gate_gets_gradient_unless_one_loop_trains(mcore_single, k):
+    """Why the run configuration refuses looped_backprop_loops 1 with the gate: the gates of the
+    loops run without a graph are detached and the last loop's gate is unused (it takes the
+    remaining exit mass), so even the gate's own term leaves it without gradient; k = 2 trains
+    it."""
+    R = 3
+    model = _gated(R=R, looped_backprop_loops=k).double()
+    _joint(model, [make_group(4, 6, 3, R, seed=9, kl=True)], LossSpec(kl_coef=0.05),
+           "exit_pdf", 0.5, 0.1, 2, False)
+    gate = [p.grad for p in model.decoder.exit_gate.parameters()]
+    assert all(g is None or not g.any() for g in gate) == (k == 1)
+
+
+@pytest.mark.parametrize("k", ["0", "1", "2"])
+def test_run_config_refuses_the_gate_with_one_backprop_loop(k):
+    cfg = parse_args(["--looped-exit-gate", "true", "--rl-exit-gate-coef", "0.1",
+                      "--looped-injection", "linear_concat", "--looped-backprop-loops", k])
+    if k != "1":
+        validate(cfg, world_size=1)
+        return
+    with pytest.raises(ConfigError, match=r"looped_exit_gate needs looped_backprop_loops 0 or "
+                                          r">= 2: with 1 the gate gets no gradient"):
+        validate(cfg, world_size=1)

@@ -5,7 +5,10 @@
   and the group; the replay never ran and no parameter grad changed after phase 2.
 - With checkpointed waves, a mutation made during a wave's backward is caught before that
   wave's recompute.
-- A malformed group is rejected before any compute: no phase callback, grads untouched.
+- A malformed group is rejected before any compute: no phase callback, grads untouched; so
+  are an empty group (named), a response without the prompt most rows share (named, also
+  response 0), a replay input that still carries an autograd graph (named), and more
+  microbatches than the data iterator yields (both counts said).
 - Every field the replay reads is guarded: prompt_length, group_id, and an optional tensor
   that was None when fingerprinted and is set later.
 - Checked up front against the model and the loss: token ids and labels in the vocabulary,
@@ -14,6 +17,7 @@
 - A step refused after waves ran says that their gradients remain and must be discarded.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -21,7 +25,8 @@ import torch
 from helpers.replay_inputs import GID, MUTATIONS, G, P, R, Recorder, S, W, _bump_token, _group
 from helpers.sp import VOCAB, LossSpec, build_model, grads, joint_step, make_group
 
-from scalerlt_mcore.shared_prefix import ReplayInputError
+from scalerlt_mcore.rl.objective import rl_forward_step
+from scalerlt_mcore.shared_prefix import ReplayInputError, get_shared_prefix_forward_backward_func
 
 
 @pytest.fixture
@@ -105,14 +110,15 @@ def test_mutation_during_checkpointed_wave_backward_caught_before_recompute(mode
 # ---- malformed groups: rejected before any compute ---------------------------------------
 
 
-def _reject(model, group, error, pattern, groups_before=(), forward_only=False, **kw):
+def _reject(model, group, error, pattern, groups_before=(), forward_only=False, wave_size=W,
+            **kw):
     """Run a step expected to fail its up-front checks; assert nothing was computed."""
     sentinel = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.grad = sentinel[n].clone()
     rec = Recorder(model)
     with pytest.raises(error, match=pattern):
-        joint_step(model, [*groups_before, group], LossSpec(kl_coef=0.1), W,
+        joint_step(model, [*groups_before, group], LossSpec(kl_coef=0.1), wave_size,
                    phase_callback=rec, forward_only=forward_only, **kw)
     assert rec.calls == [], rec.calls
     for n, p in model.named_parameters():
@@ -125,6 +131,83 @@ def test_mismatched_prompts_rejected_before_compute(model, forward_only):
     group.tokens[3, 2] = group.tokens[0, 2] % (VOCAB - 1) + 1
     _reject(model, group, ReplayInputError, rf"group {GID}: response 3 .*prompt",
             forward_only=forward_only)
+
+
+def test_first_response_without_the_shared_prompt_is_named(model):
+    """Response 0 is the odd one out: it is named, not the responses that share the prompt."""
+    group = _group()
+    _bump_token(group.tokens, (0, 2))
+    _reject(model, group, ReplayInputError,
+            rf"group {GID}: response 0 is not preceded by the group's prompt tokens "
+            rf"\(tokens\[0, :{P}\] differs from the prompt {G - 1} of the {G} rows share\)")
+
+
+def test_group_without_a_majority_prompt_is_refused(model):
+    two = make_group(2, P, S, R, seed=4, kl=True, group_id=GID)
+    _bump_token(two.tokens, (1, 0))
+    _reject(model, two, ReplayInputError,
+            rf"group {GID}: the responses share no prompt \(tokens\[:, :{P}\] holds 2 "
+            rf"different prompts, none in a majority of the 2 rows\)")
+
+
+def _without_responses(g):
+    """The group with its G axis emptied (every tensor keeps its other dimensions)."""
+    return dataclasses.replace(
+        g, tokens=g.tokens[:0], labels=g.labels[:0], loss_mask=g.loss_mask[:0],
+        advantages=g.advantages[:0], old_logprobs=g.old_logprobs[:, :0],
+        ref_logprobs=g.ref_logprobs[:, :0])
+
+
+def test_empty_group_is_refused_naming_it(model):
+    """A valid wave size, a group of G = 0: the group is named, not the plan's wave size."""
+    empty = _without_responses(_group())
+    _reject(model, empty, ValueError, rf"group {GID}: the group has no responses "
+                                      rf"\(tokens has shape \(0, {P + S}\)\)",
+            groups_before=[make_group(4, 5, 3, R, seed=8, kl=True, group_id=GID + 1)])
+
+
+def _with_graph(model, name):
+    """The group's ``name`` tensor with the policy's autograd graph attached (its values
+    unchanged): as if computed by the model without ``no_grad``/``detach``."""
+    def corrupt(g):
+        weight = next(model.parameters())
+        setattr(g, name, getattr(g, name) + 0 * weight.sum().to(getattr(g, name).dtype))
+    return corrupt
+
+
+@pytest.mark.parametrize("wave_size", [G, W], ids=["one_wave", "three_waves"])
+@pytest.mark.parametrize("name", ["old_logprobs", "ref_logprobs", "advantages"])
+def test_extra_with_autograd_graph_refused_before_compute(model, name, wave_size):
+    """One wave would backpropagate through the graph (wrong gradients), several end in an
+    autograd error after the first waves wrote gradients: refused up front, naming the field."""
+    group = _group()
+    _with_graph(model, name)(group)
+    _reject(model, group, ValueError,
+            rf"group {GID}: {name} carries an autograd graph \(grad_fn AddBackward0\); the "
+            rf"schedule's inputs are constants: pass {name}.detach\(\)", wave_size=wave_size)
+
+
+def test_extra_requiring_grad_refused_before_compute(model):
+    group = _group()
+    group.old_logprobs.requires_grad_()
+    _reject(model, group, ValueError,
+            rf"group {GID}: old_logprobs carries an autograd graph \(requires_grad\)")
+
+
+@pytest.mark.parametrize("num_groups", [0, 2])
+def test_more_microbatches_than_groups_refused(model, num_groups):
+    """The iterator runs out: how many groups it yielded and how many were asked, before any
+    compute (not a bare StopIteration)."""
+    groups = [make_group(4, 5, 3, R, seed=8 + n, kl=True, group_id=n) for n in range(num_groups)]
+    rec = Recorder(model)
+    fb = get_shared_prefix_forward_backward_func(W, phase_callback=rec)
+    yielded = f"only {num_groups} groups" if num_groups else "no microbatch"
+    with pytest.raises(ValueError, match=rf"num_microbatches = 3, but data_iterator yielded "
+                                         rf"{yielded}$"):
+        fb(forward_step_func=rl_forward_step(LossSpec().objective()),
+           data_iterator=iter(groups), model=model, num_microbatches=3, seq_length=0,
+           micro_batch_size=1)
+    assert rec.calls == [] and all(p.grad is None for p in model.parameters())
 
 
 def test_bad_second_group_rejects_the_whole_step(model):
@@ -429,7 +512,6 @@ def test_naive_step_checks_the_loss_needs_up_front(model):
     group.ref_logprobs = None
     for p in model.parameters():
         p.grad = None
-    from scalerlt_mcore.rl.objective import rl_forward_step
     from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
 
     with pytest.raises(ValueError, match=rf"group {GID}: kl_coef = 0.1 > 0 needs ref_logprobs"):

@@ -192,4 +192,9 @@ def _check_loops(cfg: "RunConfig") -> list[str]:
         errors.append("looped_backprop_loops > 0 needs looped_injection linear_concat (as "
                       "Huginn: without injection the truncated loops cut the embedding and "
                       "prelude off from every gradient)")
+    if m.looped_exit_gate and m.looped_backprop_loops == 1:
+        errors.append("looped_exit_gate needs looped_backprop_loops 0 or >= 2: with 1 the gate "
+                      "gets no gradient (the gates of the loops run without a graph are "
+                      "detached, and the last loop's gate is unused: it takes the remaining "
+                      "exit mass)")
     return errors
