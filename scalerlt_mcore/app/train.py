@@ -262,8 +262,7 @@ def _exit_interval_reached(cfg, steps_done: int) -> bool:
 
 
 def _eval(trainer, log, step: int, rank0: bool) -> dict:
-    trainer.use_loops_of(step, evaluation=True)
-    e = trainer.evaluate()
+    e = trainer.evaluate(trainer.start_step(step, evaluation=True))
     log.log({"kind": "eval", "step": step, **e})
     if rank0:
         loops = " ".join(f"{a:.2f}" for a in e["eval_per_loop"])
@@ -276,7 +275,6 @@ def _maybe_save(cfg, trainer, step: int, force: bool, run_dir: Path, rank0: bool
     The checkpoint records the run directory, which a resumed run continues by default."""
     lg = cfg.logging
     if lg.save and (force or (lg.save_interval and step % lg.save_interval == 0)):
-        trainer.use_configured_loops()  # the next step sets its curriculum loop count again
         tic = time.perf_counter()
         save_checkpoint(lg.save, step, trainer.model, trainer.optimizer,
                         trainer.scheduler, reference=trainer.ref,

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
-from ..model.config import set_num_loops, step_num_loops, step_seed
+from ..model.config import step_num_loops, step_seed
 from ..rl.advantages import group_advantages
 from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old_logprobs
 from ..rl.objective import rl_forward_step
@@ -88,23 +88,19 @@ class RLTrainer:
         self.banned = (self.tok.pad_id, self.tok.bos_id,
                        *range(self.tok.vocab_size, model.vocab_size))
 
-    def use_loops_of(self, step: int, evaluation: bool = False) -> int:
-        """Set the loop count of ``step``: the ``looped_loops_warmup_iters`` curriculum, then
-        ``looped_num_loops_sampling``'s draw for the step (``evaluation``: the largest count it
-        can draw, so that every loop count's accuracy is measured), and the step's draw of a
-        random initial state (``looped_initial_state random``) in the policy and the KL
-        reference alike: the same s_0 for the step's rollouts, scoring and joint replay."""
+    def start_step(self, step: int, evaluation: bool = False) -> int:
+        """The loop count of ``step``, computed once here and passed to every rollout, scoring
+        and training call of the step: ``step_num_loops`` (the ``looped_loops_warmup_iters``
+        curriculum, then ``looped_num_loops_sampling``'s draw for the step; ``evaluation``: the
+        largest count it can draw, so that every loop count's accuracy is measured). Also sets
+        the step's draw of a random initial state (``looped_initial_state random``) in the
+        policy and the KL reference alike: the same s_0 for the step's rollouts, scoring and
+        joint replay. No config is changed."""
         m, seed = self.cfg.model, self.cfg.training.seed
-        loops = step_num_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters,
-                               m.looped_num_loops_sampling, seed, evaluation)
-        set_num_loops(self.model.config, loops)
         for module in (self.model, *([self.ref.module] if self.ref is not None else [])):
             module.set_initial_state_draw(seed, step)
-        return loops
-
-    def use_configured_loops(self) -> None:
-        """Back to ``looped_num_loops`` (what a checkpoint records and a resumed run builds)."""
-        set_num_loops(self.model.config, self.cfg.model.looped_num_loops)
+        return step_num_loops(step, m.looped_num_loops, m.looped_loops_warmup_iters,
+                              m.looped_num_loops_sampling, seed, evaluation)
 
     @staticmethod
     @mcore_workaround
@@ -135,7 +131,9 @@ class RLTrainer:
                                  f"max_position_embeddings - rl_max_response_length ({room})")
         return prompts
 
-    def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1):
+    def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1,
+                num_loops=None):
+        """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
         self.model.eval()
@@ -147,7 +145,8 @@ class RLTrainer:
                        prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
                        exit_threshold=self.cfg.rl.rl_exit_threshold,
-                       stop_check_interval=self.cfg.rl.rl_stop_check_interval)
+                       stop_check_interval=self.cfg.rl.rl_stop_check_interval,
+                       num_loops=num_loops)
         self.model.train()
         return out
 
@@ -159,18 +158,20 @@ class RLTrainer:
             for n, p in enumerate(problems)
         ], dtype=torch.float64, device="cpu")
 
-    def _run_schedule(self, model, groups: list, forward_step_func,
+    def _run_schedule(self, model, groups: list, forward_step_func, num_loops: int,
                       forward_only: bool = False) -> list:
-        """The shared-prefix schedule over ``groups``, one group per microbatch."""
+        """The shared-prefix schedule over ``groups``, one group per microbatch, with
+        ``num_loops`` loops."""
         return self.schedule(forward_step_func=forward_step_func, data_iterator=iter(groups),
-                             model=model, num_microbatches=len(groups),
+                             model=model, num_microbatches=len(groups), num_loops=num_loops,
                              seq_length=groups[0].tokens.shape[1],
                              micro_batch_size=groups[0].group_size, forward_only=forward_only,
                              collect_non_loss_data=forward_only)
 
-    def score(self, model, groups: list) -> list:
+    def score(self, model, groups: list, num_loops: int) -> list:
         """forward_only through the shared-prefix schedule: per-loop log-probs [R, G, T]."""
-        return self._run_schedule(model, groups, logprobs_forward_step, forward_only=True)
+        return self._run_schedule(model, groups, logprobs_forward_step, num_loops,
+                                  forward_only=True)
 
     # ---- one RL step -----------------------------------------------------------------------
 
@@ -194,20 +195,21 @@ class RLTrainer:
         """Rollout -> rewards -> scoring (old/ref log-probs) -> ``grpo_iterations`` updates; the
         wall time of each phase is in the metrics (``TIMED_METRICS``)."""
         t0 = time.perf_counter()
-        loops = self.use_loops_of(step)
+        loops = self.start_step(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature)
+        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature,
+                          num_loops=loops)
         t_rollout = time.perf_counter()
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
         groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
                               self.device, advantages)
         t_score = time.perf_counter()
-        drift = self._attach_logprobs(groups, ro)
+        drift = self._attach_logprobs(groups, ro, loops)
         t_train = time.perf_counter()
         self.train_drift.clear()
-        train = self.optimize(groups)
+        train = self.optimize(groups, loops)
         if self.cfg.rl.rl_old_logprobs == "rollout":
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
@@ -219,13 +221,14 @@ class RLTrainer:
             "time_step_s": t_end - t0, "loops": loops,
         })
 
-    def _attach_logprobs(self, groups, ro) -> float:
+    def _attach_logprobs(self, groups, ro, num_loops: int) -> float:
         """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
         ``rl_old_logprobs: rollout`` the old log-probs are the rollout's and the difference is
         measured in the update instead: 0 here)."""
         from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
-        old = None if from_rollout else self.score(self.ddp, groups)
-        ref = self.score(self.ref.module, groups) if self.ref is not None else [None] * len(groups)
+        old = None if from_rollout else self.score(self.ddp, groups, num_loops)
+        ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
+               else [None] * len(groups))
         for n, g in enumerate(groups):
             g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
                               else old[n].detach())
@@ -233,11 +236,13 @@ class RLTrainer:
         return float(torch.stack([rollout_drift(g, ro.loop_logprobs[-1, n])
                                   for n, g in enumerate(groups)]).max())
 
-    def optimize(self, groups: list) -> dict:
-        """``grpo_iterations`` optimizer steps on the groups; the last one's stats."""
+    def optimize(self, groups: list, num_loops: int) -> dict:
+        """``grpo_iterations`` optimizer steps on the groups with ``num_loops`` loops; the last
+        one's stats."""
         for _ in range(self.cfg.rl.grpo_iterations):
             probe = SavedTensorProbe(self.model)
-            out, grad_norm = self._optimizer_step(lambda: self._forward_backward(groups), probe)
+            out, grad_norm = self._optimizer_step(
+                lambda: self._forward_backward(groups, num_loops), probe)
         return {**summarise(out, len(groups)), "grad_norm": grad_norm,
                 "peak_saved_bytes": probe.peak_bytes,
                 "lr": self.optimizer.param_groups[0]["lr"]}
@@ -270,21 +275,21 @@ class RLTrainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _forward_backward(self, groups: list) -> list:
+    def _forward_backward(self, groups: list, num_loops: int) -> list:
         """The training step of the groups, each by its plan (joint replay or naive)."""
-        return self._run_schedule(self.ddp, groups, self.forward_step)
+        return self._run_schedule(self.ddp, groups, self.forward_step, num_loops)
 
     # ---- supervised warm-up and evaluation ------------------------------------------------
 
     def sft_step(self, step: int) -> dict:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
-        loops = self.use_loops_of(step)
+        loops = self.start_step(step)
         pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
                                            self.groups_per_rank * self.cfg.rl.grpo_group_size)
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
-            forward_step_func=partial(sft_forward_step, self.objective),
+            forward_step_func=partial(sft_forward_step, self.objective, num_loops=loops),
             data_iterator=iter([batch]), model=self.ddp, num_microbatches=1,
             seq_length=batch["tokens"].shape[1], micro_batch_size=len(pairs)),
             lr=self.cfg.rl.rl_warmup_sft_lr)
@@ -297,13 +302,13 @@ class RLTrainer:
         return sft_batch(prompts, answers, self.tok.pad_id, self.device)
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, num_loops=None) -> dict:
         """Greedy exact-match accuracy on fixed held-out prompts (``eval_problems``), from
-        every loop's readout."""
+        every loop's readout of ``num_loops`` loops (None: the config's)."""
         problems = self.eval_problems()
         per_loop = []
-        for loop in range(self.model.config.looped_num_loops):
-            ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop)
+        for loop in range(num_loops or self.model.config.looped_num_loops):
+            ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop, num_loops=num_loops)
             per_loop.append(self.rewards(problems, ro).mean().item())
         return {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
 

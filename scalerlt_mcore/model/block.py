@@ -153,9 +153,11 @@ class RecurrentTransformerBlock(MegatronModule):
         return out
 
     def forward(self, hidden, attention_mask=None, ctx=None, rotary_pos_emb=None,
-                initial_state=None) -> list:
-        """hidden [s, b, h] -> R tensors [s, b, h], one per loop. ``initial_state`` [s, b, h]:
-        s_0 of ``looped_initial_state`` ``random`` (drawn by the model)."""
+                initial_state=None, num_loops: Optional[int] = None) -> list:
+        """hidden [s, b, h] -> R tensors [s, b, h], one per loop; R = ``num_loops`` (None: the
+        config's ``looped_num_loops``). ``initial_state`` [s, b, h]: s_0 of
+        ``looped_initial_state`` ``random`` (drawn by the model)."""
+        config = self.config.with_loops(num_loops)
         depth = 0
 
         def run(layers, x):
@@ -175,8 +177,8 @@ class RecurrentTransformerBlock(MegatronModule):
         embed = run(self.prelude, hidden)
         state = self._initial_state(embed, initial_state)
         readouts = []
-        for r in range(self.config.looped_num_loops):
-            with loop_grad_context(self.config, r):
+        for r in range(config.looped_num_loops):
+            with loop_grad_context(config, r):
                 x = state if self.injection is None else self.injection(state, embed)
                 state = run(self.layers, x)
                 if self.config.looped_normed_state:

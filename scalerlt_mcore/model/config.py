@@ -1,9 +1,10 @@
 """Configuration of the looped GPT: an MCore ``TransformerConfig`` with ``looped_*`` fields."""
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args, get_origin
+from typing import Literal, Optional, get_args, get_origin
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -105,6 +106,20 @@ class LoopedTransformerConfig(TransformerConfig):
         super().__post_init__()
         validate_looped_config(self)
 
+    def with_loops(self, num_loops: Optional[int]) -> "LoopedTransformerConfig":
+        """This config as a call running ``num_loops`` loops reads it (None: ``looped_num_loops``):
+        a shallow copy with R replaced, or the config itself; the config is never changed (no
+        parameter depends on R, so one model runs any loop count)."""
+        if num_loops is None:
+            return self
+        if not isinstance(num_loops, int) or isinstance(num_loops, bool) or num_loops < 1:
+            raise ValueError(f"num_loops must be an integer >= 1, got {num_loops!r}")
+        if num_loops == self.looped_num_loops:
+            return self
+        view = copy.copy(self)
+        view.looped_num_loops = num_loops
+        return view
+
     @property
     def looped_num_depths(self) -> int:
         """Virtual depths with their own K/V: prelude + R * (core + coda)."""
@@ -182,14 +197,6 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             f"looped_exit_gate (--looped-exit-gate) with tensor_model_parallel_size="
             f"{cfg.tensor_model_parallel_size}: the exit gate is not supported under tensor "
             f"parallelism yet")
-
-
-def set_num_loops(config: LoopedTransformerConfig, loops: int) -> None:
-    """Change R of built models sharing ``config`` (e.g. a loop-count curriculum): every
-    forward, cache and prefix state reads it from the config; no parameter depends on it."""
-    if not isinstance(loops, int) or loops < 1:
-        raise ValueError(f"looped_num_loops must be an integer >= 1, got {loops!r}")
-    config.looped_num_loops = loops
 
 
 LOOP_SAMPLINGS = ("fixed", "uniform:a,b", "poisson_lognormal[:max]")

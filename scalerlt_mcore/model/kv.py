@@ -43,6 +43,9 @@ STATE_FIELDS = ("prelude", "core", "coda", "loops", "kv groups", "kv channels", 
                 "tensor parallel")
 """Names of the entries of ``state_signature``."""
 
+LOOPS = STATE_FIELDS.index("loops")
+"""Index of the loop count R in a signature."""
+
 
 def kv_groups_per_rank(config) -> int:
     """K/V groups (heads) held by one tensor-parallel rank."""
@@ -73,6 +76,11 @@ class PrefixState:
     @property
     def batch(self) -> int:
         return self.keys[0].shape[1]
+
+    @property
+    def num_loops(self) -> int:
+        """R of the forward that computed the state (a suffix against it runs as many)."""
+        return self.signature[LOOPS]
 
     def tensors(self) -> list:
         """All state tensors in a fixed order: keys, values, boundary."""
@@ -181,6 +189,11 @@ class DepthKVCache:
     @property
     def max_length(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def num_loops(self) -> int:
+        """R of the cache's depths (the forwards that write it run as many loops)."""
+        return self.signature[LOOPS]
 
     @property
     def batch(self) -> int:

@@ -131,22 +131,27 @@ class LoopedGPTModel(LanguageModule):
                 attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
                 prefix_state: Optional[PrefixState] = None,
                 kv_cache: Optional[DepthKVCache] = None, return_prefix_state: bool = False,
-                readout: bool = True) -> LoopedOutput:
+                readout: bool = True, num_loops: Optional[int] = None) -> LoopedOutput:
         """input_ids [B, S]. ``prefix_state``: attend to a prompt computed separately (positions
         continue after it). ``kv_cache``: decoding. ``attention_mask`` follows MCore (True =
-        masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts."""
-        self._check_inputs(input_ids, labels, prefix_state, kv_cache)
+        masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts.
+        ``num_loops``: R of this call (None: the config's ``looped_num_loops``); a prefix state
+        or cache must come from a call with the same R."""
+        config = self.config.with_loops(num_loops)
+        self._check_inputs(input_ids, labels, prefix_state, kv_cache, config)
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
-                                        kv_cache, return_prefix_state)
+                                        kv_cache, return_prefix_state,
+                                        num_loops=config.looped_num_loops)
         out = LoopedOutput()
         if return_prefix_state:
-            out.prefix_state = self._collect_prefix_state(ctx, states)
+            out.prefix_state = self._collect_prefix_state(ctx, states, config)
         if readout:
             self._readout_all(states, labels, out)
         return out
 
     def _loop_states(self, input_ids, position_ids, attention_mask, prefix_state, kv_cache,
-                     record: bool, step: Optional[CacheStep] = None) -> tuple:
+                     record: bool, step: Optional[CacheStep] = None,
+                     num_loops: Optional[int] = None) -> tuple:
         """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
         or None). ``step``: the cache's reads and writes (default: planned from its lengths)."""
         if step is None and kv_cache is not None:
@@ -162,7 +167,7 @@ class LoopedGPTModel(LanguageModule):
         drawn = (self.initial_state(positions) if self.config.looped_initial_state == "random"
                  else None)
         return self.decoder(hidden, attention_mask, ctx, self._rope(positions, span),
-                            initial_state=drawn), ctx
+                            initial_state=drawn, num_loops=num_loops), ctx
 
     # ---- the drawn initial state (looped_initial_state random) -----------------------------
 
@@ -187,7 +192,8 @@ class LoopedGPTModel(LanguageModule):
     def _readout_all(self, states: list, labels: Optional[Tensor], out: LoopedOutput) -> None:
         """Every loop's readout (and exit gate); a loop left graph-free by truncated backprop
         reads out under ``no_grad`` too (it adds to the loss value, not to any gradient)."""
-        reads = [self._loop_readout(r, h, labels) for r, h in enumerate(states)]
+        config = self.config.with_loops(len(states))
+        reads = [self._loop_readout(r, h, labels, config) for r, h in enumerate(states)]
         if labels is None:
             out.logits = [value for value, _ in reads]
         else:
@@ -195,8 +201,9 @@ class LoopedGPTModel(LanguageModule):
         if self.decoder.exit_gate is not None:
             out.exit_logprobs = exit_log_distribution(torch.stack([g for _, g in reads]))
 
-    def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None):
-        with loop_grad_context(self.config, loop):
+    def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None,
+                      config=None):
+        with loop_grad_context(config or self.config, loop):
             logits, gate = self.readout_and_gate(hidden)
             return (logits if labels is None else self._logprobs(logits, labels)), gate
 
@@ -220,17 +227,21 @@ class LoopedGPTModel(LanguageModule):
             gate_logits = self.decoder.exit_gate(normed).t()  # [B, S]
         return logits.transpose(0, 1).contiguous(), gate_logits
 
-    def loop_weights(self) -> Optional[Tensor]:
-        """The learned loop credit [R] (``looped_learned_loop_weights``), else None."""
+    def loop_weights(self, num_loops: Optional[int] = None) -> Optional[Tensor]:
+        """The learned loop credit [R] (``looped_learned_loop_weights``), else None; R =
+        ``num_loops`` (None: ``looped_num_loops``)."""
         learned = self.decoder.loop_weights
-        return None if learned is None else learned(self.config.looped_num_loops)
+        return None if learned is None else learned(num_loops or self.config.looped_num_loops)
 
-    def boundary_readouts(self, prefix_state: PrefixState, labels: Tensor) -> LoopedOutput:
+    def boundary_readouts(self, prefix_state: PrefixState, labels: Tensor,
+                          num_loops: Optional[int] = None) -> LoopedOutput:
         """Per-loop log-probs [R, B, 1] of ``labels`` [B] (the first suffix tokens) from the
         readout of the prompt's last position (``prefix_state.boundary``) as ``logprobs``, and
-        with the exit gate the exit distribution there as ``exit_logprobs`` [R, B, 1]."""
-        self._check_inputs(labels[:, None], None, prefix_state, None)
-        batch, loops = labels.shape[0], self.config.looped_num_loops
+        with the exit gate the exit distribution there as ``exit_logprobs`` [R, B, 1]; R =
+        ``num_loops`` (None: the config's), the state's own."""
+        config = self.config.with_loops(num_loops)
+        self._check_inputs(labels[:, None], None, prefix_state, None, config)
+        batch, loops = labels.shape[0], config.looped_num_loops
         logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V/tp], [Bp, R]
         logits = logits.expand(batch, -1, -1)  # [B, R, V/tp]
         first = self._logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
@@ -244,7 +255,7 @@ class LoopedGPTModel(LanguageModule):
         """Readout and gate of the per-loop boundary [R, Bp, H] -> ([Bp, R, V/tp], [Bp, R] or
         None) (loops play the sequence role); the rows of graph-free loops (truncated
         backprop) under ``no_grad``."""
-        frozen = self.config.looped_num_graph_free_loops
+        frozen = self.config.with_loops(boundary.shape[0]).looped_num_graph_free_loops
         if frozen == 0:
             return self.readout_and_gate(boundary)
         with torch.no_grad():
@@ -254,23 +265,27 @@ class LoopedGPTModel(LanguageModule):
         return torch.cat([head[0], tail[0]], dim=1), gate  # [Bp, R, V/tp]
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
-                        labels: Optional[Tensor] = None) -> Tensor:
+                        labels: Optional[Tensor] = None,
+                        num_loops: Optional[int] = None) -> Tensor:
         """Per-loop log-probs [R, B, S] of ``labels`` [B, S] continuing the prompt of
         ``prefix_state``: label 0 from the prompt's boundary readout, label j >= 1 from a
         forward over ``tokens[:, :j]`` (the suffix's inputs, [B, >= S - 1]) against the prefix
-        K/V. Default ``labels``: ``tokens`` (the log-probs of the suffix itself)."""
-        return self.suffix_readouts(prefix_state, tokens, labels).logprobs
+        K/V. Default ``labels``: ``tokens`` (the log-probs of the suffix itself). R =
+        ``num_loops`` (None: the config's): the count the state was computed with."""
+        return self.suffix_readouts(prefix_state, tokens, labels, num_loops).logprobs
 
     def suffix_readouts(self, prefix_state: PrefixState, tokens: Tensor,
-                        labels: Optional[Tensor] = None) -> LoopedOutput:
+                        labels: Optional[Tensor] = None,
+                        num_loops: Optional[int] = None) -> LoopedOutput:
         """``suffix_logprobs`` as ``logprobs`` [R, B, S], and with the exit gate the exit
         distribution of the same positions as ``exit_logprobs`` [R, B, S]."""
         labels = tokens if labels is None else labels
-        first = self.boundary_readouts(prefix_state, labels[:, 0])  # [R, B, 1]
+        first = self.boundary_readouts(prefix_state, labels[:, 0], num_loops)  # [R, B, 1]
         S = labels.shape[1]
         if S == 1:
             return first
-        rest = self.forward(tokens[:, : S - 1], labels=labels[:, 1:], prefix_state=prefix_state)
+        rest = self.forward(tokens[:, : S - 1], labels=labels[:, 1:], prefix_state=prefix_state,
+                            num_loops=num_loops)
         out = LoopedOutput(logprobs=torch.cat([first.logprobs, rest.logprobs], dim=2))
         if first.exit_logprobs is not None:
             out.exit_logprobs = torch.cat([first.exit_logprobs, rest.exit_logprobs], dim=2)
@@ -279,29 +294,34 @@ class LoopedGPTModel(LanguageModule):
     # ---- decoding --------------------------------------------------------------------------
 
     def new_kv_cache(self, batch: int, max_length: int, prefix: Optional[DepthKVCache] = None,
-                     static: Optional[bool] = None) -> DepthKVCache:
-        """An empty depth-indexed cache in the model's dtype and device. ``prefix``: a cache
-        of N prefilled prompts that this cache's ``batch`` = N * G rows continue (prompt-once
-        decoding: ``max_length`` then counts only the tokens after the prompt). ``static``:
-        see ``DepthKVCache`` (None: static on CUDA)."""
+                     static: Optional[bool] = None,
+                     num_loops: Optional[int] = None) -> DepthKVCache:
+        """An empty depth-indexed cache in the model's dtype and device, for decoding with
+        ``num_loops`` loops (None: ``looped_num_loops``; its prefill and decode steps take the
+        same count). ``prefix``: a cache of N prefilled prompts that this cache's ``batch`` =
+        N * G rows continue (prompt-once decoding: ``max_length`` then counts only the tokens
+        after the prompt). ``static``: see ``DepthKVCache`` (None: static on CUDA)."""
         p = next(self.parameters())
-        return DepthKVCache(self.config, batch, max_length, dtype=p.dtype, device=p.device,
-                            prefix=prefix, static=static)
+        return DepthKVCache(self.config.with_loops(num_loops), batch, max_length,
+                            dtype=p.dtype, device=p.device, prefix=prefix, static=static)
 
     @torch.no_grad()
     def prefill(self, cache: DepthKVCache, tokens: Tensor, lengths: Tensor,
-                with_exit: bool = False):
+                with_exit: bool = False, num_loops: Optional[int] = None):
         """Right-padded prompts tokens [B, T] with ``lengths`` [B] -> per-loop logits [R, B, V]
         at each prompt's last token, over the whole (padded) vocabulary on every
         tensor-parallel rank. Padding K/V is written but never attended to. Only each
         prompt's last position is read out (every position would cost R x T x V logits per
         row, more than the layers with a real vocabulary). ``with_exit``:
-        (logits, the exit distribution log p(r) [R, B] there; None without a gate)."""
+        (logits, the exit distribution log p(r) [R, B] there; None without a gate).
+        ``num_loops``: R (None: the config's), the cache's (``new_kv_cache``)."""
         cache.lengths.zero_()
-        self._check_inputs(tokens, None, None, cache)
+        config = self.config.with_loops(num_loops)
+        self._check_inputs(tokens, None, None, cache, config)
         cache.fresh = cache.prefix is None
         try:
-            states, _ = self._loop_states(tokens, None, None, None, cache, False)  # R x [T, B, H]
+            states, _ = self._loop_states(tokens, None, None, None, cache, False,
+                                          num_loops=config.looped_num_loops)  # R x [T, B, H]
         finally:
             cache.fresh = False
         cache.lengths.copy_(lengths)  # host (once per prefill: a copy from the device)
@@ -317,11 +337,12 @@ class LoopedGPTModel(LanguageModule):
         return logits, exit_lp  # [R, B, V], [R, B]
 
     @torch.no_grad()
-    def decode_step(self, cache: DepthKVCache, tokens: Tensor, with_exit: bool = False):
+    def decode_step(self, cache: DepthKVCache, tokens: Tensor, with_exit: bool = False,
+                    num_loops: Optional[int] = None):
         """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V] (as
         ``prefill``; ``with_exit``: and the exit distribution log p(r) [R, B], None without a
-        gate)."""
-        self._check_inputs(tokens[:, None], None, None, cache)
+        gate; ``num_loops``: the cache's R, None: the config's)."""
+        self._check_inputs(tokens[:, None], None, None, cache, self.config.with_loops(num_loops))
         logits, exit_lp = self.decode_on_device(cache, tokens, cache.plan(1))
         cache.lengths += 1
         return (logits, exit_lp) if with_exit else logits
@@ -329,8 +350,10 @@ class LoopedGPTModel(LanguageModule):
     def decode_on_device(self, cache: DepthKVCache, tokens: Tensor, step: CacheStep) -> tuple:
         """The device part of ``decode_step`` (what a CUDA graph captures, ``DecodeGraph``):
         tokens [B] at ``step`` (``cache.plan(1)``) -> (logits [R, B, V], exit distribution
-        [R, B] or None); the cache's host ``lengths`` are left alone."""
-        states, _ = self._loop_states(tokens[:, None], None, None, None, cache, False, step)
+        [R, B] or None) with the cache's loop count; the cache's host ``lengths`` are left
+        alone."""
+        states, _ = self._loop_states(tokens[:, None], None, None, None, cache, False, step,
+                                      cache.num_loops)
         out = LoopedOutput()
         self._readout_all(states, None, out)
         logits = self._full_vocab([lg[:, 0] for lg in out.logits])
@@ -361,14 +384,15 @@ class LoopedGPTModel(LanguageModule):
         table = self.rotary_pos_emb(span)  # [T, 1, 1, d]
         return table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
 
-    def _collect_prefix_state(self, ctx: LoopKV, states: list) -> PrefixState:
-        depths = self.config.looped_num_depths
+    def _collect_prefix_state(self, ctx: LoopKV, states: list, config) -> PrefixState:
+        depths = config.looped_num_depths
         keys = [ctx.recorded[d][0] for d in range(depths)]
         values = [ctx.recorded[d][1] for d in range(depths)]
         boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
-        return PrefixState(keys, values, boundary, state_signature(self.config))
+        return PrefixState(keys, values, boundary, state_signature(config))
 
-    def _check_inputs(self, input_ids, labels, prefix_state, kv_cache) -> None:
+    def _check_inputs(self, input_ids, labels, prefix_state, kv_cache, config) -> None:
+        """The inputs of a call whose config (``with_loops``) is ``config``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
@@ -377,12 +401,12 @@ class LoopedGPTModel(LanguageModule):
         if prefix_state is not None and kv_cache is not None:
             raise ValueError("pass either prefix_state or kv_cache, not both")
         if prefix_state is not None:
-            prefix_state.check_compatible(self.config)
+            prefix_state.check_compatible(config)
             if prefix_state.batch not in (1, input_ids.shape[0]):
                 raise ValueError(f"prefix state batch {prefix_state.batch} must be 1 or the "
                                  f"input batch {input_ids.shape[0]}")
         if kv_cache is not None:
-            if kv_cache.signature != state_signature(self.config):
+            if kv_cache.signature != state_signature(config):
                 raise ValueError("kv_cache was built for a different model config")
             if int(kv_cache.lengths.max()) + input_ids.shape[1] > kv_cache.max_length:  # host
                 raise ValueError(f"kv_cache holds {kv_cache.max_length} positions; this step "

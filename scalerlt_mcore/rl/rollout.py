@@ -182,7 +182,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
              exit_mode: str = "none", exit_threshold: float = 0.5,
              vocab_size=None, stop_check_interval: Optional[int] = None,
-             static_cache: Optional[bool] = None, cuda_graph: bool = False) -> Rollout:
+             static_cache: Optional[bool] = None, cuda_graph: bool = False,
+             num_loops: Optional[int] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
     ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
     from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
@@ -191,7 +192,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     decoding read them there). ``prompt_once``: prefill each prompt once and decode its samples
     against that one copy (the same samples and log-probs up to rounding; rows are ordered as
     per row). ``vocab_size``: the real vocabulary (ids beyond it are padding, never drawn);
-    None: no padding."""
+    None: no padding. ``num_loops``: R of the decoding (None: the config's
+    ``looped_num_loops``)."""
     device = next(model.parameters()).device
     check_generator(generator, device)
     if exit_mode not in EXIT_MODES:
@@ -201,20 +203,21 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
         raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
     if prompt_once:
         cache, logits, exit_lp = prefill_prompt_once(model, prompts, group_size,
-                                                     max_new_tokens, pad_id, static_cache)
+                                                     max_new_tokens, pad_id, static_cache,
+                                                     num_loops)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
         tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp] host
         cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
-                                   static=static_cache)
-        logits, exit_lp = model.prefill(cache, tokens.to(device), lengths,
-                                        with_exit=True)  # [R, B, V]
+                                   static=static_cache, num_loops=num_loops)
+        logits, exit_lp = model.prefill(cache, tokens.to(device), lengths, with_exit=True,
+                                        num_loops=num_loops)  # [R, B, V]
     if exit_mode != "none" and exit_lp is None:
         raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
                          f"(looped_exit_gate)")
     mask = ban_mask(banned, vocab_size, logits.shape[-1], device)
     step = (DecodeGraph(model, cache) if cuda_graph
-            else partial(model.decode_step, cache, with_exit=True))
+            else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
     rows_index = torch.arange(logits.shape[1], device=device)
@@ -279,18 +282,20 @@ class _Record:
 
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,
-                        pad_id: int, static: Optional[bool] = None) -> tuple:
+                        pad_id: int, static: Optional[bool] = None,
+                        num_loops: Optional[int] = None) -> tuple:
     """Each of the N prompts prefilled once. -> (a cache for the N * G samples that continue
     them, holding ``max_new_tokens`` of their own; per-loop logits [R, N * G, V] of every
     sample's first token, the prompt's repeated G times; their exit distribution [R, N * G]
     or None without a gate). ``static``: the caches' ``static`` (``DepthKVCache``)."""
     device = next(model.parameters()).device
     tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp] host
-    prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static)
-    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths,
-                                    with_exit=True)  # [R, N, V], [R, N]
+    prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static,
+                                num_loops=num_loops)
+    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths, with_exit=True,
+                                    num_loops=num_loops)  # [R, N, V], [R, N]
     cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
-                               static=static)
+                               static=static, num_loops=num_loops)
     if exit_lp is not None:
         exit_lp = exit_lp.repeat_interleave(group_size, dim=1)  # [R, N * G]
     return cache, logits.repeat_interleave(group_size, dim=1), exit_lp  # [R, N * G, V]

@@ -47,15 +47,16 @@ def sft_loss(scheme: str, mask, output, objective=None):
     return total, {"nll": nll.detach()}
 
 
-def sft_forward_step(objective, data_iterator, model):
+def sft_forward_step(objective, data_iterator, model, num_loops=None):
     """MCore ``forward_step_func`` of the warm-up: the batch's per-loop log-probs (and the
-    model's exit log-probs and learned loop weights, when it has them) and ``sft_loss``."""
+    model's exit log-probs and learned loop weights, when it has them) and ``sft_loss``;
+    ``num_loops``: R of the step (None: the config's)."""
     batch = next(data_iterator)
-    out = model(batch["tokens"], labels=batch["labels"])  # logprobs [R, N, T]
+    out = model(batch["tokens"], labels=batch["labels"], num_loops=num_loops)  # [R, N, T]
     output = {"logprobs": out.logprobs}
     if out.exit_logprobs is not None:
         output["exit_logprobs"] = out.exit_logprobs
-    weights = unwrap_model(model).loop_weights()
+    weights = unwrap_model(model).loop_weights(out.logprobs.shape[0])
     if weights is not None:
         output["loop_weights"] = weights
     return output, partial(sft_loss, objective.loop_weights, batch["mask"], objective=objective)

@@ -3,6 +3,7 @@ stock MCore ``get_forward_backward_func()``, with the same per-wave ``forward_st
 joint replay (a microbatch of full sequences is a ``WaveBatch`` of the group)."""
 
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -15,8 +16,8 @@ class FullSequenceModel:
     """The ``model`` a per-wave ``forward_step_func`` receives in a naive step: ``model(wave)``
     runs the wave's rows as full sequences and returns per-loop log-probs [R, W, T]."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, num_loops: Optional[int] = None):
+        self.model, self.num_loops = model, num_loops
         self.config = getattr(model, "config", None)
 
     def __call__(self, wave: WaveBatch) -> torch.Tensor:
@@ -26,11 +27,13 @@ class FullSequenceModel:
         """As ``WaveModel.readouts``: ``logprobs`` [R, W, T], ``exit_logprobs`` [R, W, T] with
         the exit gate, ``loop_weights`` [R] with learned loop credit."""
         g = wave.group
-        out = self.model(wave.rows(g.tokens), labels=wave.rows(g.labels))
+        out = self.model(wave.rows(g.tokens), labels=wave.rows(g.labels),
+                         num_loops=self.num_loops)
         result = {"logprobs": out.logprobs}
         if out.exit_logprobs is not None:
             result["exit_logprobs"] = out.exit_logprobs
-        weights = getattr(unwrap_model(self.model), "loop_weights", lambda: None)()
+        weights = getattr(unwrap_model(self.model), "loop_weights", lambda R: None)(
+            out.logprobs.shape[0])
         if weights is not None:
             result["loop_weights"] = weights
         return result
@@ -41,8 +44,8 @@ def naive_microbatches(groups: list, micro_batch_size: int) -> list:
     return [wave for g in groups for wave in g.waves(micro_batch_size)]
 
 
-def _forward_step(forward_step_func, scale: float, data_iterator, model):
-    output, loss_func = forward_step_func(data_iterator, FullSequenceModel(model))
+def _forward_step(forward_step_func, scale: float, num_loops, data_iterator, model):
+    output, loss_func = forward_step_func(data_iterator, FullSequenceModel(model, num_loops))
 
     def scaled_loss(output_tensor, non_loss_data: bool = False):
         if non_loss_data:
@@ -54,9 +57,11 @@ def _forward_step(forward_step_func, scale: float, data_iterator, model):
 
 
 def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
-               forward_only: bool = False, collect_non_loss_data: bool = False) -> list:
+               forward_only: bool = False, collect_non_loss_data: bool = False,
+               num_loops: Optional[int] = None) -> list:
     """One step of the groups' full sequences through the stock MCore schedule; one result
-    per microbatch. ``forward_step_func`` is the per-wave one joint replay takes."""
+    per microbatch. ``forward_step_func`` is the per-wave one joint replay takes; ``num_loops``:
+    R of the step (None: the config's ``looped_num_loops``)."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
     check_group = getattr(forward_step_func, "check_group", None)  # the loss's own needs
@@ -68,7 +73,7 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     # groups, as in joint replay.
     scale = len(batches) / len(groups)
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, forward_step_func, scale),
+        forward_step_func=partial(_forward_step, forward_step_func, scale, num_loops),
         data_iterator=iter(batches), model=model, num_microbatches=len(batches),
         seq_length=groups[0].tokens.shape[1], micro_batch_size=micro_batch_size,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,

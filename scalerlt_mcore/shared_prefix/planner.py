@@ -87,8 +87,9 @@ class ModelShape:
     memory model of every attention call (a swapped-in core attention brings its own)."""
 
     @classmethod
-    def from_model(cls, model) -> "ModelShape":
-        c = model.config
+    def from_model(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
+        """The shape of ``model`` running ``num_loops`` loops (None: ``looped_num_loops``)."""
+        c = model.config.with_loops(num_loops)
         dtype = next(model.parameters()).dtype
         rope = getattr(model, "rotary_pos_emb", None)
         return cls(
@@ -533,11 +534,12 @@ class Planner:
         self.naive_micro_batch_size = naive_micro_batch_size
         self.loss_per_position = loss_per_position
 
-    def __call__(self, group, model) -> GroupPlan:
+    def __call__(self, group, model, num_loops: Optional[int] = None) -> GroupPlan:
+        """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's)."""
         P, S, G = group.prompt_length, group.response_length, group.group_size
         if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
             return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
-        m = ModelShape.from_model(model)
+        m = ModelShape.from_model(model, num_loops)
         if callable(self.cost_model) and not isinstance(self.cost_model, CostModel):
             self.cost_model = self.cost_model(model)  # calibrated at the first plan
         if self.schedule == "naive":

@@ -34,6 +34,10 @@ grad buffers (parameters and optimizer are untouched: the schedule never steps).
 must discard them (MCore DDP ``zero_grad_buffer()`` and ``optimizer.zero_grad()``) and must not
 step the optimizer; the error message says so.
 
+The step's loop count R is the call's keyword ``num_loops`` (None: the model config's
+``looped_num_loops``): the prompt producer, the waves and naive microbatches run R loops; the
+model's config is never changed.
+
 Each group is trained by its plan (``planner.GroupPlan``: wave size and prompt mode, or naive:
 full sequences in microbatches, the last one sync-enabled), chosen per group by the schedule's
 ``Planner`` (fixed, ``wave_size="auto"`` within a memory budget, ``schedule="naive"``, or
@@ -92,8 +96,8 @@ class WaveModel:
     layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
     against the prompt's prefix state instead of re-running the prompt."""
 
-    def __init__(self, inner, state: PrefixState):
-        self.inner, self.state = inner, state
+    def __init__(self, inner, state: PrefixState, num_loops: Optional[int] = None):
+        self.inner, self.state, self.num_loops = inner, state, num_loops
         self.config = inner.config
 
     def __call__(self, wave: WaveBatch) -> Tensor:
@@ -104,11 +108,12 @@ class WaveModel:
         [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
         learned loop credit ``loop_weights`` [R]."""
         tokens, labels = wave.suffix()  # [W, S]
-        out = self.inner.suffix_readouts(self.state, tokens, labels=labels)  # [R, W, S]
+        out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
+                                         num_loops=self.num_loops)  # [R, W, S]
         result = {"logprobs": wave.group.to_layout(out.logprobs)}
         if out.exit_logprobs is not None:
             result["exit_logprobs"] = wave.group.to_layout(out.exit_logprobs)
-        return _with_loop_weights(result, self.inner)
+        return _with_loop_weights(result, self.inner, self.state.num_loops)
 
 
 @dataclass
@@ -121,6 +126,7 @@ class _GroupRun:
     config: object
     forward_step_func: Callable
     scale: float  # 1 / number of groups, as MCore divides every microbatch loss
+    num_loops: int  # R of the step
     first_microbatch: bool = False
     collect_non_loss_data: bool = False
     plan: Optional[GroupPlan] = None
@@ -155,13 +161,14 @@ class SharedPrefixSchedule:
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)
 
-    def __call__(self, **kwargs):
+    def __call__(self, *, num_loops: Optional[int] = None, **kwargs):
         """Takes every keyword argument of the installed MCore's forward-backward function
-        (``stock_schedule_kwargs``) and hands a step of plain microbatches to it unchanged."""
+        (``stock_schedule_kwargs``) and hands a step of plain microbatches to it unchanged;
+        ``num_loops``: R of a step of groups (None: the config's ``looped_num_loops``)."""
         stock_kwargs = stock_schedule_kwargs(get_forward_backward_func(), kwargs)
-        return self._step(stock_kwargs, **stock_kwargs)
+        return self._step(stock_kwargs, num_loops, **stock_kwargs)
 
-    def _step(self, stock_kwargs: dict, *, forward_step_func, data_iterator, model,
+    def _step(self, stock_kwargs: dict, num_loops, *, forward_step_func, data_iterator, model,
               num_microbatches: int, forward_only: bool = False,
               collect_non_loss_data: bool = False, first_val_step=None,
               adjust_tensor_shapes_fn=None, pg_collection=None, force_all_reduce: bool = False,
@@ -174,6 +181,9 @@ class SharedPrefixSchedule:
             raise ValueError(f"num_microbatches = {num_microbatches}, but data_iterator "
                              f"yielded no microbatch")
         if not isinstance(first, SharedPrefixGroup):
+            if num_loops is not None:
+                raise ValueError("num_loops is the loop count of a step of SharedPrefixGroups; "
+                                 "a stock step's forward_step_func passes it to the model")
             rest = _single(data_iterator, "data_iterator")
             return get_forward_backward_func()(
                 data_iterator=itertools.chain([first], rest), **stock_kwargs)
@@ -187,11 +197,12 @@ class SharedPrefixSchedule:
         it = _single(data_iterator, "data_iterator")
         groups = _take_groups(first, it, num_microbatches)
         inner, config = unwrap_model(model), get_model_config(model)
+        num_loops = inner.config.with_loops(num_loops).looped_num_loops  # checked
         loss_runs = not (forward_only and collect_non_loss_data)  # the loss's needs matter
         check_group = getattr(forward_step_func, "check_group", None) if loss_runs else None
-        self._check_groups(groups, inner, forward_only, config, check_group)
+        self._check_groups(groups, inner, forward_only, config, check_group, num_loops)
         runs = self._runs(inner, groups, config, forward_step_func, forward_only,
-                          collect_non_loss_data, first_val_step)
+                          collect_non_loss_data, first_val_step, num_loops)
         if forward_only:
             return [self.score_group(run) for run in runs]
         try:
@@ -205,7 +216,8 @@ class SharedPrefixSchedule:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _check_groups(self, groups, inner, forward_only, config, check_group) -> None:
+    def _check_groups(self, groups, inner, forward_only, config, check_group,
+                      num_loops: int) -> None:
         device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
@@ -220,24 +232,28 @@ class SharedPrefixSchedule:
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
             g.check_device(device)
-            g.check(inner.config.looped_num_loops, self.max_response_length, **limits)
+            g.check(num_loops, self.max_response_length, **limits)
             if check_group is not None:
                 check_group(g)
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
-              collect_non_loss_data, first_val_step) -> list:
+              collect_non_loss_data, first_val_step, num_loops: int) -> list:
         """One ``_GroupRun`` per group. Every group is fingerprinted now, right after the
         up-front checks: a later group changed while an earlier one trains is caught."""
         first = first_val_step if forward_only and first_val_step is not None else True
         return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
-                          1.0 / len(groups), first_microbatch=first and n == 0,
+                          1.0 / len(groups), num_loops, first_microbatch=first and n == 0,
                           collect_non_loss_data=collect_non_loss_data,
-                          plan=self._plan(g, inner))
+                          plan=self._plan(g, inner, num_loops))
                 for n, g in enumerate(groups)]
 
-    def _plan(self, group: SharedPrefixGroup, inner) -> GroupPlan:
-        """The group's plan, the chooser's (scoring uses its wave size)."""
-        plan = self.chooser(group, inner)
+    def _plan(self, group: SharedPrefixGroup, inner, num_loops: int) -> GroupPlan:
+        """The group's plan, the chooser's (scoring uses its wave size); the schedule's own
+        ``Planner`` plans for the step's loop count."""
+        if isinstance(self.chooser, Planner):
+            plan = self.chooser(group, inner, num_loops=num_loops)
+        else:
+            plan = self.chooser(group, inner)
         if not isinstance(plan, GroupPlan):
             raise TypeError(f"chooser must return a GroupPlan, got {type(plan).__name__}")
         return plan
@@ -280,13 +296,14 @@ class SharedPrefixSchedule:
             state = self._prompt_state(run)
         self.phase_callback("prompt_producer", run.group)
         run.state_dtype = state.boundary.dtype
-        leaves = state.detached_leaves(torch.float32, trained_depths(run.inner.config))
+        trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+        leaves = state.detached_leaves(torch.float32, trained)
         return (state if retain else None), leaves
 
     def _prompt_state(self, run: _GroupRun) -> PrefixState:
         g = run.group
         return run.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
-                         readout=False).prefix_state
+                         readout=False, num_loops=run.num_loops).prefix_state
 
     def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
         """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves'
@@ -359,7 +376,8 @@ class SharedPrefixSchedule:
         rows run as full sequences."""
         if run.first_microbatch and wave_no == 0 and hasattr(run.inner, "set_is_first_microbatch"):
             run.inner.set_is_first_microbatch()
-        model = FullSequenceModel(run.inner) if state is None else WaveModel(run.inner, state)
+        model = (FullSequenceModel(run.inner, run.num_loops) if state is None
+                 else WaveModel(run.inner, state, run.num_loops))
         return run.forward_step_func(iter([wave]), model)
 
     # ---- scoring ---------------------------------------------------------------------------
@@ -379,9 +397,9 @@ class SharedPrefixSchedule:
         return _merge(run.results)
 
 
-def _with_loop_weights(result: dict, inner) -> dict:
-    """Add the model's learned loop credit [R] (``loop_weights()``), when it has one."""
-    weights = getattr(inner, "loop_weights", lambda: None)()
+def _with_loop_weights(result: dict, inner, num_loops: int) -> dict:
+    """Add the model's learned loop credit [R] (``loop_weights(R)``), when it has one."""
+    weights = getattr(inner, "loop_weights", lambda R: None)(num_loops)
     if weights is not None:
         result["loop_weights"] = weights
     return result

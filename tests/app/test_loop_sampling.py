@@ -53,7 +53,7 @@ def test_bad_specs_are_refused(spec):
 
 
 class _Trainer(RLTrainer):
-    """Only what ``use_loops_of`` reads: the run config, the model's config and its initial
+    """Only what ``start_step`` reads: the run config, the model's config and its initial
     state draw, no KL reference."""
 
     def __init__(self, cfg, model_config):
@@ -62,7 +62,8 @@ class _Trainer(RLTrainer):
                                     "set_initial_state_draw": lambda self, seed, step: None})()
 
 
-def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_single):
+def test_trainer_computes_each_steps_draw_and_the_largest_for_evaluation(mcore_single):
+    """The step's count is returned (and passed on by the trainer); the config stays as built."""
     from helpers.sp import build_model
 
     cfg = parse_args(["--looped-num-loops", "3", "--looped-num-loops-sampling", "uniform:1,4",
@@ -70,10 +71,9 @@ def test_trainer_sets_each_steps_draw_and_the_largest_for_evaluation(mcore_singl
     model = build_model(R=3)
     trainer = _Trainer(cfg, model.config)
     for step in range(6):
-        loops = trainer.use_loops_of(step)
-        assert loops == model.config.looped_num_loops == sample_num_loops("uniform:1,4", 3, 5,
-                                                                          step)
-    assert trainer.use_loops_of(6, evaluation=True) == model.config.looped_num_loops == 4
+        assert trainer.start_step(step) == sample_num_loops("uniform:1,4", 3, 5, step)
+    assert trainer.start_step(6, evaluation=True) == 4
+    assert model.config.looped_num_loops == 3
 
 
 def test_rl_steps_run_at_each_steps_draw(mcore_single):
@@ -87,9 +87,9 @@ def test_rl_steps_run_at_each_steps_draw(mcore_single):
     seen = []
     optimize = tr.optimize
 
-    def recording(groups):
-        seen.append({g.old_logprobs.shape[0] for g in groups})
-        return optimize(groups)
+    def recording(groups, num_loops):
+        seen.append({g.old_logprobs.shape[0] for g in groups} | {num_loops})
+        return optimize(groups, num_loops)
 
     tr.optimize = recording
     steps = range(SFT + 5, SFT + 9)  # draws 1, 2, 3, 1 at seed 1234
@@ -98,6 +98,7 @@ def test_rl_steps_run_at_each_steps_draw(mcore_single):
     assert len(set(draws)) > 1  # the steps really differ
     assert [m["loops"] for m in metrics] == draws
     assert seen == [{r} for r in draws]
+    assert tr.model.config.looped_num_loops == 2  # the configured count: never changed
 
 
 def test_one_owner_of_a_steps_loop_count():
@@ -138,8 +139,8 @@ def test_each_step_sets_its_initial_state_draw_in_policy_and_reference():
     trainer = types.SimpleNamespace(cfg=cfg, model=policy,
                                     ref=types.SimpleNamespace(module=reference))
     for step in (3, 4):
-        assert RLTrainer.use_loops_of(trainer, step) == 2
+        assert RLTrainer.start_step(trainer, step) == 2
     assert policy.draws == reference.draws == [(7, 3), (7, 4)]
     trainer.ref = None
-    RLTrainer.use_loops_of(trainer, 5)
+    RLTrainer.start_step(trainer, 5)
     assert policy.draws[-1] == (7, 5)

@@ -178,7 +178,6 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_llama):
         for step in range(4):
             loops.append(_step(full, step)["loops"])
             if step == 1:  # as train._maybe_save
-                full.use_configured_loops()
                 save_checkpoint(tmp_path / "ckpt", 2, full.model, full.optimizer, full.scheduler,
                                 reference=full.ref)
         want = _flat(full.model), _adam_moments(full.optimizer)

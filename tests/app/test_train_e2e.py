@@ -257,14 +257,14 @@ def test_joint_replay_and_naive_training_agree(mcore_single):
     _record_grads(B, rec["grads"]["B"], rec["lr"], rec["params_b"])
     fb_a = A._forward_backward
 
-    def a_with_c(groups):
+    def a_with_c(groups, num_loops):
         """C: naive forward-backward of A's groups at A's current parameters."""
         with torch.no_grad():
             for pc, pa in zip(C.model.parameters(), A.model.parameters()):
                 pc.copy_(pa)
         C.ddp.zero_grad_buffer()
-        out_c, g_c = C._forward_backward(groups), _flat_grad(C.model)
-        out_a = fb_a(groups)
+        out_c, g_c = C._forward_backward(groups, num_loops), _flat_grad(C.model)
+        out_a = fb_a(groups, num_loops)
         g_a = _flat_grad(A.model)
         rec["grad_err"].append(((g_a - g_c).abs().max() / g_c.abs().max()).item())
         sa, sc = _summary(out_a, groups), _summary(out_c, groups)
@@ -335,7 +335,7 @@ def test_rollout_modes_and_rollout_logprobs_as_old_logprobs(mcore_single):
         assert torch.equal(ro[name].responses, ro["score"].responses), name
         assert torch.equal(ro[name].lengths, ro["score"].lengths), name
     old_diff = 0.0
-    [(groups_score,)], [(groups_ro,)] = seen["score"]["groups"], seen["rollout"]["groups"]
+    [(groups_score, _)], [(groups_ro, _)] = seen["score"]["groups"], seen["rollout"]["groups"]
     for g_score, g_ro in zip(groups_score, groups_ro):
         assert torch.equal(g_score.loss_mask, g_ro.loss_mask)
         trained = (g_ro.loss_mask != 0)[None].expand_as(g_ro.old_logprobs)  # [R, G, T]
@@ -367,8 +367,8 @@ def _record_calls(trainer, method: str, log: list) -> None:
 def _record_rollouts(trainer, log: list) -> None:
     rollout = trainer.rollout
 
-    def record(step, problems, group_size, temperature, loop=-1):
-        out = rollout(step, problems, group_size, temperature, loop)
+    def record(step, problems, group_size, temperature, loop=-1, num_loops=None):
+        out = rollout(step, problems, group_size, temperature, loop, num_loops)
         if temperature > 0:
             log.append(out)
         return out

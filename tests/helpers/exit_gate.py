@@ -50,9 +50,9 @@ def _ref_loss(spec, scheme, gate_coef, beta, lp, exit_lp, learned, old, adv, coe
     return total
 
 
-def _naive_forward_step(spec, scheme, gate_coef, beta, scale, data_iterator, model):
+def _naive_forward_step(spec, scheme, gate_coef, beta, scale, num_loops, data_iterator, model):
     batch = next(data_iterator)
-    out = model(batch["tokens"], labels=batch["labels"])
+    out = model(batch["tokens"], labels=batch["labels"], num_loops=num_loops)
 
     def loss_func(output):
         learned = model.decoder.loop_weights.logits if scheme == "learned" else None
@@ -63,7 +63,8 @@ def _naive_forward_step(spec, scheme, gate_coef, beta, scale, data_iterator, mod
     return out.logprobs, loss_func
 
 
-def _naive(model, groups, spec, scheme, gate_coef, beta, per_mb):
+def _naive(model, groups, spec, scheme, gate_coef, beta, per_mb, num_loops=None):
+    """Stock MCore over full sequences, ``num_loops`` loops (None: the config's)."""
     batches = []
     for g in groups:
         coef = ref_token_weights(spec, g.loss_mask)
@@ -72,18 +73,20 @@ def _naive(model, groups, spec, scheme, gate_coef, beta, per_mb):
                                 adv=g.advantages[idx], old=g.old_logprobs[:, idx],
                                 ref=None if g.ref_logprobs is None else g.ref_logprobs[:, idx]))
     step = partial(_naive_forward_step, spec, scheme, gate_coef, beta,
-                   len(batches) / len(groups))
+                   len(batches) / len(groups), num_loops)
     out = get_forward_backward_func()(forward_step_func=step, data_iterator=iter(batches),
                                       model=model, num_microbatches=len(batches),
                                       seq_length=0, micro_batch_size=1)
     return sum(float(o["loss"]) for o in out) / len(groups)
 
 
-def _joint(model, groups, spec, scheme, gate_coef, beta, wave, ck):
+def _joint(model, groups, spec, scheme, gate_coef, beta, wave, ck, num_loops=None):
+    """Joint replay of ``groups`` with ``num_loops`` loops (None: the config's)."""
     objective = RLObjective(normalization=spec.normalization, clip_low=spec.clip_low,
                             clip_high=spec.clip_high, kl_coef=spec.kl_coef,
                             loop_weights=scheme, exit_gate_coef=gate_coef,
                             exit_entropy_coef=beta)
     fb = get_shared_prefix_forward_backward_func(wave, checkpoint_waves=ck)
     return fb(forward_step_func=rl_forward_step(objective), data_iterator=iter(groups),
-              model=model, num_microbatches=len(groups), seq_length=0, micro_batch_size=1)
+              model=model, num_microbatches=len(groups), seq_length=0, micro_batch_size=1,
+              num_loops=num_loops)

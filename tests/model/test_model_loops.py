@@ -133,3 +133,67 @@ def test_loops_share_weights_but_differ(mcore_single):
     assert torch.equal(logits[0], first)  # same weights: loop 1 of R=3 is the R=1 model
     assert (logits[1] - logits[0]).abs().max() > 1e-3
     assert (logits[2] - logits[1]).abs().max() > 1e-3
+
+
+def test_loop_count_is_the_calls_own(mcore_single):
+    """Two models sharing one config run 2 and 4 loops concurrently (two threads): each call's
+    every loop matches the reference of its own R, and the shared config keeps its R = 3."""
+    import dataclasses
+    import threading
+
+    model, ref = build("rope", looped_num_loops=3, looped_num_prelude_layers=1,
+                       looped_num_coda_layers=1, looped_injection="linear_concat")
+    twin = LoopedGPTModel(model.config, get_looped_gpt_layer_local_spec(), VOCAB, MAX_LEN,
+                          position_embedding_type="rope")
+    twin.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    want = {}
+    for R in (2, 4):
+        loops_ref = dataclasses.replace(ref, loops=R)
+        want[R], _ = reference_forward(weights_from_state_dict(model.state_dict(), loops_ref),
+                                       loops_ref, tokens)
+    errors, barrier = {}, threading.Barrier(2)
+
+    def run(m, R):
+        barrier.wait()
+        with torch.no_grad():
+            errors[R] = max(max_diff(m(tokens, num_loops=R).logits, want[R]) for _ in range(8))
+
+    threads = [threading.Thread(target=run, args=(m, R)) for m, R in ((model, 2), (twin, 4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors[2] <= 1e-5 and errors[4] <= 1e-5, errors
+    assert model.config.looped_num_loops == 3 and len(model(tokens).logits) == 3
+
+
+def test_prefix_state_and_cache_carry_their_loop_count(mcore_single):
+    """A prefix state or decoding cache made with R loops continues with R (whatever another
+    call ran in between); a different count (the config's by default) is refused naming the
+    loops."""
+    model, _ = build("rope", looped_num_loops=3, looped_num_prelude_layers=1,
+                     looped_injection="linear_concat")
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    tokens[1, :5] = tokens[0, :5]  # one prompt of 5 tokens, two continuations
+    with torch.no_grad():
+        full = model(tokens, labels=tokens.roll(-1, 1), num_loops=2).logprobs  # [2, B, T]
+        state = model(tokens[:1, :5], return_prefix_state=True, readout=False,
+                      num_loops=2).prefix_state
+        model(tokens, num_loops=4)  # another count in between
+        suffix = model.suffix_logprobs(state, tokens[:, 5:], num_loops=2)  # [2, B, 4]
+        cache = model.new_kv_cache(2, 9, num_loops=4)
+        assert model.prefill(cache, tokens, torch.full((2,), 9), num_loops=4).shape[0] == 4
+    assert state.num_loops == 2 and suffix.shape[0] == 2 and cache.num_loops == 4
+    assert (suffix - full[:, :, 4:8]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="loops 2 != 3"):
+        model(tokens[:, 5:], prefix_state=state)
+    with pytest.raises(ValueError, match="kv_cache was built for a different model config"):
+        model.prefill(cache, tokens, torch.full((2,), 9))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_loop_count_is_refused(mcore_single, bad):
+    model, _ = build("rope", looped_num_loops=2)
+    with pytest.raises(ValueError, match=rf"num_loops must be an integer >= 1, got {bad!r}"):
+        model(torch.zeros(1, 3, dtype=torch.long), num_loops=bad)

@@ -38,7 +38,7 @@ def _train(rank, world_size):
     from helpers.exit_gate import _joint, _naive
     from helpers.sp import LossSpec, make_group
 
-    from scalerlt_mcore.model.config import sample_num_loops, set_num_loops
+    from scalerlt_mcore.model.config import sample_num_loops
 
     (model_a, opt_a), (model_c, _) = _build(), _build()
     init = _flat(model_a)
@@ -47,7 +47,6 @@ def _train(rank, world_size):
     for step in range(STEPS):
         loops = sample_num_loops("uniform:2,3", LOOPS, seed=11, step=step)
         for m in (model_a, model_c):
-            set_num_loops(m.module.config, loops)
             m.zero_grad_buffer()
         opt_a.zero_grad()
         with torch.no_grad():
@@ -57,14 +56,15 @@ def _train(rank, world_size):
         groups = [make_group(G, 6 + n, 4, loops, seed=100 * step + 10 * rank + n,
                              dtype=torch.float32, kl=True, group_id=n)
                   for n, G in enumerate(sizes)]
-        _joint(model_a, groups, spec, "exit_pdf", GATE_COEF, BETA, 2, False)
-        _naive(model_c, groups, spec, "exit_pdf", GATE_COEF, BETA, per_mb=2)
+        _joint(model_a, groups, spec, "exit_pdf", GATE_COEF, BETA, 2, False, num_loops=loops)
+        _naive(model_c, groups, spec, "exit_pdf", GATE_COEF, BETA, per_mb=2, num_loops=loops)
         grads_a, grads_c = (_reduced_grads(m, rank, world_size) for m in (model_a, model_c))
         out["err"].append(_global_rel_error(grads_a, grads_c))
         out["loops"].append(loops)
         ok, _, _ = opt_a.step()
         assert ok
-    out.update(init=init, params=_flat(model_a))
+    out.update(init=init, params=_flat(model_a),
+               config_loops=model_a.module.config.looped_num_loops)
     return out
 
 
@@ -72,6 +72,7 @@ def test_looped_features_under_ddp_and_distributed_optimizer():
     r0, r1 = run_distributed(_train, WORLD, timeout=900)  # 80 s alone; the host is shared
     assert r0["buckets"] > 1
     assert r0["loops"] == r1["loops"] and len(set(r0["loops"])) == 2
+    assert r0["config_loops"] == LOOPS  # the step's count was passed, the config untouched
     for r in (r0, r1):
         assert max(r["err"]) <= GRAD_RTOL, r["err"]
     print("\n[features under DDP] per-step A-vs-C grad error, whole gradient:",
