@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 # The suite against another megatron-core (README, "Megatron-Core versions"): its own venv,
 # .venv-mcore<version>, built by tools/mcore_env.py (the cp312 wheel's Python sources unpacked,
