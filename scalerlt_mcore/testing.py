@@ -39,12 +39,32 @@ def _init_mcore(seed: int, tensor_model_parallel_size: int = 1) -> None:
 
 
 def _destroy_mcore() -> None:
-    """Destroy model-parallel state and the default process group, whichever exist."""
+    """Destroy model-parallel state and the default process group, whichever exist, and drop
+    the models MCore's caches still hold (``_release_cached_models``)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _release_cached_models()
+
+
+def _release_cached_models() -> None:
+    """MCore's ``RotaryEmbedding.forward`` (and the YaRN variant's) is an ``lru_cache`` keyed by
+    the module: it keeps the last 32 RoPE models alive after their context, and with them the
+    process groups their parallel state holds (each gloo group: three threads polling its
+    sockets, and the sockets). Over a test suite that is thousands of threads (megatron-core
+    0.19 models hold about 50 groups each) that slow every later test and exhaust file
+    descriptors. Clearing the caches lets the groups go with the models."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    for cls in (RotaryEmbedding, YarnRotaryEmbedding):
+        cache_clear = getattr(cls.forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 @contextmanager

@@ -14,6 +14,7 @@ and (D=1, 2*M microbatches) on the concatenated data:
   over D, so the gradient is that of  sum_all masked losses / sum_all mask.
 """
 
+import os
 from functools import partial
 
 import pytest
@@ -154,3 +155,34 @@ def test_two_ranks_match_one_rank(overlap_grad_reduce, per_token_loss):
     rel = ((two[0]["losses"] - one["losses"]).abs() / one["losses"]).max().item()
     assert rel <= RTOL, f"2-rank vs 1-rank loss: max rel diff {rel:.2e} > {RTOL}"
     torch.testing.assert_close(two[0]["grad_norms"], one["grad_norms"], rtol=RTOL, atol=0)
+
+
+def _threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_model_parallel_context_releases_its_process_groups():
+    """A RoPE model built in one context must not keep that context's gloo groups (threads,
+    sockets) alive after it: MCore's RotaryEmbedding.forward cache holds the model."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
+    from scalerlt_mcore.model.config import LoopedTransformerConfig
+    from scalerlt_mcore.testing import model_parallel_context
+
+    def build_and_run():
+        with model_parallel_context():
+            config = LoopedTransformerConfig(
+                num_layers=1, hidden_size=16, num_attention_heads=2, looped_num_loops=2,
+                use_cpu_initialization=True, perform_initialization=True)
+            model = LoopedGPTModel(config, get_looped_gpt_layer_local_spec(), vocab_size=11,
+                                   max_sequence_length=8, position_embedding_type="rope")
+            model(torch.zeros(1, 4, dtype=torch.long))
+            assert RotaryEmbedding.forward.cache_info().currsize >= 1  # the cache was used
+
+    build_and_run()
+    before = _threads()
+    for _ in range(3):
+        build_and_run()
+    assert _threads() <= before, f"threads grew from {before} to {_threads()}"
