@@ -332,10 +332,19 @@ class WaveBatch:
         """``t`` restricted to this wave's rows along ``dim`` (None stays None)."""
         return None if t is None else t.index_select(dim, self.index)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the wave covers every position (a one-level group's wave)."""
+        return self.span == slice(None)
+
     def suffix(self) -> tuple:
         """What the wave's rows run against the prefix state: their response tokens [W, S]
-        (positions P .. T-1) and the labels of the response positions [W, S]."""
+        (positions P .. T-1) and the labels of the response positions [W, S]; for a wave with
+        a ``span`` (a tree's), the tokens whose labels the span holds and those labels."""
         g = self.group
+        if not self.whole:
+            s = self.span
+            return g.tokens[self.index, s.start + 1 : s.stop + 1], g.labels[self.index, s]
         return g.tokens[self.index, g.prompt_length :], g.labels[self.index, g.response_positions]
 
 
