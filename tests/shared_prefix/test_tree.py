@@ -262,3 +262,20 @@ def test_from_tree_is_a_shared_prefix_group():
     g = SharedPrefixGroup.from_tree([TreeSegment([1, 2], None), TreeSegment([3], 0),
                                      TreeSegment([4, 5], 0)], 0)
     assert g.tree.depth == 1 and g.group_size == 2
+
+
+def test_a_changed_input_is_refused_mid_tree(mcore_single):
+    """The replay guard covers a tree group: a loss mask changed in place after the first
+    node's state is refused before the next use."""
+    from scalerlt_mcore.shared_prefix import ReplayInputError
+
+    R = 2
+    model = build_model(R=R).double()
+    group = tree_group(DEPTH2, R, seed=4)
+
+    def mutate(phase, g):
+        if phase == "prompt_producer":
+            g.loss_mask.mul_(1.0)
+
+    with pytest.raises(ReplayInputError, match="replay input 'loss_mask' changed"):
+        joint_step(model, [group], LossSpec(), 2, phase_callback=mutate)
