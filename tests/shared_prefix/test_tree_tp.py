@@ -22,8 +22,11 @@ def _worker(rank: int, world_size: int) -> dict:
     from helpers.sp import LossSpec, grads, joint_step, naive_step, rel_errors
     from helpers.tree import DEPTH2, DEPTH3, tree_group
 
+    from helpers.sp import VOCAB
+
     torch.manual_seed(0)
     model = _model()
+    assert model.embedding.word_embeddings.weight.shape[0] == VOCAB // TP  # sharded
     groups = [tree_group(DEPTH3, LOOPS, seed=31, kl=True, group_id=1),
               tree_group(DEPTH2, LOOPS, seed=32, kl=True, group_id=2)]
     spec = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="uniform")
