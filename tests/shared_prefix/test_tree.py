@@ -279,3 +279,40 @@ def test_a_changed_input_is_refused_mid_tree(mcore_single):
 
     with pytest.raises(ReplayInputError, match="replay input 'loss_mask' changed"):
         joint_step(model, [group], LossSpec(), 2, phase_callback=mutate)
+
+
+def _bushy(branches: int) -> list:
+    """A long prompt, ``branches`` internal children of 4 tokens, each with two 3-token leaves."""
+    shape = [(None, 24)]
+    for _ in range(branches):
+        node = len(shape)
+        shape += [(0, 4), (node, 3), (node, 3)]
+    return shape
+
+
+def test_peak_saved_bytes_hold_one_path(mcore_single):
+    """The schedule holds one root-to-leaf path of graphs (plus the adjoint leaves): its peak
+    saved bytes do not grow with the number of branches (up to per-token data of the group);
+    naive training's do."""
+    from scalerlt_mcore.shared_prefix import SavedTensorProbe
+
+    R = 2
+    model = build_model(R=R, arch=True).double()
+    peaks = {}
+    steps = {"joint": lambda g: joint_step(model, [g], LossSpec(), 2),
+             "naive": lambda g: naive_step(model, [g], LossSpec(), g.group_size)}
+    for branches in (2, 4):
+        group = tree_group(_bushy(branches), R, seed=branches)
+        for name, step in steps.items():
+            model.zero_grad(set_to_none=True)
+            with SavedTensorProbe(model) as probe:
+                step(group)
+            peaks[name, branches] = probe.peak_bytes
+    print(f"\n[tree saved-tensor peak] {peaks}")
+    # Allowance: a few 8-byte entries per token of the bigger group (the saved views of its
+    # token and label ids keep their whole storage, the per-row loss terms; measured 5.1 of
+    # them), no activations: a second path's graphs would be several times that.
+    G, T = group.tokens.shape
+    assert 0 <= peaks["joint", 4] - peaks["joint", 2] <= 8 * G * T * 8
+    assert peaks["naive", 4] > 1.8 * peaks["naive", 2]
+    assert peaks["joint", 4] < peaks["naive", 4] / 3

@@ -19,10 +19,8 @@ def _model():
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    from helpers.sp import LossSpec, grads, joint_step, naive_step, rel_errors
+    from helpers.sp import VOCAB, LossSpec, grads, joint_step, naive_step, rel_errors
     from helpers.tree import DEPTH2, DEPTH3, tree_group
-
-    from helpers.sp import VOCAB
 
     torch.manual_seed(0)
     model = _model()
