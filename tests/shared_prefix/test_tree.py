@@ -316,3 +316,30 @@ def test_peak_saved_bytes_hold_one_path(mcore_single):
     assert 0 <= peaks["joint", 4] - peaks["joint", 2] <= 8 * G * T * 8
     assert peaks["naive", 4] > 1.8 * peaks["naive", 2]
     assert peaks["joint", 4] < peaks["naive", 4] / 3
+
+
+def test_recording_drift_reads_the_waves_positions(mcore_single):
+    """``recording_drift`` over a tree: with old log-probs scored by the same weights, every
+    loss call (node and leaf waves, each of its own span) records a drift of zero; with one
+    trained token's old log-prob moved by 0.5, the step's max drift is that 0.5."""
+    from scalerlt_mcore.rl.batch import recording_drift
+    from scalerlt_mcore.rl.objective import rl_forward_step
+    from scalerlt_mcore.shared_prefix import get_shared_prefix_forward_backward_func
+
+    R = 2
+    model = build_model(R=R, arch=True).double()
+    group = tree_group(DEPTH3, R, seed=7)
+    with torch.no_grad():
+        group.old_logprobs = model(group.tokens, labels=group.labels).logprobs  # [R, G, T]
+    g, t = (group.loss_mask != 0).nonzero()[-1].tolist()
+    fb = get_shared_prefix_forward_backward_func(2)
+    drifts = {}
+    for moved in (0.0, 0.5):
+        group.old_logprobs[-1, g, t] -= moved
+        drift = []
+        fb(forward_step_func=recording_drift(rl_forward_step(LossSpec().objective()), drift),
+           data_iterator=iter([group]), model=model, num_microbatches=1, seq_length=0,
+           micro_batch_size=1)
+        drifts[moved] = float(torch.stack(drift).max())
+        assert len(drift) > 5  # node calls and leaf waves
+    assert drifts[0.0] <= 1e-12 and abs(drifts[0.5] - 0.5) <= 1e-6  # it compares in fp32
