@@ -559,14 +559,15 @@ class Planner:
         return joint
 
     def _tree(self, group) -> GroupPlan:
-        """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children,
-        every node's state recomputed (the memory model and the cost model price one-level
-        groups; a naive plan of a tree is priced as its rows)."""
+        """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;
+        every node's graph retained with ``prompt`` "retain", else recomputed ("auto" too).
+        The memory and cost models price one-level groups only: a tree's plan is not checked
+        against ``memory_budget`` (a naive plan of a tree is priced as its rows)."""
         if self.wave_size == "auto":
             raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
                              f"a tree group (depth {group.tree.depth}) needs an integer "
                              f"wave_size (or schedule 'naive')")
-        return GroupPlan(min(self.wave_size, group.group_size))
+        return GroupPlan(min(self.wave_size, group.group_size), retain=self.prompt == "retain")
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)

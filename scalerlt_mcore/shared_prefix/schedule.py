@@ -282,8 +282,8 @@ class SharedPrefixSchedule:
         waves = run.group.waves(plan.wave_size)
         if is_tree(run.group) and not plan.naive:
             num_waves = TreeReplay(self, run).train(waves_context)
-            return _merge(run.results, num_waves=num_waves, wave_size=plan.wave_size, retain=0,
-                          naive=0)
+            return _merge(run.results, num_waves=num_waves, wave_size=plan.wave_size,
+                          retain=int(plan.retain), naive=0)
         if plan.naive:
             self._train_naive(run, waves, waves_context)
         else:

@@ -11,6 +11,9 @@ For node N with the state P of its ancestors (their K/V concatenated along posit
                  every chain node's state recomputed with grad against its recomputed
                  ancestors (the chain's top against P), its own trained tokens' loss, the last
                  leaf wave's loss and sum_k <state_k, adjoint_k> (the leaves' grads).
+With a retaining plan (``GroupPlan.retain``) step 1 runs with grad against the chain's
+retained ancestors, its graph (and own-token loss) kept for the replay instead of the
+recompute; the graphs held are still those of one root-to-leaf path.
 A non-root replay's top attends to P, the leaves of its ancestors: its backward passes its
 adjoint up into them. The root's replay is the group's last backward and always holds a
 leaf wave, so every parameter gets its gradient in it: the schedule runs everything else in
@@ -22,6 +25,7 @@ node: its log-probs, computed once (batch 1), expanded over those rows; the loss
 with each row's own weights (advantages), as the naive rows do.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +50,17 @@ class _Node:
     node: int
 
 
+@dataclass
+class _Link:
+    """A node of a replay chain: its adjoint leaves and, when retained, its state's graph and
+    own-token loss."""
+
+    node: int
+    leaves: PrefixState
+    state: Optional[PrefixState] = None
+    loss: Optional[Tensor] = None
+
+
 class FixedReadouts:
     """The ``model`` a node's own-token loss receives: the node's readouts, computed once
     against its path (``logprobs`` [R, W, L] and with the exit gate ``exit_logprobs``;
@@ -66,10 +81,7 @@ class TreeReplay:
     wave losses, the guard, the phase callbacks. ``run``: the group's ``_GroupRun``."""
 
     def __init__(self, schedule, run):
-        if run.plan.retain:
-            raise ValueError(f"group {run.group.group_id}: a tree group recomputes every node's "
-                             f"state; its plan cannot retain (GroupPlan.retain)")
-        self.schedule, self.run = schedule, run
+        self.schedule, self.run, self.retain = schedule, run, run.plan.retain
         self.group, self.tree = run.group, run.group.tree
         self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
         self.has_loss = _nodes_with_loss(self.group)
@@ -80,7 +92,7 @@ class TreeReplay:
         """The whole group: the root's descent and every non-root replay inside
         ``waves_context``, then the root's replay. -> the number of leaf waves."""
         with waves_context():
-            chain = self._descend(0, None)
+            chain = self._descend(0, None, None)
         self.run.guard.verify("joint replay", contents=True)
         self._replay(chain, None)
         return self.num_waves
@@ -104,12 +116,16 @@ class TreeReplay:
 
     # ---- phases ----------------------------------------------------------------------------
 
-    def _descend(self, n: int, prefix: Optional[PrefixState]) -> list:
+    def _descend(self, n: int, prefix: Optional[PrefixState],
+                 chain: Optional[PrefixState]) -> list:
         """Phases 1-2 for node n and, through its last unit, its chain down to a last leaf
-        wave -> the chain: [(node, its leaves), ..., the last _Wave]."""
+        wave -> the chain: [_Link, ..., the last _Wave]. ``prefix``: the ancestors' leaves;
+        ``chain`` (retain): the state n's retained graph is computed against (the chain's
+        retained ancestors after the chain top's ``prefix``)."""
         self.run.guard.verify("tree node state")
-        with torch.no_grad():
-            own, _ = self._own(n, prefix, loss=False)
+        with contextlib.nullcontext() if self.retain else torch.no_grad():
+            own, loss = self._own(n, chain if self.retain else prefix,
+                                  loss=self.retain and self.has_loss[n])
         self.schedule.phase_callback("prompt_producer", self.group)
         leaves = own.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, leaves)
@@ -117,8 +133,10 @@ class TreeReplay:
         for unit in units[:-1]:
             self._train_unit(unit, path)
         last = units[-1]
-        tail = self._descend(last.node, path) if isinstance(last, _Node) else [last]
-        return [(n, leaves), *tail]
+        link = _Link(n, leaves, own, loss) if self.retain else _Link(n, leaves)
+        if isinstance(last, _Wave):
+            return [link, last]
+        return [link, *self._descend(last.node, path, _cat(chain, own) if self.retain else None)]
 
     def _train_unit(self, unit, path: PrefixState) -> None:
         if isinstance(unit, _Wave):
@@ -126,18 +144,20 @@ class TreeReplay:
             self._backward([loss], [None])
             self.schedule.phase_callback("wave", self.group)
         else:
-            self._replay(self._descend(unit.node, path), path)
+            self._replay(self._descend(unit.node, path, path), path)
 
     def _replay(self, chain: list, prefix: Optional[PrefixState]) -> None:
         """Phase 3: one backward of the chain's recomputed states, own-token losses, its last
         leaf wave and the adjoints the chain's leaves collected."""
         roots, grads, state = [], [], prefix
-        for n, leaves in chain[:-1]:
-            own, loss = self._own(n, state, loss=self.has_loss[n])
+        for link in chain[:-1]:
+            own, loss = link.state, link.loss
+            if own is None:  # recompute
+                own, loss = self._own(link.node, state, loss=self.has_loss[link.node])
             if loss is not None:
                 roots.append(loss)
                 grads.append(None)
-            for t, leaf in zip(own.tensors(), leaves.tensors()):
+            for t, leaf in zip(own.tensors(), link.leaves.tensors()):
                 if t.requires_grad and leaf.requires_grad and leaf.grad is not None:
                     roots.append(t)
                     grads.append(leaf.grad.to(t.dtype))

@@ -23,7 +23,6 @@ from helpers.sp import (
 from helpers.tree import DEPTH2, DEPTH3, tree_group
 
 from scalerlt_mcore.shared_prefix import SharedPrefixGroup, TreeSegment
-from scalerlt_mcore.shared_prefix.planner import GroupPlan
 
 MEASURED = {}
 
@@ -206,8 +205,8 @@ class _SyncCounter:
         return ctx()
 
 
-@pytest.mark.parametrize("shapes", [(DEPTH2,), (DEPTH3, DEPTH2)])
-def test_one_sync_enabled_backward_per_step(mcore_single, monkeypatch, shapes):
+@pytest.mark.parametrize("shapes,prompt", [((DEPTH2,), "recompute"), ((DEPTH3, DEPTH2), "retain")])
+def test_one_sync_enabled_backward_per_step(mcore_single, monkeypatch, shapes, prompt):
     """Whatever the trees: one backward outside no_sync (the last tree's root replay)."""
     R = 2
     model = build_model(R=R).double()
@@ -215,7 +214,7 @@ def test_one_sync_enabled_backward_per_step(mcore_single, monkeypatch, shapes):
     counter = _SyncCounter(monkeypatch)
     model.config.no_sync_func = counter.no_sync
     try:
-        out = joint_step(model, groups, LossSpec(), 2)
+        out = joint_step(model, groups, LossSpec(), 2, prompt=prompt)
     finally:
         model.config.no_sync_func = None
     assert counter.synced == 1
@@ -240,11 +239,39 @@ def test_tree_plan_errors(mcore_single):
     R = 2
     model = build_model(R=R).double()
     group = tree_group(DEPTH2, R, seed=1)
-    with pytest.raises(ValueError, match="a tree group recomputes every node's state"):
-        joint_step(model, [group], LossSpec(), 2, chooser=lambda g, m: GroupPlan(2, retain=True))
     with pytest.raises(ValueError, match="a tree group \\(depth 2\\) needs an integer wave"):
         joint_step(model, [group], LossSpec(), "auto", memory_budget=2**30,
                    loss_per_position=5.0)
+
+
+@pytest.mark.parametrize("shape,W,ck,k", [(DEPTH2, 2, False, 0), (DEPTH3, 3, True, 0),
+                                         (DEPTH3, 2, False, 2)])
+def test_retain_matches_naive_and_computes_each_node_once(mcore_single, shape, W, ck, k):
+    """prompt "retain": every node's graph kept from its first forward (against the retained
+    graphs of its chain), none recomputed; loss and gradients those of naive training."""
+    R = 3
+    model = _set_k(build_model(R=R, arch=True).double(), k)
+    group = tree_group(shape, R, seed=W + k, kl=True)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="progressive")
+    naive_losses, _ = naive_step(model, [group], spec, 2)
+    ref = grads(model)
+    forwards = {}
+    for prompt in ("recompute", "retain"):
+        calls = []
+        hook = model.register_forward_pre_hook(
+            lambda m, args, kw, calls=calls: calls.append(kw.get("return_prefix_state")),
+            with_kwargs=True)
+        model.zero_grad(set_to_none=True)
+        try:
+            out = joint_step(model, [group], spec, W, checkpoint_waves=ck, prompt=prompt)
+        finally:
+            hook.remove()
+        forwards[prompt] = sum(bool(c) for c in calls)
+        assert int(out[0]["retain"]) == (prompt == "retain")
+        _assert_close_rel(out[0]["loss"], naive_losses[0], 1e-12, f"{prompt} loss")
+        _check("f64", grads(model), ref, 1e-12)
+    nodes = group.tree.num_nodes - len(group.tree.leaf_of_row)
+    assert forwards == {"recompute": 2 * nodes, "retain": nodes}
 
 
 def test_naive_plan_of_a_tree_matches(mcore_single):

@@ -20,7 +20,8 @@ DEEP = [(None, 3), (0, 2), (1, 2), (2, 1), (2, 2), (1, 1)]
 """Depth 3: a chain of internal nodes, leaves at depths 2 and 3."""
 
 # Per step: the groups of rank 0 and of rank 1 (tree shapes, "flat": a one-level group).
-# Step 0 records DDP's per-parameter hook counts; every later step must repeat them.
+# Step 0 records DDP's per-parameter hook counts; every later step must repeat them. Odd
+# steps retain every node's graph, even ones recompute.
 STEPS = (
     (("SHALLOW",), ("DEEP",)),
     (("DEEP", "flat"), ("WIDE",)),
@@ -110,7 +111,7 @@ def _worker(rank: int, world_size: int) -> dict:
         opt.zero_grad()
         counts = _Counts(joint)
         try:
-            joint_step(joint, groups, spec, 2)
+            joint_step(joint, groups, spec, 2, prompt="retain" if step % 2 else "recompute")
         finally:
             counts.restore()
         naive_step(naive, groups, spec, 2)
