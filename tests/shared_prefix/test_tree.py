@@ -319,15 +319,16 @@ def _bushy(branches: int) -> list:
 
 
 def test_peak_saved_bytes_hold_one_path(mcore_single):
-    """The schedule holds one root-to-leaf path of graphs (plus the adjoint leaves): its peak
-    saved bytes do not grow with the number of branches (up to per-token data of the group);
-    naive training's do."""
+    """The schedule holds one root-to-leaf path of graphs (plus the adjoint leaves), also when
+    it retains them: its peak saved bytes do not grow with the number of branches (up to
+    per-token data of the group); naive training's do."""
     from scalerlt_mcore.shared_prefix import SavedTensorProbe
 
     R = 2
     model = build_model(R=R, arch=True).double()
     peaks = {}
     steps = {"joint": lambda g: joint_step(model, [g], LossSpec(), 2),
+             "retain": lambda g: joint_step(model, [g], LossSpec(), 2, prompt="retain"),
              "naive": lambda g: naive_step(model, [g], LossSpec(), g.group_size)}
     for branches in (2, 4):
         group = tree_group(_bushy(branches), R, seed=branches)
@@ -341,7 +342,8 @@ def test_peak_saved_bytes_hold_one_path(mcore_single):
     # token and label ids keep their whole storage, the per-row loss terms; measured 5.1 of
     # them), no activations: a second path's graphs would be several times that.
     G, T = group.tokens.shape
-    assert 0 <= peaks["joint", 4] - peaks["joint", 2] <= 8 * G * T * 8
+    for mode in ("joint", "retain"):
+        assert 0 <= peaks[mode, 4] - peaks[mode, 2] <= 8 * G * T * 8, mode
     assert peaks["naive", 4] > 1.8 * peaks["naive", 2]
     assert peaks["joint", 4] < peaks["naive", 4] / 3
 
