@@ -70,8 +70,9 @@ def recording_drift(forward_step, drift: list):
             logprobs = output["logprobs"] if isinstance(output, dict) else output
             if not non_loss_data:
                 g = wave.group
-                diff = logprobs[-1].detach().float() - wave.rows(g.old_logprobs, 1)[-1].float()
-                trained = wave.rows(g.loss_mask) != 0  # [W, T]
+                old = wave.positions(wave.rows(g.old_logprobs, 1))[-1]  # [W, T']
+                diff = logprobs[-1].detach().float() - old.float()
+                trained = wave.positions(wave.rows(g.loss_mask)) != 0  # [W, T']
                 drift.append(torch.where(trained, diff.abs(), 0.0).max())
             return loss_func(output, non_loss_data=non_loss_data)
 

@@ -191,7 +191,8 @@ class RLObjective:
 
     def wave_loss(self, wave, output, non_loss_data: bool = False):
         """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
-        per-loop log-probs [R, W, T] (or the wave model's ``readouts`` dict: ``logprobs``,
+        per-loop log-probs [R, W, T'] of the wave's positions (``wave.span``: all T of a
+        one-level group; a tree node's) (or the wave model's ``readouts`` dict: ``logprobs``,
         ``exit_logprobs``, ``loop_weights``) -> (the wave's share of the group loss, stats).
         Token weights come from the whole group's loss mask. ``non_loss_data``: the log-probs."""
         out = output if isinstance(output, dict) else {"logprobs": output}
@@ -199,9 +200,9 @@ class RLObjective:
         if non_loss_data:
             return logprobs.detach()
         g = wave.group
-        weights = wave.rows(self.token_weights(g.loss_mask))  # [W, T]
-        loss, stats = self.loss(logprobs, wave.rows(g.old_logprobs, 1),
-                                wave.rows(g.advantages), weights, wave.rows(g.ref_logprobs, 1),
+        weights = wave.positions(wave.rows(self.token_weights(g.loss_mask)))  # [W, T']
+        old, ref = (wave.positions(wave.rows(t, 1)) for t in (g.old_logprobs, g.ref_logprobs))
+        loss, stats = self.loss(logprobs, old, wave.rows(g.advantages), weights, ref,
                                 exit_logprobs=out.get("exit_logprobs"),
                                 learned=out.get("loop_weights"))
         return loss, {"loss": loss.detach(), **stats}

@@ -16,10 +16,11 @@ from .schedule import (
     get_shared_prefix_forward_backward_func,
 )
 from .scoring import logprobs_forward_step
+from .tree import PrefixTree, TreeError, TreeSegment
 
 __all__ = [
-    "PHASES", "FullSequenceModel", "ReplayGuard", "ReplayInputError", "SavedTensorProbe",
-    "SharedPrefixGroup", "SharedPrefixSchedule", "WaveBatch", "WaveModel",
-    "get_shared_prefix_forward_backward_func", "logprobs_forward_step", "naive_microbatches",
-    "naive_step",
+    "PHASES", "FullSequenceModel", "PrefixTree", "ReplayGuard", "ReplayInputError",
+    "SavedTensorProbe", "SharedPrefixGroup", "SharedPrefixSchedule", "TreeError", "TreeSegment",
+    "WaveBatch", "WaveModel", "get_shared_prefix_forward_backward_func", "logprobs_forward_step",
+    "naive_microbatches", "naive_step",
 ]

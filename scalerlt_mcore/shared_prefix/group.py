@@ -4,16 +4,18 @@ behaviour log-probs, ...) declares them in a subclass (``EXTRAS``), and they are
 guarded like the group's own."""
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
 
+from .tree import PrefixTree, build_tree, check_rows, tree_rows
+
 GUARDED = ("tokens", "labels", "loss_mask")
 """The group's own tensor fields the replay reads (a subclass adds its ``EXTRAS``)."""
 
-GUARDED_SCALARS = ("prompt_length", "group_id")
+GUARDED_SCALARS = ("prompt_length", "group_id", "tree")
 """The non-tensor fields the replay reads."""
 
 
@@ -37,6 +39,9 @@ class SharedPrefixGroup:
 
     A loss's own tensors are the fields of a subclass named in its ``EXTRAS``, each optional
     (None: absent), e.g. the RL loss's group in ``scalerlt_mcore.rl.batch``.
+
+    tree: None for a one-level group; a ``PrefixTree`` when the rows are the root-to-leaf
+    sequences of a prefix tree (``from_tree``): the rows are still the naive reference.
     """
 
     tokens: Tensor
@@ -44,6 +49,7 @@ class SharedPrefixGroup:
     loss_mask: Tensor
     prompt_length: int
     group_id: int = 0
+    tree: Optional[PrefixTree] = None
 
     EXTRAS: ClassVar[dict] = {}
     """A subclass's loss-owned tensor fields: name -> shape in the symbols ``R`` (the model's
@@ -65,10 +71,7 @@ class SharedPrefixGroup:
         shifted by one, ``pad_id`` last) and the loss mask (``mask_dtype``, 1 on the positions
         P - 1 .. P - 2 + length that predict a response token).
         """
-        unknown = sorted(set(extras) - set(cls.EXTRAS))
-        if unknown:
-            raise TypeError(f"{cls.__name__} has no extra tensor {unknown[0]!r} (its EXTRAS: "
-                            f"{sorted(cls.EXTRAS)})")
+        _check_extras(cls, extras)
         prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)  # [P]
         lens = _host_lengths(lengths, responses, f"group {group_id}")  # [G] on the host
         P, S, G = prompt.shape[0], int(lens.max()), responses.shape[0]
@@ -85,6 +88,26 @@ class SharedPrefixGroup:
         moved = {n: None if t is None else t.to(device) for n, t in extras.items()}
         return cls(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
                    group_id=group_id, **moved)
+
+    @classmethod
+    def from_tree(cls, segments: list, pad_id: int, *, device=None,
+                  mask_dtype: torch.dtype = torch.float32, group_id: int = 0,
+                  **extras) -> "SharedPrefixGroup":
+        """The group of a prefix tree's root-to-leaf rows, every tensor on ``device``.
+
+        segments: ``TreeSegment``s, the root (the prompt) first; errors name the node.
+        Row g holds the tokens of every node on the path to the g-th leaf (leaves in segment
+        order), right-padded with ``pad_id``; labels are the tokens shifted by one; the loss
+        mask is 1 where the label (token t + 1) is a trained token of its node. ``extras``
+        are per row, as for ``from_rollout``.
+        """
+        _check_extras(cls, extras)
+        tree, tokens, masks = build_tree(segments)
+        rows, labels, mask = tree_rows(tree, tokens, masks, pad_id)  # [G, T] each
+        moved = {n: None if t is None else t.to(device) for n, t in extras.items()}
+        return cls(tokens=rows.to(device), labels=labels.to(device),
+                   loss_mask=mask.to(device=device, dtype=mask_dtype),
+                   prompt_length=tree.ends[0], group_id=group_id, tree=tree, **moved)
 
     @classmethod
     def guarded_fields(cls) -> tuple:
@@ -148,6 +171,8 @@ class SharedPrefixGroup:
             self._check_ids(tag, vocab_size)
         self._check_responses(tag, max_response_length)
         self._check_labels_shifted(tag)
+        if self.tree is not None:
+            self._check_tree(tag)
         if max_positions is not None and self.tokens.shape[1] > max_positions:
             raise ValueError(
                 f"{tag}: sequence length {self.tokens.shape[1]} (prompt {self.prompt_length} + "
@@ -180,6 +205,11 @@ class SharedPrefixGroup:
         if not isinstance(P, numbers.Integral) or not 1 <= P < T:
             raise ValueError(f"{tag}: prompt_length {P!r} must be an integer in [1, {T - 1}] "
                              f"(T={T})")
+
+    def _check_tree(self, tag: str) -> None:
+        if not isinstance(self.tree, PrefixTree):
+            raise TypeError(f"{tag}: tree must be a PrefixTree, got {type(self.tree).__name__}")
+        check_rows(self.tree, tag, self.tokens, self.loss_mask, self.prompt_length)
 
     def _check_constants(self, tag: str) -> None:
         """Every field the replay reads is a constant of the step: one that still carries an
@@ -252,6 +282,13 @@ class SharedPrefixGroup:
                              f"configured maximum {max_response_length}")
 
 
+def _check_extras(cls, extras: dict) -> None:
+    unknown = sorted(set(extras) - set(cls.EXTRAS))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no extra tensor {unknown[0]!r} (its EXTRAS: "
+                        f"{sorted(cls.EXTRAS)})")
+
+
 def _host_lengths(lengths, responses: Tensor, tag: str) -> Tensor:
     """Response lengths [G] as a host tensor, checked against ``responses`` [G, S']."""
     lens = torch.as_tensor(lengths, dtype=torch.long, device="cpu")
@@ -279,19 +316,35 @@ class WaveBatch:
 
     group: the SharedPrefixGroup.
     index: [W] long, the group rows of this wave.
+    span:  the positions of the group layout the wave's output covers (all of them for a
+           one-level group; a tree node's or leaf's positions for a tree group).
     """
 
     group: SharedPrefixGroup
     index: Tensor
+    span: slice = field(default_factory=lambda: slice(None))
+
+    def positions(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        """``t`` [..., T] restricted to the wave's positions [..., span] (None stays None)."""
+        return None if t is None else t[..., self.span]
 
     def rows(self, t: Optional[Tensor], dim: int = 0) -> Optional[Tensor]:
         """``t`` restricted to this wave's rows along ``dim`` (None stays None)."""
         return None if t is None else t.index_select(dim, self.index)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the wave covers every position (a one-level group's wave)."""
+        return self.span == slice(None)
+
     def suffix(self) -> tuple:
         """What the wave's rows run against the prefix state: their response tokens [W, S]
-        (positions P .. T-1) and the labels of the response positions [W, S]."""
+        (positions P .. T-1) and the labels of the response positions [W, S]; for a wave with
+        a ``span`` (a tree's), the tokens whose labels the span holds and those labels."""
         g = self.group
+        if not self.whole:
+            s = self.span
+            return g.tokens[self.index, s.start + 1 : s.stop + 1], g.labels[self.index, s]
         return g.tokens[self.index, g.prompt_length :], g.labels[self.index, g.response_positions]
 
 

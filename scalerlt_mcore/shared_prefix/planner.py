@@ -537,6 +537,9 @@ class Planner:
     def __call__(self, group, model, num_loops: Optional[int] = None) -> GroupPlan:
         """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's)."""
         P, S, G = group.prompt_length, group.response_length, group.group_size
+        tree = getattr(group, "tree", None)
+        if tree is not None and tree.depth > 1 and self.schedule != "naive":
+            return self._tree(group)
         if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
             return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
         m = ModelShape.from_model(model, num_loops)
@@ -554,6 +557,17 @@ class Planner:
         if cost.time(m, P, S, G, naive) < cost.time(m, P, S, G, joint, self.checkpoint_waves):
             return naive
         return joint
+
+    def _tree(self, group) -> GroupPlan:
+        """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;
+        every node's graph retained with ``prompt`` "retain", else recomputed ("auto" too).
+        The memory and cost models price one-level groups only: a tree's plan is not checked
+        against ``memory_budget`` (a naive plan of a tree is priced as its rows)."""
+        if self.wave_size == "auto":
+            raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
+                             f"a tree group (depth {group.tree.depth}) needs an integer "
+                             f"wave_size (or schedule 'naive')")
+        return GroupPlan(min(self.wave_size, group.group_size), retain=self.prompt == "retain")
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)

@@ -11,6 +11,11 @@ Per group (one prompt, G responses):
 Earlier groups of a step run entirely under ``config.no_sync_func`` (as MCore's schedule runs
 microbatches 1..n-1), so the sync-enabled part of every step is exactly one backward call.
 
+A group whose rows are a prefix tree of depth >= 2 (``SharedPrefixGroup.tree``) is trained
+depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (a retaining
+plan keeps every node's graph instead of recomputing it); its root's replay is its one
+backward outside ``no_sync``. A depth-1 tree is a one-level group.
+
 The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,
 model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
 iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose call returns the
@@ -63,6 +68,7 @@ from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 from .naive import FullSequenceModel
 from .planner import GroupPlan, Planner
+from .tree_schedule import TreeReplay, is_tree
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
 
@@ -94,7 +100,8 @@ class WaveModel:
     """The ``model`` a group's ``forward_step_func`` receives: ``model(wave)`` returns the
     per-loop log-probs [R, W, T] of ``wave.group.labels`` for the wave's rows, in the group's
     layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
-    against the prompt's prefix state instead of re-running the prompt."""
+    against the prompt's prefix state instead of re-running the prompt. A wave of a tree's
+    leaves: [R, W, span] of its ``span``, against the state of the leaves' path."""
 
     def __init__(self, inner, state: PrefixState, num_loops: Optional[int] = None):
         self.inner, self.state, self.num_loops = inner, state, num_loops
@@ -110,9 +117,10 @@ class WaveModel:
         tokens, labels = wave.suffix()  # [W, S]
         out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
                                          num_loops=self.num_loops)  # [R, W, S]
-        result = {"logprobs": wave.group.to_layout(out.logprobs)}
+        layout = wave.group.to_layout if wave.whole else (lambda t: t)
+        result = {"logprobs": layout(out.logprobs)}
         if out.exit_logprobs is not None:
-            result["exit_logprobs"] = wave.group.to_layout(out.exit_logprobs)
+            result["exit_logprobs"] = layout(out.exit_logprobs)
         return _with_loop_weights(result, self.inner, self.state.num_loops)
 
 
@@ -273,6 +281,10 @@ class SharedPrefixSchedule:
         """All three phases for one group; phases 1-2 inside ``waves_context``."""
         plan = run.plan
         waves = run.group.waves(plan.wave_size)
+        if is_tree(run.group) and not plan.naive:
+            num_waves = TreeReplay(self, run).train(waves_context)
+            return _merge(run.results, num_waves=num_waves, wave_size=plan.wave_size,
+                          retain=int(plan.retain), naive=0)
         if plan.naive:
             self._train_naive(run, waves, waves_context)
         else:
@@ -356,11 +368,12 @@ class SharedPrefixSchedule:
         return fn(*state.tensors())
 
     def _wave_objective(self, run: _GroupRun, wave: WaveBatch, wave_no: int,
-                        state: PrefixState) -> Tensor:
+                        state: PrefixState, model=None) -> Tensor:
         """One wave's share of the group loss, divided as MCore divides a microbatch's loss
-        (re-run on recompute, so it re-verifies the inputs)."""
+        (re-run on recompute, so it re-verifies the inputs); ``model``: what the loss's
+        ``forward_step_func`` gets (default: the wave against ``state``)."""
         run.guard.verify("wave recompute" if wave_no in run.results else "wave")
-        output, loss_func = self._forward_step(run, wave, state, wave_no)
+        output, loss_func = self._forward_step(run, wave, state, wave_no, model)
         outputs = loss_func(output)
         if len(outputs) != 2:
             raise ValueError("a shared-prefix loss_func returns (loss, stats): the wave's share "
@@ -371,13 +384,14 @@ class SharedPrefixSchedule:
         return loss * run.scale
 
     def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
-                      wave_no: int):
+                      wave_no: int, model=None):
         """``forward_step_func`` on the wave; without a prefix state (a naive plan) the wave's
         rows run as full sequences."""
         if run.first_microbatch and wave_no == 0 and hasattr(run.inner, "set_is_first_microbatch"):
             run.inner.set_is_first_microbatch()
-        model = (FullSequenceModel(run.inner, run.num_loops) if state is None
-                 else WaveModel(run.inner, state, run.num_loops))
+        if model is None:
+            model = (FullSequenceModel(run.inner, run.num_loops) if state is None
+                     else WaveModel(run.inner, state, run.num_loops))
         return run.forward_step_func(iter([wave]), model)
 
     # ---- scoring ---------------------------------------------------------------------------
@@ -386,8 +400,9 @@ class SharedPrefixSchedule:
     def score_group(self, run: _GroupRun):
         """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
         calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built.
-        The waves are the plan's (a naive plan's microbatches are scored as waves)."""
-        state = self._prompt_state(run)
+        The waves are the plan's (a naive plan's microbatches are scored as waves); a tree
+        group's rows are scored as full sequences."""
+        state = None if is_tree(run.group) else self._prompt_state(run)
         for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
             output, loss_func = self._forward_step(run, wave, state, n)
             if run.collect_non_loss_data:

@@ -1,0 +1,259 @@
+"""Joint replay over a prefix tree (a group with ``tree`` of depth >= 2), depth first.
+
+For node N with the state P of its ancestors (their K/V concatenated along positions):
+  1. descend   - N's own per-(loop, layer) K/V and boundary once without grad against P,
+                 detached into grad leaves L_N; N's path state = cat(P, L_N);
+  2. units     - N's children but the last unit are trained against the path: internal
+                 children first (each its whole subtree and its own replay, one backward),
+                 then its leaf children in waves; every leaf of the path collects its adjoint
+                 (autograd sums through the cats);
+  3. replay    - one backward of the chain N -> its last unit -> ... -> a last leaf wave:
+                 every chain node's state recomputed with grad against its recomputed
+                 ancestors (the chain's top against P), its own trained tokens' loss, the last
+                 leaf wave's loss and sum_k <state_k, adjoint_k> (the leaves' grads).
+With a retaining plan (``GroupPlan.retain``) step 1 runs with grad against the chain's
+retained ancestors, its graph (and own-token loss) kept for the replay instead of the
+recompute; the graphs held are still those of one root-to-leaf path.
+A non-root replay's top attends to P, the leaves of its ancestors: its backward passes its
+adjoint up into them. The root's replay is the group's last backward and always holds a
+leaf wave, so every parameter gets its gradient in it: the schedule runs everything else in
+``waves_context`` (the step's ``no_sync``) and the root's replay is the one sync-enabled
+backward of the step, whatever the tree's shape.
+
+An internal node's own trained tokens are one loss call whose rows are every row below the
+node: its log-probs, computed once (batch 1), expanded over those rows; the loss weighs them
+with each row's own weights (advantages), as the naive rows do.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..model.kv import PrefixState, trained_depths
+from .group import WaveBatch
+
+
+@dataclass
+class _Wave:
+    """A unit: a wave of leaf children of one node."""
+
+    batch: WaveBatch
+
+
+@dataclass
+class _Node:
+    """A unit: an internal child node."""
+
+    node: int
+
+
+@dataclass
+class _Link:
+    """A node of a replay chain: its adjoint leaves and, when retained, its state's graph and
+    own-token loss."""
+
+    node: int
+    leaves: PrefixState
+    state: Optional[PrefixState] = None
+    loss: Optional[Tensor] = None
+
+
+class FixedReadouts:
+    """The ``model`` a node's own-token loss receives: the node's readouts, computed once
+    against its path (``logprobs`` [R, W, L] and with the exit gate ``exit_logprobs``;
+    ``loop_weights`` [R] with learned loop credit), whatever wave it is asked for."""
+
+    def __init__(self, inner, readouts: dict):
+        self.config, self.result = inner.config, readouts
+
+    def __call__(self, wave: WaveBatch) -> Tensor:
+        return self.result["logprobs"]
+
+    def readouts(self, wave: WaveBatch) -> dict:
+        return self.result
+
+
+class TreeReplay:
+    """Trains one tree group with the phases of ``SharedPrefixSchedule`` (``schedule``): its
+    wave losses, the guard, the phase callbacks. ``run``: the group's ``_GroupRun``."""
+
+    def __init__(self, schedule, run):
+        self.schedule, self.run, self.retain = schedule, run, run.plan.retain
+        self.group, self.tree = run.group, run.group.tree
+        self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+        self.has_loss = _nodes_with_loss(self.group)
+        self.calls = 0  # loss calls so far: each one's number in the group's results
+        self.num_waves = 0
+
+    def train(self, waves_context) -> int:
+        """The whole group: the root's descent and every non-root replay inside
+        ``waves_context``, then the root's replay. -> the number of leaf waves."""
+        with waves_context():
+            chain = self._descend(0, None, None)
+        self.run.guard.verify("joint replay", contents=True)
+        self._replay(chain, None)
+        return self.num_waves
+
+    # ---- the plan of a node ----------------------------------------------------------------
+
+    def _units(self, n: int) -> list:
+        """Node n's internal children, then its leaf children in waves of the plan's size."""
+        children = self.tree.children(n)
+        units = [_Node(c) for c in children if not self.tree.is_leaf(c)]
+        leaves = [c for c in children if self.tree.is_leaf(c)]
+        rows = {leaf: g for g, leaf in enumerate(self.tree.leaf_of_row)}
+        size = self.run.plan.wave_size
+        for k in range(0, len(leaves), size):
+            wave = leaves[k : k + size]
+            index = torch.tensor([rows[c] for c in wave], device=self.group.tokens.device)
+            end = max(self.tree.ends[c] for c in wave)
+            span = slice(self.tree.ends[n] - 1, end - 1)  # the labels of the wave's tokens
+            units.append(_Wave(WaveBatch(self.group, index, span)))
+        return units
+
+    # ---- phases ----------------------------------------------------------------------------
+
+    def _descend(self, n: int, prefix: Optional[PrefixState],
+                 chain: Optional[PrefixState]) -> list:
+        """Phases 1-2 for node n and, through its last unit, its chain down to a last leaf
+        wave -> the chain: [_Link, ..., the last _Wave]. ``prefix``: the ancestors' leaves;
+        ``chain`` (retain): the state n's retained graph is computed against (the chain's
+        retained ancestors after the chain top's ``prefix``)."""
+        self.run.guard.verify("tree node state")
+        with contextlib.nullcontext() if self.retain else torch.no_grad():
+            own, loss = self._own(n, chain if self.retain else prefix,
+                                  loss=self.retain and self.has_loss[n])
+        self.schedule.phase_callback("prompt_producer", self.group)
+        leaves = own.detached_leaves(torch.float32, self.trained)
+        path = _cat(prefix, leaves)
+        units = self._units(n)
+        for unit in units[:-1]:
+            self._train_unit(unit, path)
+        last = units[-1]
+        link = _Link(n, leaves, own, loss) if self.retain else _Link(n, leaves)
+        if isinstance(last, _Wave):
+            return [link, last]
+        return [link, *self._descend(last.node, path, _cat(chain, own) if self.retain else None)]
+
+    def _train_unit(self, unit, path: PrefixState) -> None:
+        if isinstance(unit, _Wave):
+            loss = self._wave_loss(path, unit.batch)
+            self._backward([loss], [None])
+            self.schedule.phase_callback("wave", self.group)
+        else:
+            self._replay(self._descend(unit.node, path, path), path)
+
+    def _replay(self, chain: list, prefix: Optional[PrefixState]) -> None:
+        """Phase 3: one backward of the chain's recomputed states, own-token losses, its last
+        leaf wave and the adjoints the chain's leaves collected."""
+        roots, grads, state = [], [], prefix
+        for link in chain[:-1]:
+            own, loss = link.state, link.loss
+            if own is None:  # recompute
+                own, loss = self._own(link.node, state, loss=self.has_loss[link.node])
+            if loss is not None:
+                roots.append(loss)
+                grads.append(None)
+            for t, leaf in zip(own.tensors(), link.leaves.tensors()):
+                if t.requires_grad and leaf.requires_grad and leaf.grad is not None:
+                    roots.append(t)
+                    grads.append(leaf.grad.to(t.dtype))
+            state = _cat(state, own)
+        roots.append(self._wave_loss(state, chain[-1].batch))
+        self._backward(roots, [*grads, None])
+        self.schedule.phase_callback("joint_replay", self.group)
+
+    # ---- one node's forward and the loss calls ---------------------------------------------
+
+    def _own(self, n: int, prefix: Optional[PrefixState], loss: bool) -> tuple:
+        """Node n's own state against ``prefix`` (its ancestors; None for the root) and, with
+        ``loss``, the loss of its own trained tokens -> (PrefixState of its L positions, the
+        scaled loss or None)."""
+        g, tree, run = self.group, self.tree, self.run
+        row = tree.rows_below(n)[0]
+        start, end = tree.starts[n], tree.ends[n]
+        tokens = g.tokens[row : row + 1, start:end]  # [1, L]
+        labels = g.labels[row : row + 1, start:end] if loss else None  # [1, L]: label of L-1 unused
+        prefix = _as_prefix(prefix, run.state_dtype)
+        out = run.inner(tokens, labels=labels, prefix_state=prefix, return_prefix_state=True,
+                        readout=loss, num_loops=run.num_loops)
+        if run.state_dtype is None:
+            run.state_dtype = out.prefix_state.boundary.dtype
+        if not loss:
+            return out.prefix_state, None
+        return out.prefix_state, self._own_loss(n, prefix, tokens, out)
+
+    def _own_loss(self, n: int, prefix: PrefixState, tokens: Tensor, out) -> Tensor:
+        """The loss of node n's tokens' labels (positions start-1 .. end-2): the first from its
+        parent's boundary, the rest from its own positions 0 .. L-2, over every row below."""
+        run = self.run
+        first = run.inner.boundary_readouts(prefix, tokens[:, 0], num_loops=run.num_loops)
+        rows = torch.tensor(self.tree.rows_below(n), device=tokens.device)
+        readouts = {"logprobs": _own_span(first.logprobs, out.logprobs, len(rows))}
+        if out.exit_logprobs is not None:
+            readouts["exit_logprobs"] = _own_span(first.exit_logprobs, out.exit_logprobs,
+                                                  len(rows))
+        weights = getattr(run.inner, "loop_weights", lambda R: None)(run.num_loops)
+        if weights is not None:
+            readouts["loop_weights"] = weights
+        wave = WaveBatch(self.group, rows, self.tree.positions(n))
+        return self._call(wave, None, FixedReadouts(run.inner, readouts))
+
+    def _wave_loss(self, state: PrefixState, wave: WaveBatch) -> Tensor:
+        self.num_waves += 1
+        return self._call(wave, state, None)
+
+    def _call(self, wave: WaveBatch, state, model) -> Tensor:
+        number, self.calls = self.calls, self.calls + 1
+        if model is None:
+            loss = self.schedule._wave_loss(self.run, state, wave, number)
+        else:
+            loss = self.schedule._wave_objective(self.run, wave, number, None, model)
+        return _scaled(loss, self.run.config)
+
+    def _backward(self, roots: list, grads: list) -> None:
+        torch.autograd.backward(roots, grads)
+
+
+def is_tree(group) -> bool:
+    """Whether ``group`` trains by the tree schedule: a tree of depth >= 2 (a depth-1 tree is
+    a one-level group and keeps its schedule)."""
+    return group.tree is not None and group.tree.depth > 1
+
+
+def _own_span(first: Tensor, rest: Tensor, rows: int) -> Tensor:
+    """[R, 1, 1] (from the parent's boundary) and [R, 1, L] (the node's positions) -> the
+    node's labels [R, rows, L], one row expanded over every row below the node."""
+    return torch.cat([first, rest[:, :, :-1]], dim=2).expand(-1, rows, -1)
+
+
+def _cat(prefix: Optional[PrefixState], own: PrefixState) -> PrefixState:
+    """The path state: the ancestors' K/V then the node's, along positions; its boundary."""
+    if prefix is None:
+        return own
+    keys = [torch.cat([p, o]) for p, o in zip(prefix.keys, own.keys)]  # [P + L, 1, ng, hn]
+    values = [torch.cat([p, o]) for p, o in zip(prefix.values, own.values)]
+    return PrefixState(keys, values, own.boundary, own.signature)
+
+
+def _as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
+    """A path state as a forward's prefix: the boundary in the model's dtype (leaves may be
+    wider); K/V as they are."""
+    if state is None or dtype is None or state.boundary.dtype == dtype:
+        return state
+    return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
+
+
+def _nodes_with_loss(group) -> list:
+    """Per node: whether any row below it trains one of its tokens (one read on the host)."""
+    tree, mask = group.tree, group.loss_mask != 0
+    flags = torch.stack([mask[list(tree.rows_below(n))][:, tree.positions(n)].any()
+                         for n in range(tree.num_nodes)])
+    return flags.tolist()
+
+
+def _scaled(loss, config):
+    return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss
