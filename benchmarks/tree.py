@@ -37,7 +37,7 @@ class TreeWorkload:
     hidden: int = 128
     heads: int = 2
     vocab: int = 64  # small on purpose, as in workloads.py
-    repetitions: int = 3  # timed steps per way (after one warm-up); wall = the fastest
+    repetitions: int = 3  # timed steps per way; wall = the fastest
 
     def describe(self) -> dict:
         return asdict(self)
@@ -213,16 +213,23 @@ def joint_tree_step(model, group, objective, wave_size: int) -> torch.Tensor:
 
 # ---- analytic FLOPs ---------------------------------------------------------------------------
 
-def layer_shape(config) -> dict:
-    """Matmul FLOPs per token of one forward of one layer, attention FLOPs per (query, key)
-    pair of one layer, readout FLOPs per token of one loop, from a looped GPT config."""
-    H, F = config.hidden_size, config.ffn_hidden_size
-    heads, d = config.num_attention_heads, config.kv_channels
-    groups = config.num_query_groups or heads
-    fc1 = H * F * (2 if config.gated_linear_unit else 1)
-    macs = H * (heads + 2 * groups) * d + heads * d * H + fc1 + F * H  # qkv, proj, fc1, fc2
-    return {"matmul_per_token": 2 * macs, "attention_per_pair": 2 * 2 * heads * d,
-            "layers": config.num_layers}
+def layer_shape(hidden: int, ffn: int, heads: int, head_dim: int, query_groups: int,
+                gated: bool, layers: int) -> dict:
+    """Matmul FLOPs per token of one forward of one layer (qkv, output projection, fc1, fc2;
+    2 per multiply-add), attention FLOPs per (query, key) pair of one layer (QK^T and PV)."""
+    fc1 = hidden * ffn * (2 if gated else 1)
+    macs = (hidden * (heads + 2 * query_groups) * head_dim + heads * head_dim * hidden + fc1
+            + ffn * hidden)
+    return {"matmul_per_token": 2 * macs, "attention_per_pair": 2 * 2 * heads * head_dim,
+            "layers": layers, "hidden": hidden}
+
+
+def config_shape(config) -> dict:
+    """``layer_shape`` of a looped GPT config."""
+    heads = config.num_attention_heads
+    return layer_shape(config.hidden_size, config.ffn_hidden_size, heads, config.kv_channels,
+                       config.num_query_groups or heads, config.gated_linear_unit,
+                       config.num_layers)
 
 
 def pass_flops(shape: dict, vocab: int, loops: int, tokens: int, pairs: int, readouts: int,
@@ -254,17 +261,33 @@ def analytic_passes(wl: TreeWorkload) -> dict:
     unique = sum(n.length for n in nodes)
     tree_pairs = sum(node_pairs(nodes, i) for i in range(len(nodes)))
     internal = [i for i in range(len(nodes)) if i not in leaves(nodes)]
-    joint = [(nodes[i].length, node_pairs(nodes, i), 0, 1) for i in internal]
-    joint.append((unique, tree_pairs, unique - nodes[0].length, 3))
+    once = (unique, tree_pairs, unique - nodes[0].length, 3)
+    joint = [(nodes[i].length, node_pairs(nodes, i), 0, 1) for i in internal] + [once]
     return {"naive": [(sum(rows), sum(T * (T + 1) // 2 for T in rows), sum(rows), 3)],
-            "tree_mask": [(unique, tree_pairs, unique, 3)], "joint": joint}
+            "tree_mask": [(unique, tree_pairs, unique, 3)], "joint": joint,
+            "joint_retained": [once]}
 
 
-def analytic_flops(wl: TreeWorkload, config) -> dict:
-    """way -> causal FLOPs of one step (forward + backward), docs/benchmarks.md's formula."""
-    shape = {**layer_shape(config), "hidden": config.hidden_size}
+def analytic_flops(wl: TreeWorkload, shape: dict) -> dict:
+    """way -> causal FLOPs of one step (forward + backward), docs/benchmarks.md's formula;
+    ``joint_retained``: joint replay with every internal node's graph kept (no recompute)."""
     return {way: sum(pass_flops(shape, wl.vocab, wl.num_loops, *p) for p in passes)
             for way, passes in analytic_passes(wl).items()}
+
+
+SCALING_HIDDEN = (1024, 4096)
+"""Hidden sizes (head dim 128, FFN 4H) at which the analytic naive / way ratios are also
+given: attention's share of the FLOPs, and so the distance to the limit, shrinks with H."""
+
+
+def analytic_scaling(wl: TreeWorkload) -> dict:
+    """hidden -> way -> naive / way analytic causal FLOPs, at ``wl``'s layers and loops."""
+    out = {}
+    for H in SCALING_HIDDEN:
+        flops = analytic_flops(wl, layer_shape(H, 4 * H, H // 128, 128, H // 128, False,
+                                               wl.core_layers))
+        out[str(H)] = {way: flops["naive"] / f for way, f in flops.items() if way != "naive"}
+    return out
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -321,10 +344,10 @@ def run_tree_bench(wl: TreeWorkload = TREE, seed: int = 0, log=print) -> dict:
     model, rows, packed, joint_group = build(wl, seed)
     steps = step_functions(model, rows, packed, joint_group, wl.wave_size)
     agreement = check_agreement(steps, model, loss_scale=float(rows.advantages.abs().mean()))
-    analytic = analytic_flops(wl, model.config)
+    analytic = analytic_flops(wl, config_shape(model.config))
     counted = {n: count_flops(s) for n, s in steps.items()}
     saved = {n: peak_saved_bytes(s, model) for n, s in steps.items()}
-    times = time_round_robin(steps, wl.repetitions)
+    times = time_round_robin(steps, wl.repetitions, warmup=0)  # the passes above warmed up
     result = tree_result(wl, analytic, counted, saved, times, agreement)
     result["bench_seconds"] = time.perf_counter() - t0
     nj = result["naive_over"].get("joint", {})
@@ -364,6 +387,10 @@ def tree_result(wl: TreeWorkload, analytic: dict, counted: dict, saved: dict, ti
     return {"workload": wl.describe(), "tokens": counts, "flops_limit_ratio": limit,
             "ways": ways, "naive_over": naive_over,
             "joint_over_tree_mask_saved_bytes": joint_saved,
+            "joint_retained_flops_causal": analytic["joint_retained"],
+            "naive_over_joint_retained_flops_causal":
+                analytic["naive"] / analytic["joint_retained"],
+            "analytic_naive_over_by_hidden": analytic_scaling(wl),
             "targets": tree_targets(wl.name, limit, naive_over.get("joint"), joint_saved),
             "agreement_max_rel_err": agreement}
 
@@ -412,6 +439,13 @@ def markdown(result: dict) -> str:
                      f"| {_fmt(r['saved_bytes'])} | {_fmt(r['wall'])} |")
     from .report import targets_table
 
+    scaling = ", ".join(f"H={H}: joint {_fmt(r['joint'])}, joint retained "
+                        f"{_fmt(r['joint_retained'])}, tree mask {_fmt(r['tree_mask'])}"
+                        for H, r in result["analytic_naive_over_by_hidden"].items())
+    lines += ["", f"Analytic naive / way causal FLOPs at this model with every internal node's "
+              f"graph retained (no recompute): "
+              f"{_fmt(result['naive_over_joint_retained_flops_causal'])}; at larger hidden "
+              f"sizes (head dim 128): {scaling}."]
     return "\n".join(lines + ["", targets_table(result["targets"])])
 
 
