@@ -242,9 +242,10 @@ def pass_flops(shape: dict, vocab: int, loops: int, tokens: int, pairs: int, rea
                                  * readouts)
 
 
-def node_pairs(nodes: list, n: int) -> int:
-    """(query, key) pairs of node n's tokens: every ancestor token, and causal in the node."""
-    L, above = nodes[n].length, nodes[n].start
+def node_pairs(nodes: list, n: int, tokens: int = None) -> int:
+    """(query, key) pairs of node n's first ``tokens`` tokens (default all): every ancestor
+    token, and causal in the node."""
+    L, above = nodes[n].length if tokens is None else tokens, nodes[n].start
     return L * above + L * (L + 1) // 2
 
 
@@ -254,18 +255,23 @@ def analytic_passes(wl: TreeWorkload) -> dict:
     naive: every row through the model (causal), read out at every position; tree_mask: every
     unique token once over its ancestor keys, read out at every unique position; joint: every
     internal node's tokens (the root's included) once without grad (its K/V) and once in its
-    replay (forward + backward), every leaf once in its wave; read out at every non-root node's
-    label positions once."""
+    replay (forward + backward), every leaf once in its wave without its last token (whose
+    output predicts nothing); read out at every non-root node's label positions once;
+    joint_retained: joint without the no-grad passes (every internal node's graph kept)."""
     nodes = tree_nodes(wl)
-    rows = [nodes[leaf].end for leaf in leaves(nodes)]
+    leaf = leaves(nodes)
+    rows = [nodes[n].end for n in leaf]
     unique = sum(n.length for n in nodes)
     tree_pairs = sum(node_pairs(nodes, i) for i in range(len(nodes)))
-    internal = [i for i in range(len(nodes)) if i not in leaves(nodes)]
-    once = (unique, tree_pairs, unique - nodes[0].length, 3)
-    joint = [(nodes[i].length, node_pairs(nodes, i), 0, 1) for i in internal] + [once]
+    internal = [i for i in range(len(nodes)) if i not in leaf]
+    k_v = [(nodes[i].length, node_pairs(nodes, i), 0, 1) for i in internal]
+    replays = [(nodes[i].length, node_pairs(nodes, i), nodes[i].length if i else 0, 3)
+               for i in internal]
+    waves = [(nodes[i].length - 1, node_pairs(nodes, i, nodes[i].length - 1), nodes[i].length,
+              3) for i in leaf]
     return {"naive": [(sum(rows), sum(T * (T + 1) // 2 for T in rows), sum(rows), 3)],
-            "tree_mask": [(unique, tree_pairs, unique, 3)], "joint": joint,
-            "joint_retained": [once]}
+            "tree_mask": [(unique, tree_pairs, unique, 3)], "joint": k_v + replays + waves,
+            "joint_retained": replays + waves}
 
 
 def analytic_flops(wl: TreeWorkload, shape: dict) -> dict:

@@ -45,12 +45,13 @@ def test_analytic_flops_hand_count():
     naive = 3 * 2 * (384 * 10 + 16 * 30 + readout * 10)
     # unique tokens 3 + 2 + 2; pairs: root 6, each child 2 x 3 ancestors + 3 causal
     tree_mask = 3 * 2 * (384 * 7 + 16 * (6 + 2 * 9) + readout * 7)
-    # joint: the root once without grad (no readout), then every node once with grad, read out
-    # at the children's 4 label positions
-    joint = 2 * (384 * 3 + 16 * 6) + 3 * 2 * (384 * 7 + 16 * 24 + readout * 4)
+    # joint: the root once without grad (no readout) and once in its replay; each leaf in its
+    # wave without its last token (1 token, 3 + 1 pairs), read out at its 2 label positions
+    no_grad = 2 * (384 * 3 + 16 * 6)
+    joint = no_grad + 3 * 2 * (384 * 3 + 16 * 6) + 3 * 2 * 2 * (384 + 16 * 4 + readout * 2)
     flops = tree.analytic_flops(wl, shape)
     assert flops == {"naive": naive, "tree_mask": tree_mask, "joint": joint,
-                     "joint_retained": joint - 2 * (384 * 3 + 16 * 6)}
+                     "joint_retained": joint - no_grad}
 
 
 def test_analytic_flops_match_pytorchs_count(mcore_single):
