@@ -29,7 +29,8 @@ def test_the_bench_tree_and_its_limit():
     assert nodes[6] == tree.Node(0, 512, 96, 64)  # depth first: node 1's 4 leaves, then 6
     assert tree.token_counts(tree.TREE) == {"naive": 16 * 672, "unique": 512 + 4 * 96 + 16 * 64,
                                             "rows": 16, "row_length": 672}
-    assert tree.tree_targets("tree", 5.6, None, None)[0]["target"] == pytest.approx(5.04)
+    flops, saved = tree.tree_targets("tree", 5.6, "joint", 5.0, 0.5)
+    assert flops["target"] == pytest.approx(5.04) and not flops["ok"] and saved["ok"]
 
 
 def test_analytic_flops_hand_count():
@@ -51,19 +52,31 @@ def test_analytic_flops_hand_count():
     joint = no_grad + 3 * 2 * (384 * 3 + 16 * 6) + 3 * 2 * 2 * (384 + 16 * 4 + readout * 2)
     flops = tree.analytic_flops(wl, shape)
     assert flops == {"naive": naive, "tree_mask": tree_mask, "joint": joint,
-                     "joint_retained": joint - no_grad}
+                     "joint_retain": joint - no_grad}
 
 
 def test_analytic_flops_match_pytorchs_count(mcore_single):
-    """The analytic naive step is PyTorch's FlopCounterMode count of it (causal SDPA); the
-    tree mask's dense kernel computes every (query, key) pair of the packed square."""
-    model, rows, packed, _ = tree.build(TINY)
-    steps = tree.step_functions(model, rows, packed, None, TINY.wave_size)
+    """The analytic naive and joint steps are PyTorch's FlopCounterMode counts of them (causal
+    SDPA; joint: every internal node without grad and in its replay, or retained; leaf waves
+    without the leaf's last token); the tree mask's dense kernel computes every (query, key)
+    pair of the packed square."""
+    model, rows, packed, group = tree.build(TINY)
+    steps = tree.step_functions(model, rows, packed, group, TINY.wave_size)
     shape = tree.config_shape(model.config)
-    assert count_flops(steps["naive"])["causal"] == tree.analytic_flops(TINY, shape)["naive"]
+    analytic = tree.analytic_flops(TINY, shape)
+    for way in ("naive", "joint", "joint_retain"):
+        assert count_flops(steps[way])["causal"] == analytic[way], way
     U = tree.token_counts(TINY)["unique"]
     dense = tree.pass_flops(shape, TINY.vocab, TINY.num_loops, U, U * U, U, 3)
     assert count_flops(steps["tree_mask"])["dense"] == dense
+
+
+def test_the_naive_rows_are_the_trees_rows(mcore_single):
+    """The benchmark's naive rows are ``RLGroup.from_tree``'s rows of the same segments."""
+    _, rows, _, group = tree.build(TINY)
+    for field in ("tokens", "labels", "loss_mask", "advantages", "old_logprobs"):
+        assert torch.equal(getattr(group, field), getattr(rows, field)), field
+    assert group.tree is not None and group.tree.depth == 2
 
 
 def test_tree_mask_hides_siblings():
@@ -102,20 +115,20 @@ def test_the_tree_entry_and_its_report(tmp_path, monkeypatch):
     assert set(r["ways"]) == set(tree.WAYS)
     assert r["flops_limit_ratio"] == pytest.approx(tree.token_counts(TINY)["naive"]
                                                    / tree.token_counts(TINY)["unique"])
-    ran = [w for w, s in r["ways"].items() if "missing" not in s]
-    assert {"naive", "tree_mask"} <= set(ran)
-    for way in ran:
-        s = r["ways"][way]
+    for s in r["ways"].values():
         assert s["flops_causal"] > 0 and s["saved_bytes"] > 0 and s["wall_s"] > 0
-        assert s["wall_s"] == min(s["wall_all_s"])
-    assert r["naive_over"]["tree_mask"]["flops_causal"] > 1
+        assert s["wall_s"] == min(s["wall_all_s"]) and len(s["wall_all_s"]) == TINY.repetitions
+    assert set(r["naive_over"]) == set(tree.WAYS) - {"naive"}
+    assert all(x["flops_causal"] > 1 for x in r["naive_over"].values())
+    assert r["joint_variant"] == "joint_retain"  # the fewest FLOPs
     for err in r["agreement_max_rel_err"].values():
         assert err["loss"] <= 1e-5 and err["grad"] <= 1e-5
     rows = [t for t in doc["meta"]["targets"] if t["workload"] == "tree"]
-    assert [t["figure"] for t in rows] == ["naive_over.joint.flops_causal >=",
-                                           "joint_over_tree_mask_saved_bytes <"]
-    if "joint" not in ran:  # not measured: the targets fail, nothing is made up
-        assert all(t["measured"] is None and not t["ok"] for t in rows)
+    assert [t["figure"] for t in rows] == ["naive_over.joint.flops_causal (joint_retain) >=",
+                                           "joint_over_tree_mask_saved_bytes (joint_retain) <"]
+    assert rows[0]["measured"] == r["naive_over"]["joint_retain"]["flops_causal"]
+    assert rows[1]["measured"] == (r["ways"]["joint_retain"]["saved_bytes"]
+                                   / r["ways"]["tree_mask"]["saved_bytes"])
     md = (tmp_path / "cpu.md").read_text()
     assert md.count(tree.MD_HEADING) == 1 and "| tree_mask |" in md
     tree.merge_into(str(tmp_path), r)  # run alone again: the section is replaced
