@@ -257,9 +257,13 @@ def analytic_passes(wl: TreeWorkload) -> dict:
     naive: every row through the model (causal), read out at every position; tree_mask: every
     unique token once over its ancestor keys, read out at every unique position; joint: every
     internal node's tokens (the root's included) once without grad (its K/V) and once in its
-    replay (forward + backward), every leaf once in its wave without its last token (whose
-    output predicts nothing); read out at every non-root node's label positions once;
-    joint_retain: joint without the no-grad passes (every internal node's graph kept)."""
+    replay (forward + backward), read out at its own positions and its parent's boundary when
+    it has trained tokens; every leaf once in its wave without its last token (whose output
+    predicts nothing), read out there, and once per wave at the parent's boundary (the first
+    label of every leaf of the wave); joint_retain: joint without the no-grad passes (every
+    internal node's graph kept). Checked against PyTorch's count for trees whose non-root
+    internal nodes all carry trained tokens (as the workload's); with one that carries none
+    the count is a little lower."""
     nodes = tree_nodes(wl)
     leaf = leaves(nodes)
     rows = [nodes[n].end for n in leaf]
@@ -267,10 +271,13 @@ def analytic_passes(wl: TreeWorkload) -> dict:
     tree_pairs = sum(node_pairs(nodes, i) for i in range(len(nodes)))
     internal = [i for i in range(len(nodes)) if i not in leaf]
     k_v = [(nodes[i].length, node_pairs(nodes, i), 0, 1) for i in internal]
-    replays = [(nodes[i].length, node_pairs(nodes, i), nodes[i].length if i else 0, 3)
-               for i in internal]
-    waves = [(nodes[i].length - 1, node_pairs(nodes, i, nodes[i].length - 1), nodes[i].length,
-              3) for i in leaf]
+    replays = [(nodes[i].length, node_pairs(nodes, i),
+                nodes[i].length + 1 if i and nodes[i].trained else 0, 3) for i in internal]
+    waves = [(nodes[i].length - 1, node_pairs(nodes, i, nodes[i].length - 1),
+              nodes[i].length - 1, 3) for i in leaf]
+    for n in internal:  # one boundary readout per wave
+        below = sum(1 for i in leaf if nodes[i].parent == n)
+        waves.append((0, 0, -(-below // wl.wave_size), 3))
     return {"naive": [(sum(rows), sum(T * (T + 1) // 2 for T in rows), sum(rows), 3)],
             "tree_mask": [(unique, tree_pairs, unique, 3)], "joint": k_v + replays + waves,
             "joint_retain": replays + waves}

@@ -46,10 +46,11 @@ def test_analytic_flops_hand_count():
     naive = 3 * 2 * (384 * 10 + 16 * 30 + readout * 10)
     # unique tokens 3 + 2 + 2; pairs: root 6, each child 2 x 3 ancestors + 3 causal
     tree_mask = 3 * 2 * (384 * 7 + 16 * (6 + 2 * 9) + readout * 7)
-    # joint: the root once without grad (no readout) and once in its replay; each leaf in its
-    # wave without its last token (1 token, 3 + 1 pairs), read out at its 2 label positions
+    # joint: the root once without grad (no readout) and once in its replay; both leaves in one
+    # wave without their last token (1 token, 3 + 1 pairs each), read out there and once at
+    # the root's boundary (the leaves' first label)
     no_grad = 2 * (384 * 3 + 16 * 6)
-    joint = no_grad + 3 * 2 * (384 * 3 + 16 * 6) + 3 * 2 * 2 * (384 + 16 * 4 + readout * 2)
+    joint = no_grad + 3 * 2 * (384 * 3 + 16 * 6) + 3 * 2 * (2 * (384 + 16 * 4) + readout * 3)
     flops = tree.analytic_flops(wl, shape)
     assert flops == {"naive": naive, "tree_mask": tree_mask, "joint": joint,
                      "joint_retain": joint - no_grad}
