@@ -309,7 +309,6 @@ def analytic_scaling(wl: TreeWorkload) -> dict:
 
 WAYS = ("naive", "tree_mask", "joint", "joint_retain")
 JOINT_WAYS = ("joint", "joint_retain")
-SAVED_TARGET = "joint.saved_bytes < tree_mask.saved_bytes"
 
 
 def build(wl: TreeWorkload, seed: int = 0):
