@@ -1,14 +1,16 @@
 """CPU benchmark: naive (one microbatch of G; G microbatches of one) vs packed tree mask vs
 joint replay, one process, same model and data.
 
-``python -m benchmarks.run [--only A,B,rl_step] [--no-sweep] [--no-prompt-sweep] [--no-rl-step]
-[--out ...]``
+``python -m benchmarks.run [--only A,B,rl_step,host_syncs,tree] [--no-sweep] [--no-prompt-sweep]
+[--no-rl-step] [--no-decode] [--no-tree] [--out ...]``
 Writes cpu.json, cpu.md and cpu.png, and prints the table. Aborts (non-zero exit) if any
 schedule's loss or gradients differ from naive training's by more than 1e-5 (fp32, relative
 to each tensor's max). ``rl_step`` (benchmarks/rl_step.py): the main job's whole RL step,
 naive vs joint, on the long-prompt task; stored under ``rl_step`` in cpu.json. ``host_syncs``
 (benchmarks/decode.py): host syncs per decoded token and training step, decode tokens/s
-against transformers; stored under ``host_syncs``.
+against transformers; stored under ``host_syncs``. ``tree`` (benchmarks/tree.py): a depth-3
+prefix tree, naive rows vs packed tree mask vs joint replay over the tree; stored under
+``tree``.
 """
 
 import argparse
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
                         help="skip the whole-RL-step benchmark (benchmarks/rl_step.py)")
     parser.add_argument("--no-decode", action="store_true",
                         help="skip the host-sync and decode benchmark (benchmarks/decode.py)")
+    parser.add_argument("--no-tree", action="store_true",
+                        help="skip the prefix-tree workload (benchmarks/tree.py)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     for category in (UserWarning, DeprecationWarning, FutureWarning):  # MCore's import notes
@@ -74,12 +78,13 @@ def main(argv=None) -> int:
     from .prompt_sweep import run_sweep
 
     workloads = list(HEADLINE) + [DEMO] + ([] if args.no_sweep else sweep_workloads())
-    rl_step, decode = not args.no_rl_step, not args.no_decode
+    rl_step, decode, tree = not args.no_rl_step, not args.no_decode, not args.no_tree
     if args.only:
         keep = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in keep]
         rl_step = rl_step and "rl_step" in keep
         decode = decode and "host_syncs" in keep
+        tree = tree and "tree" in keep
     results, extra, prompt_sweep = {}, {}, []
     with model_parallel_context(seed=args.seed):
         for wl in workloads:
@@ -100,6 +105,13 @@ def main(argv=None) -> int:
             from .decode import run_decode_bench
 
             extra["host_syncs"] = run_decode_bench()
+        if tree:
+            from . import tree as tree_bench
+
+            try:
+                extra["tree"] = tree_bench.run_tree_bench(tree_bench.TREE, seed=args.seed)
+            except AgreementError as err:
+                return _abort(args.out, "tree", "ways disagree with naive training", err)
     total = time.perf_counter() - t0
     return _write(args.out, results, total, extra, prompt_sweep)
 
@@ -141,7 +153,7 @@ def _write(out: str, results: dict, total: float, extra: dict = None,
             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
             "dtype": "float32", "tolerance": TOLERANCE, "bench_seconds": total, "method": METHOD,
             "notes": notes}
-    targets = check_targets({**results, **extra})
+    targets = check_targets({**results, **extra}) + extra.get("tree", {}).get("targets", [])
     meta["targets"] = targets
     os.makedirs(out, exist_ok=True)
     sweep = {"prompt_sweep": list(prompt_sweep)} if prompt_sweep else {}
@@ -157,6 +169,12 @@ def _write(out: str, results: dict, total: float, extra: dict = None,
 
         with open(os.path.join(out, "cpu.md"), "a") as f:
             f.write(f"\n{MD_HEADING}\n\n{rl_step_markdown(extra['rl_step'])}\n")
+    if "tree" in extra:
+        from .tree import MD_HEADING as TREE_HEADING
+        from .tree import markdown as tree_markdown
+
+        with open(os.path.join(out, "cpu.md"), "a") as f:
+            f.write(f"\n{TREE_HEADING}\n\n{tree_markdown(extra['tree'])}\n")
     plot(os.path.join(out, "cpu.png"), results, "CPU: naive / joint replay")
     print(markdown_table(results))
     print()
