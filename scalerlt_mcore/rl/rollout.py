@@ -19,6 +19,9 @@ Two ways to hold the prompts, the same samples (``generate(..., prompt_once=...)
   keep only their own tokens' K/V and read the prompt's single copy through
   ``prompt_once_attention`` (``DepthKVCache(prefix=...)``).
 
+Prefix trees (multi-turn and branching rollouts) chain such caches one level per tree depth:
+``rl/tree_rollout.py`` (``generate_tree``), sampling through the same ``decode_tokens``.
+
 Under tensor parallelism the model returns the whole (padded) vocabulary's logits on every rank
 of a TP group and each rank's KV caches (per row, or the prompt-once prefix and continuation)
 hold its own heads; ranks that pass the same prompts and generator state draw the same tokens.

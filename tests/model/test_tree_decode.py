@@ -156,3 +156,25 @@ def test_decode_steps_down_a_three_level_chain(mcore_single):
             for r in range(LOOPS):
                 err = max(err, (outs[j][r, b] - want[r][0, first + j]).abs().max().item())
     assert err <= 1e-10
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_chained_decode_step_runs_on_meta(mcore_single, static):
+    """A decode step and an extend down a 3-level chain read no value on the host (``meta``
+    cannot be read)."""
+    meta = torch.device("meta")
+    model, _, _ = build("rope", torch.float32)
+    model = model.to(meta).eval()
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(meta)
+    root = model.new_kv_cache(2, 4, static=static)
+    root.lengths.copy_(torch.tensor([4, 2]))
+    level = model.new_kv_cache(4, 5, prefix=root, static=static)
+    logits, _, scored = model.extend(level, torch.zeros(4, 3, dtype=torch.long, device=meta),
+                                     torch.tensor([3, 1, 2, 0]),
+                                     labels=torch.zeros(4, 3, dtype=torch.long, device=meta))
+    assert logits.shape == (LOOPS, 4, VOCAB) and scored.shape == (LOOPS, 4, 3)
+    assert level.lengths.tolist() == [3, 1, 2, 0]
+    leaf = model.new_kv_cache(8, 3, prefix=level, static=static)
+    logits = model.decode_step(leaf, torch.zeros(8, dtype=torch.long, device=meta))
+    assert logits.device == meta and logits.shape == (LOOPS, 8, VOCAB)
+    assert leaf.lengths.tolist() == [1] * 8

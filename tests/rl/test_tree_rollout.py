@@ -13,10 +13,11 @@
 import pytest
 import torch
 from helpers.decode import LOOPS, VOCAB, build
+from helpers.exit_gate import _gated
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import exit_loop_at, generate
 from scalerlt_mcore.rl.tree_rollout import generate_tree
 
 PROMPTS = [[7, 3, 9], [4, 12, 30, 2, 8], [11]]
@@ -24,8 +25,9 @@ EOS, PAD = VOCAB + 1, 0  # an eos the model never draws: every answer runs its b
 
 
 def reply(path: list, answer: list) -> list:
-    """A deterministic environment: 1 to 3 tokens depending on the path and the answer."""
-    return [(len(path) + a) % (VOCAB - 3) + 3 for a in answer[: 1 + len(path) % 3]]
+    """A deterministic environment: 1 to 3 tokens (ids 3 ... 39) depending on the path and
+    the answer."""
+    return [(len(path) + a) % 37 + 3 for a in answer[: 1 + len(path) % 3]]
 
 
 def check_segments(rollout, n: int, reply_fn=None) -> None:
@@ -105,6 +107,38 @@ def test_sampled_tree_logprobs_match_every_row(mcore_single, static):
     # siblings differ (sampling), so the rows are not all one sequence
     assert len({tuple(r) for r in tree.leaf_tokens(0)}) > 1
     assert err <= torch.finfo(torch.float32).eps * 16
+
+
+@pytest.mark.parametrize("mode", ["mixture", "threshold"])
+def test_exit_gate_trees_record_the_training_readouts(mcore_single, mode):
+    """With the exit gate (fp32): every answer token's per-loop log-probs, exit distribution
+    and sampling log-prob (the mixture's, or the exit loop's) are a training forward's of the
+    row, within 1e-5 (as rl/rollout.py's rollouts)."""
+    model = _gated(R=3).eval()
+    gen = torch.Generator().manual_seed(5)
+    tree = generate_tree(model, [[3, 9, 4, 7, 1], [5, 2, 8]], [2, 2], [4, 3], eos_id=EOS,
+                         pad_id=PAD, generator=gen, banned=(PAD,), exit_mode=mode,
+                         exit_threshold=0.6, reply_fn=reply)
+    for n in range(2):
+        segs = tree.segments[n]
+        for leaf, row in zip(tree.leaves[n], tree.leaf_tokens(n)):
+            seq = torch.tensor(row)[None]
+            with torch.no_grad():
+                out = model(seq, labels=torch.cat([seq[:, 1:], seq[:, :1]], dim=1))
+            nodes = tree.path(n, leaf)[1:]
+            P = len(segs[0].tokens)
+            trained = torch.tensor([m for i in nodes for m in segs[i].loss_mask]).bool()
+            lp, exit_lp = (x[:, 0, P - 1 : len(row) - 1][:, trained]
+                           for x in (out.logprobs, out.exit_logprobs))  # [R, answers]
+            got = [torch.cat([t[i] for i in nodes], dim=-1)[..., trained]
+                   for t in (tree.loop_logprobs[n], tree.exit_logprobs[n], tree.logprobs[n])]
+            assert (got[0] - lp).abs().max() <= 1e-5
+            assert (got[1] - exit_lp).abs().max() <= 1e-5
+            if mode == "mixture":
+                want = torch.logsumexp(exit_lp + lp, dim=0)
+            else:
+                want = lp.gather(0, exit_loop_at(exit_lp, 0.6)[None]).squeeze(0)
+            assert (got[2] - want).abs().max() <= 1e-5
 
 
 def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
