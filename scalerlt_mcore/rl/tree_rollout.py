@@ -109,6 +109,9 @@ class TreeRollout:
         rows = [self.path(n, leaf) for leaf in self.leaves[n]]
         ends = [segs[p[-1]].start + len(segs[p[-1]].tokens) for p in rows]
         T = max(ends) if length is None else length
+        if T < max(ends) - 1:
+            raise ValueError(f"old_logprobs: length {T} is shorter than tree {n}'s labels "
+                             f"({max(ends) - 1} positions)")
         out = torch.zeros(*per_node[0].shape[:-1], len(rows), T, dtype=per_node[0].dtype)
         for g, path in enumerate(rows):
             for i in path[1:]:
@@ -311,6 +314,10 @@ class _TreeGrower:
         reply = self.reply_fn(path, list(answer))
         if not isinstance(reply, (list, tuple)) or not all(isinstance(t, int) for t in reply):
             raise ValueError(f"reply_fn must return a list of token ids (ints), got {reply!r}")
+        vocab = self.model.vocab_size
+        if any(not 0 <= t < vocab for t in reply):
+            raise ValueError(f"reply_fn returned token ids outside the model's vocabulary "
+                             f"[0, {vocab}): {list(reply)}")
         return list(reply)
 
     def _path(self, node: int) -> list:

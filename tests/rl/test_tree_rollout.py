@@ -186,6 +186,7 @@ BAD_INPUTS = [
     (dict(exit_mode="mixture"), "needs the model's exit gate"),
     (dict(reply_fn=lambda path, answer: "ok"), "reply_fn must return a list of token ids"),
     (dict(stop_check_interval=-1), "stop_check_interval must be >= 1"),
+    (dict(reply_fn=lambda path, answer: [1, VOCAB]), "outside the model's vocabulary"),
 ]
 
 
