@@ -288,13 +288,11 @@ class _TreeGrower:
                 continue
             tokens = answer[0]
             reply = self._reply(parent, tokens)
-            kept.append(min(len(tokens), fed))
-            rest = tokens[kept[-1]:] + reply
-            if not rest:
-                kept[-1] = max(kept[-1], 1)
-            pending.append(rest)
+            finished = tokens[-1] == self.eos_id and not reply  # a leaf, its child rows dropped
+            kept.append(max(min(len(tokens), fed), 1) if finished else min(len(tokens), fed))
+            pending.append([] if finished else tokens[kept[-1]:] + reply)
             node = self._add(parent, *answer, reply)
-            rows.append(node if rest else None)  # finished: a leaf, its child rows dropped
+            rows.append(None if finished else node)
         cache.lengths.copy_(torch.tensor(kept))
         counts = mark_host(torch.tensor([len(r) for r in pending], dtype=torch.long))
         self.rows = rows

@@ -158,6 +158,10 @@ def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
         for i in (i for i, s in enumerate(segs) if s.parent == 0):
             assert (i in tree.leaves[n]) == (segs[i].tokens[-1] == eos)
     assert len(tree.segments[1]) > 3 or len(tree.segments[2]) > 3  # not every tree stopped
+    # alone, prompt 0's rows all stop at their first token, before any decode step fed it
+    alone = generate_tree(model, PROMPTS[:1], [2, 2], [3, 3], eos_id=eos, pad_id=PAD,
+                          temperature=0.0, banned=(PAD,), stop_check_interval=1)
+    assert len(alone.segments[0]) == 3 and alone.leaves[0] == [1, 2]
 
 
 def _syncs(model, steps: int, **kwargs) -> int:
