@@ -365,13 +365,14 @@ class _TreeGrower:
 def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
                   num_loops: Optional[int] = None) -> list:
     """Teacher-forced tree decoding: every node's tokens prefilled once against its cached
-    path (one ``LoopedGPTModel.extend`` per level, the levels chained as in
-    ``generate_tree``). ``trees``: one ``TreeSegment`` list per prompt, every node of depth k
-    (in every tree) with the same number of children and every leaf at the same depth.
-    -> per tree, per node, the per-loop log-probs [R, L] of the node's tokens (the root's: 0;
-    token 0 of a node from its parent's last position)."""
+    path (one ``LoopedGPTModel.extend`` per depth, the levels chained as in
+    ``generate_tree``). ``trees``: one ``TreeSegment`` list per prompt, any shape (a level
+    has as many rows per row above as the widest node of that depth has children; missing
+    children are one-token placeholders, scored and dropped). -> per tree, per node, the
+    per-loop log-probs [R, L] of the node's tokens (the root's: 0; token 0 of a node from its
+    parent's last position)."""
     device = next(model.parameters()).device
-    levels = _levels(trees)  # per depth: (tree, node) in row order
+    levels = _levels(trees)  # per depth: (tree, node) or None, in row order
     prompts = [list(_ids(trees[n][i].tokens)) for n, i in levels[0]]
     tokens, lengths = _right_pad(prompts, 0)
     cache = model.new_kv_cache(len(prompts), tokens.shape[1], static=static_cache,
@@ -381,7 +382,7 @@ def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
     out = [[torch.zeros(R, len(_ids(s.tokens))) for s in tree] for tree in trees]
     for above, level in zip(levels, levels[1:]):
         G = len(level) // len(above)
-        rows = [list(_ids(trees[n][i].tokens)) for n, i in level]
+        rows = [[0] if e is None else list(_ids(trees[e[0]][e[1]].tokens)) for e in level]
         padded, counts = _right_pad(rows, 0)  # [B, s] host
         wide = torch.promote_types(logits.dtype, torch.float32)
         first = torch.log_softmax(logits.to(wide), -1).repeat_interleave(G, dim=1)  # [R, B, V]
@@ -392,8 +393,9 @@ def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
         logits, _, rest = model.extend(cache, padded.to(device), mark_host(counts),
                                        labels=labels.to(device), num_loops=num_loops)
         scored = torch.cat([first.to(rest.dtype), rest[..., :-1]], dim=-1).cpu()  # [R, B, s]
-        for b, (n, i) in enumerate(level):
-            out[n][i] = scored[:, b, : len(rows[b])]
+        for b, entry in enumerate(level):
+            if entry is not None:
+                out[entry[0]][entry[1]] = scored[:, b, : len(rows[b])]
     return out
 
 
@@ -402,29 +404,42 @@ def _ids(tokens) -> list:
 
 
 def _levels(trees: list) -> list:
-    """The nodes of every tree by depth, each level ordered by its parents' rows; raises
-    unless every node of a depth has the same number of children and all leaves are at the
-    same depth (the levels' caches continue their parent rows in equal groups)."""
+    """The nodes of every tree by depth, (tree, node) per row, each level's rows in equal
+    groups under the rows above (the levels' caches continue their parent rows so), None
+    where a node has fewer children than the widest of its depth."""
     if not trees or not all(trees):
         raise ValueError("tree_logprobs needs a non-empty list of non-empty trees")
-    children = []
-    for n, tree in enumerate(trees):
-        kids = [[] for _ in tree]
-        for i, seg in enumerate(tree):
-            if (seg.parent is None) != (i == 0):
-                raise ValueError(f"tree {n}: node {i} {'has no' if i else 'has a'} parent (the "
-                                 f"root is node 0, and only it)")
-            if i:
-                kids[seg.parent].append(i)
-            if not len(_ids(seg.tokens)):
-                raise ValueError(f"tree {n}: node {i} is empty")
-        children.append(kids)
+    children = [_children(n, tree) for n, tree in enumerate(trees)]
     levels = [[(n, 0) for n in range(len(trees))]]
     while True:
-        counts = {len(children[n][i]) for n, i in levels[-1]}
-        if counts == {0}:
-            return levels
-        if len(counts) > 1:
-            raise ValueError(f"tree_logprobs needs the same number of children under every "
-                             f"node of depth {len(levels) - 1}, got {sorted(counts)}")
-        levels.append([(n, c) for n, i in levels[-1] for c in children[n][i]])
+        kids = [[] if e is None else children[e[0]][e[1]] for e in levels[-1]]
+        G = max(len(k) for k in kids)
+        if G == 0:
+            break
+        levels.append([None if e is None or j >= len(k) else (e[0], k[j])
+                       for e, k in zip(levels[-1], kids) for j in range(G)])
+    seen = {e for level in levels for e in level if e is not None}
+    for n, tree in enumerate(trees):
+        for i in range(len(tree)):
+            if (n, i) not in seen:
+                raise ValueError(f"tree {n}: node {i} is not below the root (its parents form "
+                                 f"a cycle)")
+    return levels
+
+
+def _children(n: int, tree: list) -> list:
+    """The children of every node of ``tree`` (tree ``n``), checking the parents."""
+    kids = [[] for _ in tree]
+    for i, seg in enumerate(tree):
+        if (seg.parent is None) != (i == 0):
+            raise ValueError(f"tree {n}: node {i} {'has no' if i else 'has a'} parent (the "
+                             f"root is node 0, and only it)")
+        if i and not (isinstance(seg.parent, int) and 0 <= seg.parent < len(tree)
+                      and seg.parent != i):
+            raise ValueError(f"tree {n}: node {i} has parent {seg.parent!r}, not another "
+                             f"node of the tree (0 ... {len(tree) - 1})")
+        if i:
+            kids[seg.parent].append(i)
+        if not len(_ids(seg.tokens)):
+            raise ValueError(f"tree {n}: node {i} is empty")
+    return kids

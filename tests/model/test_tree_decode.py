@@ -3,9 +3,10 @@ stored once.
 
 - The cascade over 2 and 3 prefix segments (``chain_prefix_attention``, uneven rows per
   segment, padding) equals softmax attention over the concatenated keys, written here.
-- Teacher-forced decoding of a fixed tree (two prompts, branching 2 then 3, uneven node
-  lengths; RoPE and learned positions, plain and static caches) gives per-token per-loop
-  log-probs equal to the plain-PyTorch reference forward of every root-to-leaf row (fp64).
+- Teacher-forced decoding of a fixed tree (two prompts, branching 2 then 3, or uneven
+  branching with leaves at depths 1 to 3; uneven node lengths; RoPE and learned positions,
+  plain and static caches) gives per-token per-loop log-probs equal to the plain-PyTorch
+  reference forward of every root-to-leaf row (fp64); malformed trees are named.
 - Single-token decode steps down a 3-level chain give the reference's logits.
 """
 
@@ -100,14 +101,27 @@ def path(tree, node) -> list:
     return out[::-1]
 
 
+UNEVEN = [  # (parent, length) per node, depth-first: leaves at depths 1, 2 and 3
+    [(None, 4), (0, 2), (0, 3), (2, 1), (2, 4), (0, 1), (5, 2), (6, 3), (6, 1)],
+    [(None, 2), (0, 3)],
+]
+
+
+def uneven_trees(seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [[TreeSegment(torch.randint(0, VOCAB, (L,), generator=gen).tolist(), parent)
+             for parent, L in tree] for tree in UNEVEN]
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
-def test_tree_decoding_matches_every_row(mcore_single, pe, static):
+@pytest.mark.parametrize("shape", ["even", "uneven"])
+def test_tree_decoding_matches_every_row(mcore_single, pe, static, shape):
     model, ref, weights = build(pe, torch.float64)
-    trees = fixed_trees()
+    trees = fixed_trees() if shape == "even" else uneven_trees()
     got = tree_logprobs(model, trees, static_cache=static)
-    err, checked = 0.0, 0
-    for tree, scores in zip(trees, got):
+    err, checked = 0.0, set()
+    for n, (tree, scores) in enumerate(zip(trees, got)):
         leaves = [i for i in range(len(tree)) if all(s.parent != i for s in tree)]
         for leaf in leaves:
             nodes = path(tree, leaf)
@@ -121,9 +135,26 @@ def test_tree_decoding_matches_every_row(mcore_single, pe, static):
                 assert scores[i].shape == (LOOPS, L)
                 err = max(err, (scores[i] - want[:, start - 1 : start - 1 + L]).abs().max().item())
                 start += L
-                checked += 1
-    assert checked == 2 * 2 * 3 * 2
+                checked.add((n, i))
+    assert len(checked) == sum(len(t) - 1 for t in trees)
     assert err <= 1e-12
+
+
+def test_tree_logprobs_names_bad_trees(mcore_single):
+    model, _, _ = build("rope", torch.float64)
+    cases = [
+        ([TreeSegment([1, 2], None), TreeSegment([], 0)], "tree 0: node 1 is empty"),
+        ([TreeSegment([1], None), TreeSegment([2], None)], "tree 0: node 1 has no parent"),
+        ([TreeSegment([1], 0)], "tree 0: node 0 has a parent"),
+        ([TreeSegment([1], None), TreeSegment([2], 5)], "node 1 has parent 5, not another"),
+        ([TreeSegment([1], None), TreeSegment([2], 2), TreeSegment([3], 1)],
+         "node 1 is not below the root"),
+    ]
+    for tree, message in cases:
+        with pytest.raises(ValueError, match=message):
+            tree_logprobs(model, [tree])
+    with pytest.raises(ValueError, match="non-empty list of non-empty trees"):
+        tree_logprobs(model, [])
 
 
 def test_decode_steps_down_a_three_level_chain(mcore_single):
