@@ -213,7 +213,7 @@ class DepthKVCache:
     def reserve(self, max_length: int) -> None:
         """Grow the cache to hold ``max_length`` positions per row (a copy of this cache
         only; nothing if it already does). A cache continuing this one reads the new
-        tensors."""
+        tensors; a ``DecodeGraph`` captured on this cache would not (build it after)."""
         if max_length <= self.max_length:
             return
         grown = []
