@@ -101,6 +101,11 @@ class TreeRollout:
         """The last answer of every row of tree ``n`` (its leaf's tokens), for the reward."""
         return [list(self.segments[n][leaf].tokens) for leaf in self.leaves[n]]
 
+    def leaf_texts(self, n: int, tokenizer) -> list:
+        """The last answer of every row of tree ``n`` as text (``tokenizer.decode``, which
+        stops at eos), for a task's reward."""
+        return [tokenizer.decode(answer) for answer in self.leaf_answers(n)]
+
     def old_logprobs(self, n: int, length: Optional[int] = None, loops: bool = True) -> Tensor:
         """Tree ``n``'s log-probs in the group layout of its rows: [R, G, T] (``loops``) or
         [G, T], position t holding the log-prob of row token t + 1 (the label there), 0 on

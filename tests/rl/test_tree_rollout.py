@@ -18,6 +18,7 @@ from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
 from scalerlt_mcore.rl.rollout import exit_loop_at, generate
+from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.rl.tree_rollout import generate_tree
 
 PROMPTS = [[7, 3, 9], [4, 12, 30, 2, 8], [11]]
@@ -76,6 +77,10 @@ def test_greedy_tree_is_greedy_per_row_decoding(mcore_single, pe):
             assert torch.allclose(tree.loop_logprobs[n][leaf], second.loop_logprobs[:, 0, 0],
                                   atol=ulp, rtol=0)
             assert torch.equal(tree.logprobs[n][leaf], tree.loop_logprobs[n][leaf][-1])
+        chars = CharTokenizer("".join(chr(65 + i) for i in range(VOCAB - 3)))  # VOCAB ids
+        texts = tree.leaf_texts(n, chars)
+        assert texts == [chars.decode(segs[leaf].tokens) for leaf in tree.leaves[n]]
+        assert all(len(t) == 3 for t in texts)  # no eos: the whole answer
 
 
 @pytest.mark.parametrize("static", [False, True])
