@@ -169,6 +169,19 @@ def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
     assert len(alone.segments[0]) == 3 and alone.leaves[0] == [1, 2]
 
 
+def test_num_loops_is_the_decoding_count(mcore_single):
+    """A tree decoded with 2 of the model's 3 loops: its records have R = 2, and its leaves
+    are greedy per-row decoding's with 2 loops."""
+    model, _, _ = build("rope", torch.float64)
+    model.eval()
+    tree = generate_tree(model, PROMPTS[:1], [1, 2], [2, 2], eos_id=EOS, pad_id=PAD,
+                         temperature=0.0, banned=(PAD,), num_loops=2)
+    rows = generate(model, PROMPTS[:1], 1, 4, eos_id=EOS, pad_id=PAD, temperature=0.0,
+                    banned=(PAD,), num_loops=2)
+    assert all(lp.shape[0] == 2 for lp in tree.loop_logprobs[0])
+    assert tree.leaf_tokens(0) == [PROMPTS[0] + rows.responses[0, 0].tolist()] * 2
+
+
 def _syncs(model, steps: int, **kwargs) -> int:
     _, counter = count_host_syncs(generate_tree, model, PROMPTS, [2, 2], [steps, steps],
                                   eos_id=EOS, pad_id=PAD, banned=(PAD,), reply_fn=reply,
