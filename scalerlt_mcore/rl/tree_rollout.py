@@ -22,7 +22,8 @@ answers once (to build the nodes and call ``reply_fn``).
 The result per prompt is a list of ``TreeSegment`` in depth-first order (root first; leaves in
 that order are the rows of the group, and the rows below any node are contiguous), with loss
 masks, the per-node log-probs of the sampled tokens (old log-probs for the update), and the
-leaves' tokens for the reward.
+leaves' tokens for the reward: ``SharedPrefixGroup.from_tree`` / ``RLGroup.from_tree`` take
+the segments as they are, ``TreeRollout.old_logprobs`` their rows' old log-probs.
 """
 
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..model.host_syncs import mark_host
+from ..shared_prefix import TreeSegment
 from .rollout import (
     EXIT_MODES,
     Sampling,
@@ -43,22 +45,6 @@ from .rollout import (
     decode_tokens,
     default_stop_check_interval,
 )
-
-
-@dataclass
-class TreeSegment:
-    """One node of a prefix tree, as a rollout gives it (the fields of the shared
-    ``TreeSegment``: docs/architecture.md)."""
-
-    tokens: Union[Tensor, list]
-    """[L] token ids, L >= 1."""
-    parent: Optional[int]
-    """Index of the parent in the segment list; None for the root (index 0)."""
-    loss_mask: Optional[Union[Tensor, list]] = None
-    """[L]: 1 where token j is trained (the model's answers), 0 elsewhere (the prompt, the
-    environment's replies)."""
-    start: Optional[int] = None
-    """Position of tokens[0] in every row through the node (the parent's end)."""
 
 
 @dataclass

@@ -18,7 +18,8 @@ from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.kernels import chain_prefix_attention
-from scalerlt_mcore.rl.tree_rollout import TreeSegment, tree_logprobs
+from scalerlt_mcore.rl.tree_rollout import tree_logprobs
+from scalerlt_mcore.shared_prefix import TreeSegment
 
 
 def explicit_chain_attention(q, k, v, allowed, prefixes, scale):

@@ -5,6 +5,7 @@
   fp32 rounding; the segments' parents, starts and loss masks describe the rows.
 - Sampled trees' recorded per-loop log-probs (node by node, and laid out as the group's old
   log-probs) equal the plain-PyTorch reference forward of every root-to-leaf row.
+- The segments build the RL group (``RLGroup.from_tree``) with the rollout's old log-probs.
 - A node ended by eos with no reply is a leaf (its children are dropped).
 - No host sync per decoded token in steady state (``HostSyncCounter``).
 - Bad input is named.
@@ -17,6 +18,7 @@ from helpers.exit_gate import _gated
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.rollout import exit_loop_at, generate
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.rl.tree_rollout import generate_tree
@@ -144,6 +146,26 @@ def test_exit_gate_trees_record_the_training_readouts(mcore_single, mode):
             else:
                 want = lp.gather(0, exit_loop_at(exit_lp, 0.6)[None]).squeeze(0)
             assert (got[2] - want).abs().max() <= 1e-5
+
+
+def test_segments_build_the_rl_group(mcore_single):
+    """``RLGroup.from_tree`` takes a tree's segments as they are: its rows are the leaves'
+    paths, its loss mask is 1 exactly where ``old_logprobs`` holds a sampled token's
+    log-prob, and ``old_logprobs`` fits its [R, G, T] layout."""
+    model, _, _ = build("rope", torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    tree = generate_tree(model, PROMPTS[:2], [2, 3], [3, 2], eos_id=EOS, pad_id=PAD,
+                         generator=gen, banned=(PAD,), reply_fn=reply)
+    for n in range(2):
+        G = len(tree.leaves[n])
+        rows = tree.leaf_tokens(n)
+        T = max(len(r) for r in rows)
+        old = tree.old_logprobs(n, T)
+        group = RLGroup.from_tree(tree.segments[n], PAD, advantages=torch.zeros(G),
+                                  old_logprobs=old)
+        assert group.tokens.tolist() == [r + [PAD] * (T - len(r)) for r in rows]
+        assert torch.equal(group.loss_mask.bool(), old[-1] != 0)
+        assert group.tree.leaf_of_row == tuple(tree.leaves[n])
 
 
 def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
