@@ -20,9 +20,9 @@ from .kernels import (
     cascade_prefix_attention,
     cascade_saved_bytes,
     causal_saved_bytes,
+    chain_prefix_attention,
     concat_prefix_attention,
     concat_saved_bytes,
-    prompt_once_attention,
     resolve_cascade_kernel,  # noqa: F401  (the kernel choice, re-exported for benchmarks/gpu.py)
     sdpa,
 )
@@ -177,16 +177,17 @@ class LoopedSelfAttention(SelfAttention):
         return self._core(query, keys, vals, step.masked)
 
     def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
-        """Prompt-once decoding: write the new K/V into the continuation cache, attend to it
-        and, read once per prompt, to the prompt's K/V in ``cache.prefix``."""
+        """Prompt-once (and tree) decoding: write the new K/V into the continuation cache,
+        attend to it and, read once per row of each prefix cache of its chain (the prompt,
+        then each tree level above the cache), to the K/V of the row's path."""
         cache, step, d = ctx.cache, ctx.step, ctx.depth
         cache.keys[d][step.slots, step.rows] = key.transpose(0, 1).to(cache.keys.dtype)
         cache.values[d][step.slots, step.rows] = value.transpose(0, 1).to(cache.values.dtype)
-        prefix, span, P = cache.prefix, step.span, step.prompt_span
-        out = prompt_once_attention(
-            query, cache.keys[d][:span].to(query.dtype), cache.values[d][:span].to(query.dtype),
-            step.allowed, prefix.keys[d][:P].to(query.dtype),
-            prefix.values[d][:P].to(query.dtype), step.prompt_allowed,
-            self._prefix_core("prompt-once decoding").scale)  # [B, np, s, hn]
+        span, dtype = step.span, query.dtype
+        prefixes = [(c.keys[d][:P].to(dtype), c.values[d][:P].to(dtype), seen)
+                    for c, P, seen in zip(cache.chain(), step.prefix_spans, step.prefix_allowed)]
+        out = chain_prefix_attention(
+            query, cache.keys[d][:span].to(dtype), cache.values[d][:span].to(dtype),
+            step.allowed, prefixes, self._prefix_core("prompt-once decoding").scale)
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]

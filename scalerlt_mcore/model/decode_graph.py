@@ -5,8 +5,8 @@ Small models decode launch-bound: a step is hundreds of small kernels. With a st
 step and reads the host nothing (``model/host_syncs.py``), so it is captured once
 (``torch.cuda.CUDAGraph``) and replayed. Its inputs live in static device buffers: the tokens,
 the positions and cache slots of the step (computed on the host from the cache's lengths and
-copied in before each replay) and, prompt once, the prompts' lengths; the masks are derived
-from them inside the graph.
+copied in before each replay) and, prompt once (or down a tree), the prefix caches' lengths;
+the masks are derived from them inside the graph.
 """
 
 import torch
@@ -26,15 +26,14 @@ class DecodeGraph:
         plan = cache.plan(1)  # the spans are fixed by the static cache
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=cache.device)
         self.step = CacheStep(plan.positions.clone(), plan.slots.clone(),
-                              None if plan.prompt_lengths is None
-                              else plan.prompt_lengths.clone(),
-                              plan.span, plan.prompt_span, plan.rope_span)
+                              tuple(t.clone() for t in plan.prefix_lengths),
+                              plan.span, plan.prefix_spans, plan.rope_span)
         self.graph, self.outputs = self._capture(warmup)
 
     @torch.no_grad()
     def _run(self) -> tuple:
-        step = CacheStep(self.step.positions, self.step.slots, self.step.prompt_lengths,
-                         self.step.span, self.step.prompt_span, self.step.rope_span)
+        step = CacheStep(self.step.positions, self.step.slots, self.step.prefix_lengths,
+                         self.step.span, self.step.prefix_spans, self.step.rope_span)
         return self.model.decode_on_device(self.cache, self.tokens, step.with_masks())
 
     def _capture(self, warmup: int) -> tuple:
@@ -55,14 +54,15 @@ class DecodeGraph:
         """Append one token per sequence (tokens [B] on the device) -> (logits [R, B, V],
         exit distribution [R, B] or None), as ``decode_step(..., with_exit=True)``."""
         cache = self.cache
-        self.model._check_inputs(tokens[:, None], None, None, cache)  # host-side checks
+        config = self.model.config.with_loops(cache.num_loops)
+        self.model._check_inputs(tokens[:, None], None, None, cache, config)  # host checks
         plan_positions = cache.positions(1)  # [B, 1] host
         slots = (plan_positions - cache.offsets()[:, None] if cache.prefix is not None
                  else plan_positions)
         self.step.positions.copy_(plan_positions, non_blocking=True)
         self.step.slots.copy_(slots, non_blocking=True)
-        if cache.prefix is not None:
-            self.step.prompt_lengths.copy_(cache.prefix.lengths, non_blocking=True)
+        for buffer, prefix in zip(self.step.prefix_lengths, cache.chain()):
+            buffer.copy_(prefix.lengths, non_blocking=True)
         self.tokens.copy_(tokens)
         self.graph.replay()
         cache.lengths += 1

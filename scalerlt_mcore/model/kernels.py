@@ -382,17 +382,39 @@ def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float
     q [s, B, np, hn]; k, v [T, B, ng, hn] the rows' own K/V, ``allowed`` [B, s, T] (True =
     attend); pk, pv [P, N, ng, hn] the prompts' K/V with B = N * G (rows n*G ... n*G+G-1
     continue prompt n), ``prompt_allowed`` [N, P] (False on prompt padding). Every query must
-    see at least one key of each part. Returns [B, np, s, hn].
+    see at least one key of each part. Returns [B, np, s, hn]. The one-level case of
+    ``chain_prefix_attention``.
+    """
+    return chain_prefix_attention(q, k, v, allowed, [(pk, pv, prompt_allowed)], scale)
+
+
+def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float) -> Tensor:
+    """Decoding against a path of prefix segments (a prefix tree's root-to-node path), each
+    stored once: every query attends to its own cached keys and to each segment's keys; the
+    softmax parts are merged through their log-sum-exps (a cascade: one product per (segment
+    row, query group) of all the queries that continue that row).
+
+    q [s, B, np, hn]; k, v [T, B, ng, hn] the rows' own K/V, ``allowed`` [B, s, T] (True =
+    attend). ``prefixes``: one (pk, pv, seen) per segment level, pk/pv [P_j, N_j, ng, hn] with
+    B a multiple of N_j (rows b continue segment row b // (B / N_j)), ``seen`` [N_j, P_j]
+    (False on padding). Every query must see at least one key of each part. Merged in fp32
+    or wider, rounded once. Returns [B, np, s, hn].
     """
     s, B, heads, hn = q.shape
-    prompts, groups = pk.shape[1], pk.shape[2]
-    layout = _PrefixLayout(prompts, B // prompts, groups, heads // groups, s)
+    groups = k.shape[2]
+    rep = heads // groups
     qs = _bhsd(q)  # [B, np, s, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, T, hn]
-    out_s, lse_s = attend_with_lse(qs, ks, vs, allowed[:, None], scale)
-    seen = prompt_allowed[:, None, None, :]  # [N, 1, 1, P]
-    out_p, lse_p = attend_with_lse(layout.to_prefix(qs), _bhsd(pk), _bhsd(pv), seen, scale)
-    return merge_by_lse(layout.from_prefix(out_p), layout.from_prefix(lse_p), out_s, lse_s)
+    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
+    out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
+    acc = torch.promote_types(out.dtype, torch.float32)
+    out = out.to(acc)
+    for pk, pv, seen in reversed(prefixes):  # the nearest segment first
+        layout = _PrefixLayout(pk.shape[1], B // pk.shape[1], groups, rep, s)
+        out_p, lse_p = attend_with_lse(layout.to_prefix(qs), _bhsd(pk), _bhsd(pv),
+                                       seen[:, None, None, :], scale)  # [N_j, ng, M(, hn)]
+        out, lse = merge_with_lse(layout.from_prefix(out_p).to(acc), layout.from_prefix(lse_p),
+                                  out, lse)
+    return out.to(q.dtype)
 
 
 # ---- saved bytes: what each attention path keeps for backward (the planner's memory model) ----

@@ -161,9 +161,12 @@ class DepthKVCache:
     ``prefix`` (prompt-once decoding): a cache holding N prompts (right-padded, its ``lengths``
     the prompt lengths) that rows n*G ... n*G+G-1 of this cache continue, G = B / N. This cache
     then holds only the continuations' K/V (slot 0 = the first token after the prompt); every
-    row reads its prompt's K/V from the single copy in ``prefix``.
+    row reads its prompt's K/V from the single copy in ``prefix``. The prefix may itself
+    continue a prefix (tree decoding): a chain of caches, one per level of a prefix tree, each
+    row of a level continuing one row of the level above (``chain``); a row attends to its own
+    K/V and to the K/V of each ancestor on its root-to-node path, every segment stored once.
 
-    ``static``: attend to the whole preallocated cache (and prompt cache) under a mask, so that
+    ``static``: attend to the whole preallocated cache (and prefix caches) under a mask, so that
     every decode step has the same shapes (what a CUDA graph needs); otherwise to the cache up
     to the longest row (host-known: no sync either, fewer keys). None: static on CUDA only
     (on CPU the shorter attention is faster; ``benchmarks/decode.py`` measures both).
@@ -203,12 +206,34 @@ class DepthKVCache:
     def device(self) -> torch.device:
         return self.keys.device
 
+    def chain(self) -> list:
+        """The prefix caches this cache continues, root first (empty without a prefix)."""
+        return [] if self.prefix is None else [*self.prefix.chain(), self.prefix]
+
+    def reserve(self, max_length: int) -> None:
+        """Grow the cache to hold ``max_length`` positions per row (a copy of this cache
+        only; nothing if it already does). A cache continuing this one reads the new
+        tensors; a ``DecodeGraph`` captured on this cache would not (build it after)."""
+        if max_length <= self.max_length:
+            return
+        grown = []
+        for t in (self.keys, self.values):
+            shape = (t.shape[0], max_length, *t.shape[2:])
+            new = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            new[:, : t.shape[1]] = t
+            grown.append(new)
+        self.keys, self.values = grown
+
+    def ends(self) -> Tensor:
+        """[B] absolute position after every row's last cached token (host)."""
+        return mark_host(self.offsets() + self.lengths)
+
     def offsets(self) -> Tensor:
-        """[B] absolute position of every row's slot 0 (host): its prompt's length in
-        ``prefix`` (0 without a prefix)."""
+        """[B] absolute position of every row's slot 0 (host): the end of the row it
+        continues in ``prefix`` (its prompt's length prompt once; 0 without a prefix)."""
         if self.prefix is None:
             return mark_host(torch.zeros_like(self.lengths))
-        return mark_host(self.prefix.lengths.repeat_interleave(self.batch // self.prefix.batch))
+        return mark_host(self.prefix.ends().repeat_interleave(self.batch // self.prefix.batch))
 
     def positions(self, steps: int) -> Tensor:
         """Absolute positions of the next ``steps`` tokens of every sequence: [B, s] (host)."""
@@ -221,20 +246,18 @@ class DepthKVCache:
         host-known lengths, uploaded to the cache's device (``CacheStep``)."""
         positions = self.positions(steps)  # [B, s] host
         slots = positions - self.offsets()[:, None] if self.prefix is not None else positions
+        chain = self.chain()
         if self.static:
-            span, prompt_span = self.max_length, self._prompt_span(static=True)
-            rope_span = span + (0 if self.prefix is None else self.prefix.max_length)
+            span = self.max_length
+            prefix_spans = tuple(c.max_length for c in chain)
+            rope_span = span + sum(prefix_spans)
         else:
-            span, prompt_span = int(slots.max()) + 1, self._prompt_span(static=False)
+            span = int(slots.max()) + 1
+            prefix_spans = tuple(int(c.lengths.max()) for c in chain)
             rope_span = int(positions.max()) + 1
-        prompt_lengths = None if self.prefix is None else upload(self.prefix.lengths, self.device)
+        prefix_lengths = tuple(upload(c.lengths, self.device) for c in chain)
         return CacheStep(upload(positions, self.device), upload(slots, self.device),
-                         prompt_lengths, span, prompt_span, rope_span).with_masks()
-
-    def _prompt_span(self, static: bool) -> int:
-        if self.prefix is None:
-            return 0
-        return self.prefix.max_length if static else int(self.prefix.lengths.max())
+                         prefix_lengths, span, prefix_spans, rope_span).with_masks()
 
 
 def upload(host: Tensor, device) -> Tensor:
@@ -246,23 +269,24 @@ def upload(host: Tensor, device) -> Tensor:
 class CacheStep:
     """One forward's reads and writes of a ``DepthKVCache``, computed once per forward (not
     per layer application). Device tensors: ``positions`` [B, s] absolute positions,
-    ``slots`` [B, s] the cache slots written (positions after the prompt with a prefix),
-    ``prompt_lengths`` [N] (prompt once, else None); host ints: ``span`` keys of the own cache
-    attended, ``prompt_span`` keys of the prompt cache, ``rope_span`` rows of the RoPE table.
-    ``with_masks`` derives (on the device) ``rows`` [B, s], ``allowed`` [B, s, span] (True =
-    attend: slot <= the query's), ``masked`` its negation (MCore's convention) and
-    ``prompt_allowed`` [N, prompt_span]."""
+    ``slots`` [B, s] the cache slots written (positions after the prefix with one),
+    ``prefix_lengths`` one [N_j] per prefix cache of the chain (root first; empty without a
+    prefix); host ints: ``span`` keys of the own cache attended, ``prefix_spans`` keys of each
+    prefix cache, ``rope_span`` rows of the RoPE table. ``with_masks`` derives (on the device)
+    ``rows`` [B, s], ``allowed`` [B, s, span] (True = attend: slot <= the query's),
+    ``masked`` its negation (MCore's convention) and ``prefix_allowed``, one [N_j, P_j] per
+    prefix cache (True on its rows' cached tokens)."""
 
     positions: Tensor
     slots: Tensor
-    prompt_lengths: Optional[Tensor]
+    prefix_lengths: tuple
     span: int
-    prompt_span: int
+    prefix_spans: tuple
     rope_span: int
     rows: Optional[Tensor] = None
     allowed: Optional[Tensor] = None
     masked: Optional[Tensor] = None
-    prompt_allowed: Optional[Tensor] = None
+    prefix_allowed: tuple = ()
 
     def with_masks(self) -> "CacheStep":
         device, slots = self.slots.device, self.slots
@@ -270,18 +294,17 @@ class CacheStep:
         keys = torch.arange(self.span, device=device)
         self.allowed = keys[None, None, :] <= slots[:, :, None]  # [B, s, T]
         self.masked = ~self.allowed[:, None]  # [B, 1, s, T]
-        if self.prompt_lengths is not None:
-            prompt = torch.arange(self.prompt_span, device=device)
-            self.prompt_allowed = prompt[None, :] < self.prompt_lengths[:, None]  # [N, P]
+        self.prefix_allowed = tuple(
+            torch.arange(span, device=device)[None, :] < lengths[:, None]  # [N_j, P_j]
+            for lengths, span in zip(self.prefix_lengths, self.prefix_spans))
         return self
 
 
 def _check_prefix_cache(prefix: DepthKVCache, cache: DepthKVCache) -> None:
-    """A prompt-once cache's prefix: same model structure, one prompt per G rows, no nesting."""
+    """A continuation cache's prefix: same model structure, dtype and device, one row of the
+    prefix per G rows."""
     if prefix.signature != cache.signature:
         raise ValueError("the prefix cache was built for a different model config")
-    if prefix.prefix is not None:
-        raise ValueError("a prefix cache cannot itself continue a prefix")
     if cache.batch % prefix.batch:
         raise ValueError(f"a prompt-once cache of batch {cache.batch} cannot continue "
                          f"{prefix.batch} prompts: its batch must be a multiple (G rows per "

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from .block import exit_log_distribution, loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES, step_seed
-from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature
+from .host_syncs import mark_host
+from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature, upload
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
 
@@ -335,6 +336,42 @@ class LoopedGPTModel(LanguageModule):
             return logits  # [R, B, V]
         exit_lp = None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
         return logits, exit_lp  # [R, B, V], [R, B]
+
+    @torch.no_grad()
+    def extend(self, cache: DepthKVCache, tokens: Tensor, counts: Tensor,
+               labels: Optional[Tensor] = None, num_loops: Optional[int] = None) -> tuple:
+        """Append ``counts[b]`` tokens to row b of ``cache`` at its current length (one forward:
+        a node's tokens prefilled against its cached path, or an environment's reply after an
+        answer): tokens [B, s] right-padded, counts [B] long on the host (0 <= counts <= s;
+        the padding's K/V is written past the row's new length and never attended to).
+        -> (per-loop logits [R, B, V] at each row's last appended token, as ``prefill``; the
+        exit distribution there [R, B] or None without a gate; with ``labels`` [B, s] the
+        per-loop log-probs [R, B, s] of labels[:, j] after tokens[:, : j + 1], else None). A
+        row with count 0 keeps its length and gets meaningless logits."""
+        config = self.config.with_loops(num_loops)
+        self._check_inputs(tokens, labels, None, cache, config)
+        if counts.device.type != "cpu" or tuple(counts.shape) != (tokens.shape[0],):
+            raise ValueError(f"extend's counts must be a host tensor [{tokens.shape[0]}] (one "
+                             f"per row), got {tuple(counts.shape)} on {counts.device}")
+        if int(counts.min()) < 0 or int(counts.max()) > tokens.shape[1]:
+            raise ValueError(f"extend's counts must lie in [0, {tokens.shape[1]}] (the tokens' "
+                             f"width), got {counts.tolist()}")
+        counts = mark_host(counts)
+        states, _ = self._loop_states(tokens, None, None, None, cache, False,
+                                      num_loops=config.looped_num_loops)  # R x [s, B, H]
+        cache.lengths += counts
+        last_index = upload((counts - 1).clamp(min=0), tokens.device)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        out = LoopedOutput()
+        self._readout_all([h[last_index, rows][None] for h in states], None, out)
+        logits = self._full_vocab([lg[:, 0] for lg in out.logits])  # [R, B, V]
+        exit_lp = None if out.exit_logprobs is None else out.exit_logprobs[:, :, 0]
+        scored = None
+        if labels is not None:
+            scored = LoopedOutput()
+            self._readout_all(states, labels, scored)
+            scored = scored.logprobs  # [R, B, s]
+        return logits, exit_lp, scored
 
     @torch.no_grad()
     def decode_step(self, cache: DepthKVCache, tokens: Tensor, with_exit: bool = False,

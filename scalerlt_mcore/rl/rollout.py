@@ -19,6 +19,9 @@ Two ways to hold the prompts, the same samples (``generate(..., prompt_once=...)
   keep only their own tokens' K/V and read the prompt's single copy through
   ``prompt_once_attention`` (``DepthKVCache(prefix=...)``).
 
+Prefix trees (multi-turn and branching rollouts) chain such caches one level per tree depth:
+``rl/tree_rollout.py`` (``generate_tree``), sampling through the same ``decode_tokens``.
+
 Under tensor parallelism the model returns the whole (padded) vocabulary's logits on every rank
 of a TP group and each rank's KV caches (per row, or the prompt-once prefix and continuation)
 hold its own heads; ranks that pass the same prompts and generator state draw the same tokens.
@@ -220,19 +223,45 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
             else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
-    rows_index = torch.arange(logits.shape[1], device=device)
-    for t in range(max_new_tokens):
-        chosen = None if exit_mode != "threshold" else exit_loop_at(exit_lp, exit_threshold)
-        if exit_mode == "mixture":
-            nxt = sample_mixture(logits, exit_lp, temperature, top_p, generator, mask)
-        else:
-            rows = logits[loop] if chosen is None else logits[chosen, rows_index]  # [B, V]
-            nxt = sample_next(rows, temperature, top_p, generator, mask)
-        rec.add(t, nxt, logits, exit_lp, exit_mode, chosen, loop)
-        if t == max_new_tokens - 1 or ((t + 1) % every == 0 and bool(rec.done.all())):
-            break
-        logits, exit_lp = step(rec.out[:, t])
+    sampling = Sampling(temperature, top_p, generator, mask, loop, exit_mode, exit_threshold)
+    decode_tokens(step, logits, exit_lp, rec, max_new_tokens, sampling, every)
     return rec.rollout(prompts, group_size, exit_mode)
+
+
+@dataclass
+class Sampling:
+    """How ``decode_tokens`` draws each token (``generate``'s arguments; ``banned``: a
+    ``ban_mask`` or None)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generator: Optional[torch.Generator] = None
+    banned: Optional[Tensor] = None
+    loop: int = -1
+    exit_mode: str = "none"
+    exit_threshold: float = 0.5
+
+
+def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "_Record",
+                  steps: int, sampling: Sampling, every: int) -> int:
+    """Sample up to ``steps`` tokens per row into ``rec`` from the first token's logits
+    [R, B, V] (and exit distribution [R, B] or None), feeding each sampled token but the
+    last through ``step(tokens) -> (logits, exit_lp)``; stops early once every row is done,
+    asked every ``every`` tokens. -> the number of tokens fed (each row's cache grew by it)."""
+    s = sampling
+    rows_index = torch.arange(logits.shape[1], device=logits.device)
+    for t in range(steps):
+        chosen = None if s.exit_mode != "threshold" else exit_loop_at(exit_lp, s.exit_threshold)
+        if s.exit_mode == "mixture":
+            nxt = sample_mixture(logits, exit_lp, s.temperature, s.top_p, s.generator, s.banned)
+        else:
+            rows = logits[s.loop] if chosen is None else logits[chosen, rows_index]  # [B, V]
+            nxt = sample_next(rows, s.temperature, s.top_p, s.generator, s.banned)
+        rec.add(t, nxt, logits, exit_lp, s.exit_mode, chosen, s.loop)
+        if t == steps - 1 or ((t + 1) % every == 0 and bool(rec.done.all())):
+            return t
+        logits, exit_lp = step(rec.out[:, t])
+    return 0
 
 
 class _Record:

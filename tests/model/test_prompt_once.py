@@ -126,5 +126,7 @@ def test_prompt_once_cache_errors(mcore_single):
         model.new_kv_cache(5, 4, prefix=prefix)
     with pytest.raises(ValueError, match="prefix cache is torch.float64 on cpu"):
         other.new_kv_cache(6, 4, prefix=prefix)
-    with pytest.raises(ValueError, match="cannot itself continue a prefix"):
-        model.new_kv_cache(6, 4, prefix=model.new_kv_cache(3, 4, prefix=prefix))
+    level = model.new_kv_cache(6, 4, prefix=prefix)  # a chain (tree decoding) is allowed
+    assert level.chain() == [prefix]
+    with pytest.raises(ValueError, match="cache of batch 9 cannot continue 6 prompts"):
+        model.new_kv_cache(9, 4, prefix=level)
