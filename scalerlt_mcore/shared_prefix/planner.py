@@ -48,10 +48,30 @@ class GroupPlan:
     naive: bool = False
     """Train the group as full prompt+response sequences instead of joint replay."""
 
+    retain_nodes: Optional[tuple] = None
+    """A tree group: per node (root first), whether its graph is kept from its first forward
+    (True) or recomputed in its replay (False); None: every node as ``retain``. A node that
+    continues its parent's replay chain (``tree_chain_parent``) is retained only with it.
+    Always None for a one-level group."""
+
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
             raise ValueError(f"GroupPlan.wave_size must be an integer >= 1, got "
                              f"{self.wave_size!r}")
+        nodes = self.retain_nodes
+        if nodes is not None and (not isinstance(nodes, tuple)
+                                  or not all(isinstance(r, bool) for r in nodes)):
+            raise ValueError(f"GroupPlan.retain_nodes must be a tuple of bools (one per tree "
+                             f"node) or None, got {nodes!r}")
+
+    def node_retained(self, num_nodes: int) -> tuple:
+        """Per node of a tree of ``num_nodes``: whether its graph is retained."""
+        if self.retain_nodes is None:
+            return (self.retain,) * num_nodes
+        if len(self.retain_nodes) != num_nodes:
+            raise ValueError(f"GroupPlan.retain_nodes has {len(self.retain_nodes)} entries; "
+                             f"the tree has {num_nodes} nodes")
+        return self.retain_nodes
 
 
 @dataclass(frozen=True)
@@ -378,6 +398,119 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     if plan.naive:
         return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
     return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
+
+
+# ---- trees ----------------------------------------------------------------------------------
+#
+# A tree group (``tree_schedule.TreeReplay``) holds, at any moment, the retained graphs of the
+# nodes on the current root-to-leaf path whose chains have not been replayed, plus one working
+# set: a leaf wave (phase 2), or a replay (its chain's recomputed graphs and its last wave).
+# ``tree_memory`` walks the tree in the schedule's order and takes the worst moment; adjoints
+# are those of the worst path's nodes that train a unit before their replay. Each forward is
+# priced by the one-level pieces (``_block``, ``wave_bytes``) against its prefix length;
+# cascade attention also saves the prefix K/V it reads (the root's: views of its qkv output;
+# a deeper path's: its concatenation).
+
+
+def _kv_bytes(m: ModelShape, P: int) -> int:
+    """A concatenated path state's K/V storage (every depth)."""
+    return m.depths * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+
+
+def _read_prefix_bytes(m: ModelShape, tree, n: int, root_retained: bool) -> int:
+    """What a cascade forward against node n's path saves of the path's K/V storage."""
+    if m.prefix_attention != "cascade":
+        return 0
+    if tree.parents[n] >= 0:
+        return _kv_bytes(m, tree.ends[n])
+    return 0 if root_retained else prefix_bytes(m, tree.ends[n])
+
+
+def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
+                    loss_per_position: Optional[float]) -> int:
+    """Node n's own forward with grad against its ancestors (and its own-token loss)."""
+    saved, L, start = _Saved(), tree.ends[n] - tree.starts[n], tree.starts[n]
+    if tree.parents[n] < 0:
+        _block(m, saved, 1, L, "causal", readout=False)
+        return saved.total + L * INT64 * (not m.rope_dim)
+    _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
+    saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
+    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], root_retained)
+    if has_loss:  # the first label from the parent's boundary; the loss over the rows below
+        k, rows = m.trained_loops, len(tree.rows_below(n))
+        total += k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes
+        total += m.loops * m.vocab * m.acc_bytes + L * INT64
+        total += _loss_bytes(m, rows, L, loss_per_position)
+    return total
+
+
+def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, root_retained: bool,
+                    loss_per_position: Optional[float]) -> int:
+    """A wave of node n's leaf children ``leaves`` against n's path."""
+    P, W = tree.ends[n], len(leaves)
+    S = max(tree.ends[c] for c in leaves) - P
+    wave = wave_bytes(m, P, S, W, loss_per_position)
+    wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
+                                                                  loss_per_position)
+    return wave + _read_prefix_bytes(m, tree, n, root_retained)
+
+
+def _tree_units(tree, n: int, W: int) -> list:
+    """Node n's units as the schedule orders them: internal children (ints), then its leaf
+    children in waves (lists)."""
+    children = tree.children(n)
+    leaves = [c for c in children if tree.is_leaf(c)]
+    return ([c for c in children if not tree.is_leaf(c)]
+            + [leaves[k : k + W] for k in range(0, len(leaves), W)])
+
+
+def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
+                loss_per_position: Optional[float] = None) -> MemoryEstimate:
+    """Peak memory of joint replay of a tree group by ``plan`` (its per-node retain choice);
+    ``has_loss``: per node, whether any of its tokens is trained."""
+    retained = plan.node_retained(tree.num_nodes)
+    W, root = plan.wave_size, retained[0]
+    node = {n: tree_node_bytes(m, tree, n, has_loss[n], root, loss_per_position)
+            for n in range(tree.num_nodes) if not tree.is_leaf(n)}
+    peak = 0
+
+    def wave(n, leaves):
+        return tree_wave_bytes(m, tree, n, leaves, root, loss_per_position)
+
+    def descend(n: int, held: int) -> tuple:
+        """-> (held after n's descent, the chain's recomputed bytes, its last wave's bytes)."""
+        nonlocal peak
+        held += node[n] if retained[n] else 0
+        units = _tree_units(tree, n, W)
+        for unit in units[:-1]:
+            if isinstance(unit, list):
+                peak = max(peak, held + wave(n, unit))
+            else:
+                train(unit, held)
+        last = units[-1]
+        recomputed = 0 if retained[n] else node[n]
+        if isinstance(last, list):
+            return held, recomputed, wave(n, last)
+        held, below, last_wave = descend(last, held)
+        return held, recomputed + below, last_wave
+
+    def train(n: int, held: int) -> None:
+        nonlocal peak
+        top, recomputed, last_wave = descend(n, held)
+        peak = max(peak, top + recomputed + last_wave)
+
+    train(0, 0)
+    adjoints = [sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
+                    if len(_tree_units(tree, a, W)) > 1) for leaf in tree.leaf_of_row]
+    return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=max(adjoints))
+
+
+def _ancestors(tree, n: int) -> list:
+    out = []
+    while tree.parents[n] >= 0:
+        n = tree.parents[n]
+        out.append(n)
+    return out
 
 
 # ---- time -----------------------------------------------------------------------------------
