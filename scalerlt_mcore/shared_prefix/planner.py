@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import LoopedCoreAttention
+from .tree_schedule import chain_parent
 
 PROMPT_MODES = ("recompute", "retain")
 SCHEDULES = ("joint_replay", "naive", "auto")
@@ -417,13 +418,16 @@ def _kv_bytes(m: ModelShape, P: int) -> int:
     return m.depths * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
 
 
-def _read_prefix_bytes(m: ModelShape, tree, n: int, root_retained: bool) -> int:
-    """What a cascade forward against node n's path saves of the path's K/V storage."""
+def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
+                       root_retained: bool) -> int:
+    """What a cascade forward against node n's path saves of the path's K/V storage: a
+    deeper path is a concatenation (new storage); the root's alone is its graph's qkv output
+    (``via_chain``: in a replay chain, or its leaves when retained), else its no-grad K/V."""
     if m.prefix_attention != "cascade":
         return 0
     if tree.parents[n] >= 0:
         return _kv_bytes(m, tree.ends[n])
-    return 0 if root_retained else prefix_bytes(m, tree.ends[n])
+    return 0 if via_chain or root_retained else prefix_bytes(m, tree.ends[n])
 
 
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
@@ -435,7 +439,8 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
         return saved.total + L * INT64 * (not m.rope_dim)
     _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
     saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
-    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], root_retained)
+    via_chain = chain_parent(tree, n) is not None
+    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained)
     if has_loss:  # the first label from the parent's boundary; the loss over the rows below
         k, rows = m.trained_loops, len(tree.rows_below(n))
         total += k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes
@@ -444,15 +449,16 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
     return total
 
 
-def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, root_retained: bool,
+def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_retained: bool,
                     loss_per_position: Optional[float]) -> int:
-    """A wave of node n's leaf children ``leaves`` against n's path."""
+    """A wave of node n's leaf children ``leaves`` against n's path (``last``: n's last unit,
+    in its replay chain; else against n's leaves)."""
     P, W = tree.ends[n], len(leaves)
     S = max(tree.ends[c] for c in leaves) - P
     wave = wave_bytes(m, P, S, W, loss_per_position)
     wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
                                                                   loss_per_position)
-    return wave + _read_prefix_bytes(m, tree, n, root_retained)
+    return wave + _read_prefix_bytes(m, tree, n, last, root_retained)
 
 
 def _tree_units(tree, n: int, W: int) -> list:
@@ -474,8 +480,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
             for n in range(tree.num_nodes) if not tree.is_leaf(n)}
     peak = 0
 
-    def wave(n, leaves):
-        return tree_wave_bytes(m, tree, n, leaves, root, loss_per_position)
+    def wave(n, leaves, last=False):
+        return tree_wave_bytes(m, tree, n, leaves, last, root, loss_per_position)
 
     def descend(n: int, held: int) -> tuple:
         """-> (held after n's descent, the chain's recomputed bytes, its last wave's bytes)."""
@@ -490,7 +496,7 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
         last = units[-1]
         recomputed = 0 if retained[n] else node[n]
         if isinstance(last, list):
-            return held, recomputed, wave(n, last)
+            return held, recomputed, wave(n, last, last=True)
         held, below, last_wave = descend(last, held)
         return held, recomputed + below, last_wave
 
