@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import LoopedCoreAttention
-from .tree_schedule import chain_parent
+from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
 SCHEDULES = ("joint_replay", "naive", "auto")
@@ -511,6 +511,12 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
     return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=max(adjoints))
 
 
+def _node_flops(m: ModelShape, tree, n: int, has_loss: bool) -> float:
+    """Forward FLOPs of node n's own state (what recomputing it costs again)."""
+    L, start = tree.ends[n] - tree.starts[n], tree.starts[n]
+    return _pass_flops(m, 1, L, start, readout=has_loss)
+
+
 def _ancestors(tree, n: int) -> list:
     out = []
     while tree.parents[n] >= 0:
@@ -678,7 +684,7 @@ class Planner:
         P, S, G = group.prompt_length, group.response_length, group.group_size
         tree = getattr(group, "tree", None)
         if tree is not None and tree.depth > 1 and self.schedule != "naive":
-            return self._tree(group)
+            return self._tree(group, model, num_loops)
         if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
             return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
         m = ModelShape.from_model(model, num_loops)
@@ -697,16 +703,66 @@ class Planner:
             return naive
         return joint
 
-    def _tree(self, group) -> GroupPlan:
+    def _tree(self, group, model, num_loops) -> GroupPlan:
         """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;
-        every node's graph retained with ``prompt`` "retain", else recomputed ("auto" too).
-        The memory and cost models price one-level groups only: a tree's plan is not checked
-        against ``memory_budget`` (a naive plan of a tree is priced as its rows)."""
+        per node, its graph retained or recomputed. ``prompt`` "retain" / "recompute": every
+        node so (unchecked, as for a one-level group). "auto": without a budget every node
+        retained (as a one-level group retains); with one, ``_tree_greedy``."""
+        tree, G = group.tree, group.group_size
         if self.wave_size == "auto":
             raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
-                             f"a tree group (depth {group.tree.depth}) needs an integer "
+                             f"a tree group (depth {tree.depth}) needs an integer "
                              f"wave_size (or schedule 'naive')")
-        return GroupPlan(min(self.wave_size, group.group_size), retain=self.prompt == "retain")
+        W = min(self.wave_size, G)
+        if self.prompt != "auto" or self.budget is None:
+            return GroupPlan(W, retain=self.prompt != "recompute")
+        m = ModelShape.from_model(model, num_loops)
+        return self._tree_greedy(m, group, W)
+
+    def _tree_greedy(self, m: ModelShape, group, W: int) -> GroupPlan:
+        """Start from recomputing every node (the least memory; below it: an error) and retain
+        nodes one at a time, each round the one saving the most recompute FLOPs (its forward)
+        per byte it adds to the predicted peak (``tree_memory``), among those that keep the
+        peak within the budget and may be retained (a chain's retained nodes are its top),
+        until none fits. Greedy, not optimal: a node that adds nothing to the peak is taken
+        first (largest FLOPs first)."""
+        tree, has_loss = group.tree, nodes_with_loss(group)
+        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+        retained = [False] * tree.num_nodes
+
+        def plan(flags) -> GroupPlan:
+            return GroupPlan(W, retain=all(flags[n] for n in internal),
+                             retain_nodes=tuple(flags))
+
+        def peak(flags) -> int:
+            return tree_memory(m, tree, plan(flags), has_loss,
+                               self.loss_per_position).peak_bytes
+
+        current = peak(retained)
+        if current > self.budget:
+            raise ValueError(
+                f"group {group.group_id} (tree of {tree.num_nodes} nodes, depth {tree.depth}, "
+                f"G={group.group_size}): no joint-replay plan fits the memory budget of "
+                f"{self.budget / 2**20:.2f} MiB; the smallest (every node recomputed, wave "
+                f"size {W}) needs {current / 2**20:.2f} MiB")
+        while True:
+            best = None
+            for n in internal:
+                p = chain_parent(tree, n)
+                if retained[n] or (p is not None and not retained[p]):
+                    continue
+                trial = [*retained[:n], True, *retained[n + 1:]]
+                need = peak(trial)
+                if need > self.budget:
+                    continue
+                flops = _node_flops(m, tree, n, has_loss[n])
+                score = (flops / max(need - current, 1), flops)
+                if best is None or score > best[0]:
+                    best = (score, n, need)
+            if best is None:
+                return plan(retained)
+            _, n, current = best
+            retained[n] = True
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)

@@ -89,7 +89,7 @@ class TreeReplay:
         self.retained = run.plan.node_retained(self.tree.num_nodes)
         _check_chains(self.tree, self.retained)
         self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-        self.has_loss = _nodes_with_loss(self.group)
+        self.has_loss = nodes_with_loss(self.group)
         self.calls = 0  # loss calls so far: each one's number in the group's results
         self.num_waves = 0
 
@@ -274,7 +274,7 @@ def _as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
     return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
 
 
-def _nodes_with_loss(group) -> list:
+def nodes_with_loss(group) -> list:
     """Per node: whether any row below it trains one of its tokens (one read on the host)."""
     tree, mask = group.tree, group.loss_mask != 0
     flags = torch.stack([mask[list(tree.rows_below(n))][:, tree.positions(n)].any()
