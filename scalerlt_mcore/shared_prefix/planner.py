@@ -11,7 +11,9 @@ and for naive training of the same group. Peaks per phase of the joint replay:
   fp32 copies beside it in a bf16/fp16 model);
 - checkpointed waves: a wave's activations exist only while it is recomputed in its backward
   (the probe does not see them; ``activation_bytes`` counts them);
-- naive: one microbatch of full prompt+response sequences.
+- naive: one microbatch of full prompt+response sequences;
+- a prefix tree (``tree_memory``): the schedule walked in its order, each moment the retained
+  graphs of the current path plus one wave or one replay chain (see "trees" below).
 
 The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
 positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
@@ -413,21 +415,36 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
 # a deeper path's: its concatenation).
 
 
-def _kv_bytes(m: ModelShape, P: int) -> int:
-    """A concatenated path state's K/V storage (every depth)."""
-    return m.depths * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+def _path_kv_bytes(m: ModelShape, P: int, width: int) -> int:
+    """The K/V of P path positions at the trained depths (graph-free loops save nothing),
+    ``width`` bytes per element."""
+    return _kv_numel(m, P) * width
+
+
+def _chain_top(tree, n: int) -> int:
+    while chain_parent(tree, n) is not None:
+        n = chain_parent(tree, n)
+    return n
 
 
 def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
                        root_retained: bool) -> int:
-    """What a cascade forward against node n's path saves of the path's K/V storage: a
-    deeper path is a concatenation (new storage); the root's alone is its graph's qkv output
-    (``via_chain``: in a replay chain, or its leaves when retained), else its no-grad K/V."""
+    """What a cascade forward against node n's path saves of the path's K/V storage.
+    ``via_chain``: the path of a replay chain (the chain's states), else n's leaves. The root's
+    alone: its graph's qkv output (in its chain; its leaves when retained and as wide), its
+    no-grad qkv output, or fp32 leaf copies of a narrower state. A deeper path is a
+    concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model."""
     if m.prefix_attention != "cascade":
         return 0
-    if tree.parents[n] >= 0:
-        return _kv_bytes(m, tree.ends[n])
-    return 0 if via_chain or root_retained else prefix_bytes(m, tree.ends[n])
+    P, wide = tree.ends[n], m.acc_bytes != m.dtype_bytes
+    if tree.parents[n] < 0:
+        if via_chain:
+            return 0
+        if wide:
+            return _path_kv_bytes(m, P, m.acc_bytes)
+        return 0 if root_retained else prefix_bytes(m, P) - graph_free_prefix_bytes(m, P)
+    leaves = not via_chain or _chain_top(tree, n) != 0
+    return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes)
 
 
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
@@ -461,6 +478,22 @@ def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_
     return wave + _read_prefix_bytes(m, tree, n, last, root_retained)
 
 
+def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
+                            root_retained: bool) -> int:
+    """What a checkpointed wave against node n's path saves: its inputs, the whole path state
+    (every depth; a graph holding the root's trained depths already has them)."""
+    P = tree.ends[n]
+    free = (m.depths - m.trained_depths) * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+    if tree.parents[n] < 0:
+        if last or (root_retained and m.acc_bytes == m.dtype_bytes):
+            return graph_free_prefix_bytes(m, P)
+        if m.acc_bytes != m.dtype_bytes:
+            return _path_kv_bytes(m, P, m.acc_bytes) + graph_free_prefix_bytes(m, P)
+        return prefix_bytes(m, P)
+    leaves = not last or _chain_top(tree, n) != 0
+    return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes) + free
+
+
 def _tree_units(tree, n: int, W: int) -> list:
     """Node n's units as the schedule orders them: internal children (ints), then its leaf
     children in waves (lists)."""
@@ -471,44 +504,55 @@ def _tree_units(tree, n: int, W: int) -> list:
 
 
 def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
-                loss_per_position: Optional[float] = None) -> MemoryEstimate:
+                loss_per_position: Optional[float] = None,
+                checkpoint_waves: bool = False) -> MemoryEstimate:
     """Peak memory of joint replay of a tree group by ``plan`` (its per-node retain choice);
-    ``has_loss``: per node, whether any of its tokens is trained."""
+    ``has_loss``: per node, whether any of its tokens is trained. Checkpointed waves save
+    their inputs; what they recompute in their backward counts in ``activation_bytes``."""
     retained = plan.node_retained(tree.num_nodes)
     W, root = plan.wave_size, retained[0]
     node = {n: tree_node_bytes(m, tree, n, has_loss[n], root, loss_per_position)
             for n in range(tree.num_nodes) if not tree.is_leaf(n)}
-    peak = 0
 
-    def wave(n, leaves, last=False):
-        return tree_wave_bytes(m, tree, n, leaves, last, root, loss_per_position)
+    def wave(n, leaves, last, visible) -> int:
+        if not checkpoint_waves:
+            return tree_wave_bytes(m, tree, n, leaves, last, root, loss_per_position)
+        saved = _checkpoint_input_bytes(m, tree, n, last, root)
+        return saved + (0 if visible else tree_wave_bytes(m, tree, n, leaves, last, root,
+                                                           loss_per_position))
 
-    def descend(n: int, held: int) -> tuple:
-        """-> (held after n's descent, the chain's recomputed bytes, its last wave's bytes)."""
-        nonlocal peak
-        held += node[n] if retained[n] else 0
-        units = _tree_units(tree, n, W)
-        for unit in units[:-1]:
-            if isinstance(unit, list):
-                peak = max(peak, held + wave(n, unit))
-            else:
-                train(unit, held)
-        last = units[-1]
-        recomputed = 0 if retained[n] else node[n]
-        if isinstance(last, list):
-            return held, recomputed, wave(n, last, last=True)
-        held, below, last_wave = descend(last, held)
-        return held, recomputed + below, last_wave
+    def peak(visible: bool) -> int:
+        worst = 0
 
-    def train(n: int, held: int) -> None:
-        nonlocal peak
-        top, recomputed, last_wave = descend(n, held)
-        peak = max(peak, top + recomputed + last_wave)
+        def descend(n: int, held: int) -> tuple:
+            """-> (held after n's descent, the chain's recomputed bytes, its last wave's)."""
+            nonlocal worst
+            held += node[n] if retained[n] else 0
+            units = _tree_units(tree, n, W)
+            for unit in units[:-1]:
+                if isinstance(unit, list):
+                    worst = max(worst, held + wave(n, unit, False, visible))
+                else:
+                    train(unit, held)
+            last = units[-1]
+            recomputed = 0 if retained[n] else node[n]
+            if isinstance(last, list):
+                return held, recomputed, wave(n, last, True, visible)
+            held, below, last_wave = descend(last, held)
+            return held, recomputed + below, last_wave
 
-    train(0, 0)
+        def train(n: int, held: int) -> None:
+            nonlocal worst
+            top, recomputed, last_wave = descend(n, held)
+            worst = max(worst, top + recomputed + last_wave)
+
+        train(0, 0)
+        return worst
+
     adjoints = [sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
                     if len(_tree_units(tree, a, W)) > 1) for leaf in tree.leaf_of_row]
-    return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=max(adjoints))
+    return MemoryEstimate(saved_bytes=peak(True), activation_bytes=peak(False),
+                          adjoint_bytes=max(adjoints))
 
 
 def _node_flops(m: ModelShape, tree, n: int, has_loss: bool) -> float:
@@ -645,6 +689,9 @@ class Planner:
     wave_size: an integer, or "auto": the largest wave whose predicted peak (activations plus
         prefix adjoints) fits ``memory_budget`` bytes, recompute where retain does not fit.
     prompt: "retain", "recompute", or "auto" (retain unless only recompute fits the budget).
+        A tree group (depth >= 2, an integer ``wave_size``): "retain" / "recompute" every
+        node; "auto" without a budget retains every node, with one chooses per node
+        (``_tree_greedy`` on ``tree_memory``), a budget below recomputing every node an error.
     schedule: "joint_replay"; "naive": every group as full sequences in microbatches of
         ``naive_micro_batch_size`` (or the largest that fits); or "auto": joint replay or
         naive by ``cost_model``'s time.
@@ -735,8 +782,8 @@ class Planner:
                              retain_nodes=tuple(flags))
 
         def peak(flags) -> int:
-            return tree_memory(m, tree, plan(flags), has_loss,
-                               self.loss_per_position).peak_bytes
+            return tree_memory(m, tree, plan(flags), has_loss, self.loss_per_position,
+                               self.checkpoint_waves).peak_bytes
 
         current = peak(retained)
         if current > self.budget:

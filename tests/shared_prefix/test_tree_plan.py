@@ -5,6 +5,7 @@ node's state is computed once and each recomputed one twice; the planner's tree 
 nodes it retains under a memory budget (none, some, all) and its error below the minimum."""
 
 import pytest
+import torch
 from helpers.replay_exact import _assert_close_rel
 from helpers.sp import LossSpec, build_model, grads, joint_step, naive_step, rel_errors
 from helpers.tree import DEPTH3, tree_group
@@ -39,7 +40,7 @@ def _fixed(plan):
     return lambda group, model, num_loops=None: plan
 
 
-def _run(model, group, plan, W: int = 2) -> tuple:
+def _run(model, group, plan, W: int = 2, checkpoint_waves: bool = False) -> tuple:
     """One step by ``plan`` -> (its results, node-state forwards, peak saved bytes)."""
     calls = []
     hook = model.register_forward_pre_hook(
@@ -47,7 +48,8 @@ def _run(model, group, plan, W: int = 2) -> tuple:
     model.zero_grad(set_to_none=True)
     try:
         with SavedTensorProbe(model) as probe:
-            out = joint_step(model, [group], SPEC, W, chooser=_fixed(plan))
+            out = joint_step(model, [group], SPEC, W, chooser=_fixed(plan),
+                             checkpoint_waves=checkpoint_waves)
     finally:
         hook.remove()
     return out, sum(calls), probe.peak_bytes
@@ -132,6 +134,39 @@ def test_the_budget_decides_which_nodes_are_retained(mcore_single, attn):
         assert forwards == _forwards(group, plan)
         _assert_close_rel(out[0]["loss"], loss, 1e-12, f"{name} loss")
         assert max(rel_errors(grads(model), ref).values()) <= 1e-12
+
+
+MODELS = {
+    "f32": lambda: build_model(R=2),
+    "rms-gqa-f32": lambda: build_model(R=2, arch=True, normalization="RMSNorm",
+                                       num_query_groups=2),
+    # the waves read fp32 leaves (and their concatenations) of a bf16 state
+    "bf16": lambda: build_model(R=2).to(torch.bfloat16),
+    "concat-bf16": lambda: build_model(R=2, attn="concat").to(torch.bfloat16),
+    # truncated backprop: graph-free depths save nothing and are no leaves
+    "truncated-f64": lambda: build_model(R=3, arch=True, looped_backprop_loops=1).double(),
+}
+PLANS = (("none", False), ("mixed", False), ("all", True))
+"""(retained nodes, checkpointed waves): a mixed plan retains BUSHY's root and its chain
+8 -> 9."""
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tree_saved_bytes_prediction_within_10_percent(mcore_single, name):
+    model = MODELS[name]()
+    m = ModelShape.from_model(model)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    group = tree_group(BUSHY, model.config.looped_num_loops, seed=2, dtype=dtype, kl=True)
+    has_loss = nodes_with_loss(group)
+    nodes = {"none": set(), "mixed": {0, 8, 9}, "all": set(range(group.tree.num_nodes))}
+    for kept, ck in PLANS:
+        plan = GroupPlan(2, retain_nodes=_retained(group, nodes[kept]))
+        _, _, measured = _run(model, group, plan, checkpoint_waves=ck)
+        predicted = tree_memory(m, group.tree, plan, has_loss, LOSS_BYTES, ck).saved_bytes
+        err = abs(predicted / measured - 1)
+        print(f"\n[tree plan] {name} {kept} ckpt={ck}: predicted {predicted} B, measured "
+              f"{measured} B ({err:.2%})")
+        assert err <= PREDICTION_RTOL, (name, kept, ck, predicted, measured)
 
 
 def test_a_node_that_adds_nothing_to_the_peak_is_retained(mcore_single):
