@@ -505,21 +505,37 @@ def _tree_units(tree, n: int, W: int) -> list:
 
 def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
                 loss_per_position: Optional[float] = None,
-                checkpoint_waves: bool = False) -> MemoryEstimate:
+                checkpoint_waves: bool = False, cache: Optional[dict] = None) -> MemoryEstimate:
     """Peak memory of joint replay of a tree group by ``plan`` (its per-node retain choice);
     ``has_loss``: per node, whether any of its tokens is trained. Checkpointed waves save
-    their inputs; what they recompute in their backward counts in ``activation_bytes``."""
+    their inputs; what they recompute in their backward counts in ``activation_bytes``.
+    ``cache``: a dict kept across calls on the same (m, tree, has_loss, loss, waves) to
+    reuse the bytes of each node and wave (a planner's search)."""
     retained = plan.node_retained(tree.num_nodes)
     W, root = plan.wave_size, retained[0]
-    node = {n: tree_node_bytes(m, tree, n, has_loss[n], root, loss_per_position)
-            for n in range(tree.num_nodes) if not tree.is_leaf(n)}
+    cache = {} if cache is None else cache
+
+    def memo(key, compute) -> int:
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
+    node = {n: memo(("node", n, root), lambda n=n: tree_node_bytes(
+        m, tree, n, has_loss[n], root, loss_per_position))
+        for n in range(tree.num_nodes) if not tree.is_leaf(n)}
+
+    units_of = memo(("units", W), lambda: {n: _tree_units(tree, n, W)
+                                           for n in range(tree.num_nodes)})
+
+    def full(n, leaves, last) -> int:
+        return memo(("wave", n, tuple(leaves), last, root), lambda: tree_wave_bytes(
+            m, tree, n, leaves, last, root, loss_per_position))
 
     def wave(n, leaves, last, visible) -> int:
         if not checkpoint_waves:
-            return tree_wave_bytes(m, tree, n, leaves, last, root, loss_per_position)
+            return full(n, leaves, last)
         saved = _checkpoint_input_bytes(m, tree, n, last, root)
-        return saved + (0 if visible else tree_wave_bytes(m, tree, n, leaves, last, root,
-                                                           loss_per_position))
+        return saved + (0 if visible else full(n, leaves, last))
 
     def peak(visible: bool) -> int:
         worst = 0
@@ -528,7 +544,7 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
             """-> (held after n's descent, the chain's recomputed bytes, its last wave's)."""
             nonlocal worst
             held += node[n] if retained[n] else 0
-            units = _tree_units(tree, n, W)
+            units = units_of[n]
             for unit in units[:-1]:
                 if isinstance(unit, list):
                     worst = max(worst, held + wave(n, unit, False, visible))
@@ -549,10 +565,11 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
         train(0, 0)
         return worst
 
-    adjoints = [sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
-                    if len(_tree_units(tree, a, W)) > 1) for leaf in tree.leaf_of_row]
+    adjoints = memo(("adjoints", W), lambda: max(
+        sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
+            if len(units_of[a]) > 1) for leaf in tree.leaf_of_row))
     return MemoryEstimate(saved_bytes=peak(True), activation_bytes=peak(False),
-                          adjoint_bytes=max(adjoints))
+                          adjoint_bytes=adjoints)
 
 
 def _node_flops(m: ModelShape, tree, n: int, has_loss: bool) -> float:
@@ -781,9 +798,11 @@ class Planner:
             return GroupPlan(W, retain=all(flags[n] for n in internal),
                              retain_nodes=tuple(flags))
 
+        cache = {}
+
         def peak(flags) -> int:
             return tree_memory(m, tree, plan(flags), has_loss, self.loss_per_position,
-                               self.checkpoint_waves).peak_bytes
+                               self.checkpoint_waves, cache).peak_bytes
 
         current = peak(retained)
         if current > self.budget:
