@@ -11,7 +11,9 @@ and for naive training of the same group. Peaks per phase of the joint replay:
   fp32 copies beside it in a bf16/fp16 model);
 - checkpointed waves: a wave's activations exist only while it is recomputed in its backward
   (the probe does not see them; ``activation_bytes`` counts them);
-- naive: one microbatch of full prompt+response sequences.
+- naive: one microbatch of full prompt+response sequences;
+- a prefix tree (``tree_memory``): the schedule walked in its order, each moment the retained
+  graphs of the current path plus one wave or one replay chain (see "trees" below).
 
 The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
 positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import LoopedCoreAttention
+from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
 SCHEDULES = ("joint_replay", "naive", "auto")
@@ -48,10 +51,30 @@ class GroupPlan:
     naive: bool = False
     """Train the group as full prompt+response sequences instead of joint replay."""
 
+    retain_nodes: Optional[tuple] = None
+    """A tree group: per node (root first), whether its graph is kept from its first forward
+    (True) or recomputed in its replay (False); None: every node as ``retain``. A node that
+    continues its parent's replay chain (``tree_chain_parent``) is retained only with it.
+    Always None for a one-level group."""
+
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
             raise ValueError(f"GroupPlan.wave_size must be an integer >= 1, got "
                              f"{self.wave_size!r}")
+        nodes = self.retain_nodes
+        if nodes is not None and (not isinstance(nodes, tuple)
+                                  or not all(isinstance(r, bool) for r in nodes)):
+            raise ValueError(f"GroupPlan.retain_nodes must be a tuple of bools (one per tree "
+                             f"node) or None, got {nodes!r}")
+
+    def node_retained(self, num_nodes: int) -> tuple:
+        """Per node of a tree of ``num_nodes``: whether its graph is retained."""
+        if self.retain_nodes is None:
+            return (self.retain,) * num_nodes
+        if len(self.retain_nodes) != num_nodes:
+            raise ValueError(f"GroupPlan.retain_nodes has {len(self.retain_nodes)} entries; "
+                             f"the tree has {num_nodes} nodes")
+        return self.retain_nodes
 
 
 @dataclass(frozen=True)
@@ -380,6 +403,189 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
 
 
+# ---- trees ----------------------------------------------------------------------------------
+#
+# A tree group (``tree_schedule.TreeReplay``) holds, at any moment, the retained graphs of the
+# nodes on the current root-to-leaf path whose chains have not been replayed, plus one working
+# set: a leaf wave (phase 2), or a replay (its chain's recomputed graphs and its last wave).
+# ``tree_memory`` walks the tree in the schedule's order and takes the worst moment; adjoints
+# are those of the worst path's nodes that train a unit before their replay. Each forward is
+# priced by the one-level pieces (``_block``, ``wave_bytes``) against its prefix length;
+# cascade attention also saves the prefix K/V it reads (the root's: views of its qkv output;
+# a deeper path's: its concatenation).
+
+
+def _path_kv_bytes(m: ModelShape, P: int, width: int) -> int:
+    """The K/V of P path positions at the trained depths (graph-free loops save nothing),
+    ``width`` bytes per element."""
+    return _kv_numel(m, P) * width
+
+
+def _chain_top(tree, n: int) -> int:
+    while chain_parent(tree, n) is not None:
+        n = chain_parent(tree, n)
+    return n
+
+
+def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
+                       root_retained: bool) -> int:
+    """What a cascade forward against node n's path saves of the path's K/V storage.
+    ``via_chain``: the path of a replay chain (the chain's states), else n's leaves. The root's
+    alone: its graph's qkv output (in its chain; its leaves when retained and as wide), its
+    no-grad qkv output, or fp32 leaf copies of a narrower state. A deeper path is a
+    concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model."""
+    if m.prefix_attention != "cascade":
+        return 0
+    P, wide = tree.ends[n], m.acc_bytes != m.dtype_bytes
+    if tree.parents[n] < 0:
+        if via_chain:
+            return 0
+        if wide:
+            return _path_kv_bytes(m, P, m.acc_bytes)
+        return 0 if root_retained else prefix_bytes(m, P) - graph_free_prefix_bytes(m, P)
+    leaves = not via_chain or _chain_top(tree, n) != 0
+    return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes)
+
+
+def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
+                    loss_per_position: Optional[float]) -> int:
+    """Node n's own forward with grad against its ancestors (and its own-token loss)."""
+    saved, L, start = _Saved(), tree.ends[n] - tree.starts[n], tree.starts[n]
+    if tree.parents[n] < 0:
+        _block(m, saved, 1, L, "causal", readout=False)
+        return saved.total + L * INT64 * (not m.rope_dim)
+    _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
+    saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
+    via_chain = chain_parent(tree, n) is not None
+    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained)
+    if has_loss:  # the first label from the parent's boundary; the loss over the rows below
+        k, rows = m.trained_loops, len(tree.rows_below(n))
+        total += k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes
+        total += m.loops * m.vocab * m.acc_bytes + L * INT64
+        total += _loss_bytes(m, rows, L, loss_per_position)
+    return total
+
+
+def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_retained: bool,
+                    loss_per_position: Optional[float]) -> int:
+    """A wave of node n's leaf children ``leaves`` against n's path (``last``: n's last unit,
+    in its replay chain; else against n's leaves)."""
+    P, W = tree.ends[n], len(leaves)
+    S = max(tree.ends[c] for c in leaves) - P
+    wave = wave_bytes(m, P, S, W, loss_per_position)
+    wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
+                                                                  loss_per_position)
+    return wave + _read_prefix_bytes(m, tree, n, last, root_retained)
+
+
+def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
+                            root_retained: bool) -> int:
+    """What a checkpointed wave against node n's path saves: its inputs, the whole path state
+    (every depth; a graph holding the root's trained depths already has them)."""
+    P = tree.ends[n]
+    free = (m.depths - m.trained_depths) * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+    if tree.parents[n] < 0:
+        if last or (root_retained and m.acc_bytes == m.dtype_bytes):
+            return graph_free_prefix_bytes(m, P)
+        if m.acc_bytes != m.dtype_bytes:
+            return _path_kv_bytes(m, P, m.acc_bytes) + graph_free_prefix_bytes(m, P)
+        return prefix_bytes(m, P)
+    leaves = not last or _chain_top(tree, n) != 0
+    return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes) + free
+
+
+def _tree_units(tree, n: int, W: int) -> list:
+    """Node n's units as the schedule orders them: internal children (ints), then its leaf
+    children in waves (lists)."""
+    children = tree.children(n)
+    leaves = [c for c in children if tree.is_leaf(c)]
+    return ([c for c in children if not tree.is_leaf(c)]
+            + [leaves[k : k + W] for k in range(0, len(leaves), W)])
+
+
+def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
+                loss_per_position: Optional[float] = None,
+                checkpoint_waves: bool = False, cache: Optional[dict] = None) -> MemoryEstimate:
+    """Peak memory of joint replay of a tree group by ``plan`` (its per-node retain choice);
+    ``has_loss``: per node, whether any of its tokens is trained. Checkpointed waves save
+    their inputs; what they recompute in their backward counts in ``activation_bytes``.
+    ``cache``: a dict kept across calls on the same (m, tree, has_loss, loss, waves) to
+    reuse the bytes of each node and wave (a planner's search)."""
+    retained = plan.node_retained(tree.num_nodes)
+    W, root = plan.wave_size, retained[0]
+    cache = {} if cache is None else cache
+
+    def memo(key, compute) -> int:
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
+    node = {n: memo(("node", n, root), lambda n=n: tree_node_bytes(
+        m, tree, n, has_loss[n], root, loss_per_position))
+        for n in range(tree.num_nodes) if not tree.is_leaf(n)}
+
+    units_of = memo(("units", W), lambda: {n: _tree_units(tree, n, W)
+                                           for n in range(tree.num_nodes)})
+
+    def full(n, leaves, last) -> int:
+        return memo(("wave", n, tuple(leaves), last, root), lambda: tree_wave_bytes(
+            m, tree, n, leaves, last, root, loss_per_position))
+
+    def wave(n, leaves, last, visible) -> int:
+        if not checkpoint_waves:
+            return full(n, leaves, last)
+        saved = _checkpoint_input_bytes(m, tree, n, last, root)
+        return saved + (0 if visible else full(n, leaves, last))
+
+    def peak(visible: bool) -> int:
+        worst = 0
+
+        def descend(n: int, held: int) -> tuple:
+            """-> (held after n's descent, the chain's recomputed bytes, its last wave's)."""
+            nonlocal worst
+            held += node[n] if retained[n] else 0
+            units = units_of[n]
+            for unit in units[:-1]:
+                if isinstance(unit, list):
+                    worst = max(worst, held + wave(n, unit, False, visible))
+                else:
+                    train(unit, held)
+            last = units[-1]
+            recomputed = 0 if retained[n] else node[n]
+            if isinstance(last, list):
+                return held, recomputed, wave(n, last, True, visible)
+            held, below, last_wave = descend(last, held)
+            return held, recomputed + below, last_wave
+
+        def train(n: int, held: int) -> None:
+            nonlocal worst
+            top, recomputed, last_wave = descend(n, held)
+            worst = max(worst, top + recomputed + last_wave)
+
+        train(0, 0)
+        return worst
+
+    adjoints = memo(("adjoints", W), lambda: max(
+        sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
+            if len(units_of[a]) > 1) for leaf in tree.leaf_of_row))
+    return MemoryEstimate(saved_bytes=peak(True), activation_bytes=peak(False),
+                          adjoint_bytes=adjoints)
+
+
+def _node_flops(m: ModelShape, tree, n: int, has_loss: bool) -> float:
+    """Forward FLOPs of node n's own state (what recomputing it costs again)."""
+    L, start = tree.ends[n] - tree.starts[n], tree.starts[n]
+    return _pass_flops(m, 1, L, start, readout=has_loss)
+
+
+def _ancestors(tree, n: int) -> list:
+    out = []
+    while tree.parents[n] >= 0:
+        n = tree.parents[n]
+        out.append(n)
+    return out
+
+
 # ---- time -----------------------------------------------------------------------------------
 
 
@@ -500,6 +706,9 @@ class Planner:
     wave_size: an integer, or "auto": the largest wave whose predicted peak (activations plus
         prefix adjoints) fits ``memory_budget`` bytes, recompute where retain does not fit.
     prompt: "retain", "recompute", or "auto" (retain unless only recompute fits the budget).
+        A tree group (depth >= 2, an integer ``wave_size``): "retain" / "recompute" every
+        node; "auto" without a budget retains every node, with one chooses per node
+        (``_tree_greedy`` on ``tree_memory``), a budget below recomputing every node an error.
     schedule: "joint_replay"; "naive": every group as full sequences in microbatches of
         ``naive_micro_batch_size`` (or the largest that fits); or "auto": joint replay or
         naive by ``cost_model``'s time.
@@ -539,7 +748,7 @@ class Planner:
         P, S, G = group.prompt_length, group.response_length, group.group_size
         tree = getattr(group, "tree", None)
         if tree is not None and tree.depth > 1 and self.schedule != "naive":
-            return self._tree(group)
+            return self._tree(group, model, num_loops)
         if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
             return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
         m = ModelShape.from_model(model, num_loops)
@@ -558,16 +767,68 @@ class Planner:
             return naive
         return joint
 
-    def _tree(self, group) -> GroupPlan:
+    def _tree(self, group, model, num_loops) -> GroupPlan:
         """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;
-        every node's graph retained with ``prompt`` "retain", else recomputed ("auto" too).
-        The memory and cost models price one-level groups only: a tree's plan is not checked
-        against ``memory_budget`` (a naive plan of a tree is priced as its rows)."""
+        per node, its graph retained or recomputed. ``prompt`` "retain" / "recompute": every
+        node so (unchecked, as for a one-level group). "auto": without a budget every node
+        retained (as a one-level group retains); with one, ``_tree_greedy``."""
+        tree, G = group.tree, group.group_size
         if self.wave_size == "auto":
             raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
-                             f"a tree group (depth {group.tree.depth}) needs an integer "
+                             f"a tree group (depth {tree.depth}) needs an integer "
                              f"wave_size (or schedule 'naive')")
-        return GroupPlan(min(self.wave_size, group.group_size), retain=self.prompt == "retain")
+        W = min(self.wave_size, G)
+        if self.prompt != "auto" or self.budget is None:
+            return GroupPlan(W, retain=self.prompt != "recompute")
+        m = ModelShape.from_model(model, num_loops)
+        return self._tree_greedy(m, group, W)
+
+    def _tree_greedy(self, m: ModelShape, group, W: int) -> GroupPlan:
+        """Start from recomputing every node (the least memory; below it: an error) and retain
+        nodes one at a time, each round the one saving the most recompute FLOPs (its forward)
+        per byte it adds to the predicted peak (``tree_memory``), among those that keep the
+        peak within the budget and may be retained (a chain's retained nodes are its top),
+        until none fits. Greedy, not optimal: a node that adds nothing to the peak is taken
+        first (largest FLOPs first)."""
+        tree, has_loss = group.tree, nodes_with_loss(group)
+        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+        retained = [False] * tree.num_nodes
+
+        def plan(flags) -> GroupPlan:
+            return GroupPlan(W, retain=all(flags[n] for n in internal),
+                             retain_nodes=tuple(flags))
+
+        cache = {}
+
+        def peak(flags) -> int:
+            return tree_memory(m, tree, plan(flags), has_loss, self.loss_per_position,
+                               self.checkpoint_waves, cache).peak_bytes
+
+        current = peak(retained)
+        if current > self.budget:
+            raise ValueError(
+                f"group {group.group_id} (tree of {tree.num_nodes} nodes, depth {tree.depth}, "
+                f"G={group.group_size}): no joint-replay plan fits the memory budget of "
+                f"{self.budget / 2**20:.2f} MiB; the smallest (every node recomputed, wave "
+                f"size {W}) needs {current / 2**20:.2f} MiB")
+        while True:
+            best = None
+            for n in internal:
+                p = chain_parent(tree, n)
+                if retained[n] or (p is not None and not retained[p]):
+                    continue
+                trial = [*retained[:n], True, *retained[n + 1:]]
+                need = peak(trial)
+                if need > self.budget:
+                    continue
+                flops = _node_flops(m, tree, n, has_loss[n])
+                score = (flops / max(need - current, 1), flops)
+                if best is None or score > best[0]:
+                    best = (score, n, need)
+            if best is None:
+                return plan(retained)
+            _, n, current = best
+            retained[n] = True
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)

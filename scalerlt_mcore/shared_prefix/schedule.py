@@ -12,8 +12,8 @@ Earlier groups of a step run entirely under ``config.no_sync_func`` (as MCore's 
 microbatches 1..n-1), so the sync-enabled part of every step is exactly one backward call.
 
 A group whose rows are a prefix tree of depth >= 2 (``SharedPrefixGroup.tree``) is trained
-depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (a retaining
-plan keeps every node's graph instead of recomputing it); its root's replay is its one
+depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (the plan
+retains or recomputes each node's graph, ``GroupPlan.retain_nodes``); its root's replay is its one
 backward outside ``no_sync``. A depth-1 tree is a one-level group.
 
 The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,

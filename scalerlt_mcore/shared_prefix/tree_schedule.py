@@ -11,9 +11,12 @@ For node N with the state P of its ancestors (their K/V concatenated along posit
                  every chain node's state recomputed with grad against its recomputed
                  ancestors (the chain's top against P), its own trained tokens' loss, the last
                  leaf wave's loss and sum_k <state_k, adjoint_k> (the leaves' grads).
-With a retaining plan (``GroupPlan.retain``) step 1 runs with grad against the chain's
-retained ancestors, its graph (and own-token loss) kept for the replay instead of the
-recompute; the graphs held are still those of one root-to-leaf path.
+Per node, the plan (``GroupPlan.node_retained``) retains or recomputes: a retained node's
+step 1 runs with grad against the chain's retained ancestors, its graph (and own-token loss)
+kept for the replay instead of the recompute; the graphs held are still those of one
+root-to-leaf path. A node continuing its parent's chain (``chain_parent``) is retained only
+with its parent (its graph must attend to the parent's graph, not to leaves whose adjoint the
+replay has already read), so a chain's retained nodes are its top.
 A non-root replay's top attends to P, the leaves of its ancestors: its backward passes its
 adjoint up into them. The root's replay is the group's last backward and always holds a
 leaf wave, so every parameter gets its gradient in it: the schedule runs everything else in
@@ -81,10 +84,12 @@ class TreeReplay:
     wave losses, the guard, the phase callbacks. ``run``: the group's ``_GroupRun``."""
 
     def __init__(self, schedule, run):
-        self.schedule, self.run, self.retain = schedule, run, run.plan.retain
+        self.schedule, self.run = schedule, run
         self.group, self.tree = run.group, run.group.tree
+        self.retained = run.plan.node_retained(self.tree.num_nodes)
+        _check_chains(self.tree, self.retained)
         self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-        self.has_loss = _nodes_with_loss(self.group)
+        self.has_loss = nodes_with_loss(self.group)
         self.calls = 0  # loss calls so far: each one's number in the group's results
         self.num_waves = 0
 
@@ -123,9 +128,10 @@ class TreeReplay:
         ``chain`` (retain): the state n's retained graph is computed against (the chain's
         retained ancestors after the chain top's ``prefix``)."""
         self.run.guard.verify("tree node state")
-        with contextlib.nullcontext() if self.retain else torch.no_grad():
-            own, loss = self._own(n, chain if self.retain else prefix,
-                                  loss=self.retain and self.has_loss[n])
+        retain = self.retained[n]
+        with contextlib.nullcontext() if retain else torch.no_grad():
+            own, loss = self._own(n, chain if retain else prefix,
+                                  loss=retain and self.has_loss[n])
         self.schedule.phase_callback("prompt_producer", self.group)
         leaves = own.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, leaves)
@@ -133,10 +139,10 @@ class TreeReplay:
         for unit in units[:-1]:
             self._train_unit(unit, path)
         last = units[-1]
-        link = _Link(n, leaves, own, loss) if self.retain else _Link(n, leaves)
+        link = _Link(n, leaves, own, loss) if retain else _Link(n, leaves)
         if isinstance(last, _Wave):
             return [link, last]
-        return [link, *self._descend(last.node, path, _cat(chain, own) if self.retain else None)]
+        return [link, *self._descend(last.node, path, _cat(chain, own) if retain else None)]
 
     def _train_unit(self, unit, path: PrefixState) -> None:
         if isinstance(unit, _Wave):
@@ -224,6 +230,27 @@ def is_tree(group) -> bool:
     return group.tree is not None and group.tree.depth > 1
 
 
+def chain_parent(tree, n: int) -> Optional[int]:
+    """The node whose replay chain node n continues: its parent when n is the parent's last
+    unit (the parent has no leaf children and n is its last internal child), else None (n
+    tops a chain of its own, or is a leaf)."""
+    p = tree.parents[n]
+    if p < 0 or tree.is_leaf(n):
+        return None
+    children = tree.children(p)
+    if any(tree.is_leaf(c) for c in children):
+        return None
+    return p if children[-1] == n else None
+
+
+def _check_chains(tree, retained: tuple) -> None:
+    for n in range(tree.num_nodes):
+        p = chain_parent(tree, n)
+        if retained[n] and p is not None and not retained[p]:
+            raise ValueError(f"GroupPlan.retain_nodes: node {n} continues the replay chain of "
+                             f"node {p}, so it can be retained only if node {p} is")
+
+
 def _own_span(first: Tensor, rest: Tensor, rows: int) -> Tensor:
     """[R, 1, 1] (from the parent's boundary) and [R, 1, L] (the node's positions) -> the
     node's labels [R, rows, L], one row expanded over every row below the node."""
@@ -247,7 +274,7 @@ def _as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
     return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
 
 
-def _nodes_with_loss(group) -> list:
+def nodes_with_loss(group) -> list:
     """Per node: whether any row below it trains one of its tokens (one read on the host)."""
     tree, mask = group.tree, group.loss_mask != 0
     flags = torch.stack([mask[list(tree.rows_below(n))][:, tree.positions(n)].any()
