@@ -1,5 +1,10 @@
 """The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
 
+With ``rl_rollout: tree`` a rollout is a prefix tree per prompt (``rl_tree_branches``: each
+turn's answers branch; a multi-turn task's environment replies between turns), trained as one
+GRPO group over its leaves (``tree_advantages``, root baseline) through the shared-prefix
+schedule's tree replay.
+
 Every step's prompts and samples derive from (seed, step, data-parallel rank) alone, so a
 resumed run draws the same data as an uninterrupted one, and the ranks of a tensor-parallel
 group draw the same data. Rollout outputs, rewards and metrics live on the host; groups,
@@ -9,6 +14,7 @@ advantages, log-probs, loop weights and warm-up batches on the model's device.
 import contextlib
 import copy
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -18,12 +24,21 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
 from ..model.config import step_num_loops, step_seed
-from ..rl.advantages import group_advantages
-from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old_logprobs
+from ..rl.advantages import group_advantages, tree_advantages
+from ..rl.batch import (
+    build_groups,
+    build_tree_groups,
+    leaf_answers,
+    recording_drift,
+    rollout_drift,
+    rollout_old_logprobs,
+    trained_drift,
+    tree_old_logprobs,
+)
 from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
-from ..rl.stats import rollout_metrics, summarise
+from ..rl.stats import rollout_metrics, summarise, tree_rollout_metrics
 from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
 from .config import (
     eval_prompts,
@@ -33,11 +48,23 @@ from .config import (
     task_from,
     tokenizer_from,
 )
+from .config.rl import max_reply_tokens, parse_tree_branches, tree_turns
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
                  "time_step_s")
 """Metrics of an RL step that are wall-clock measurements (they differ between identical
 runs): throughput and the time of each phase, rollout / score / train, and of the whole step."""
+
+
+@dataclass
+class TreeSample:
+    """One prompt's rollout tree: ``segments`` (``TreeSegment``s, the root the prompt; the
+    model's answers trained, the environment's replies not) and ``node_logprobs`` [N] x
+    [R, L_n], the per-loop log-probs of each node's tokens under the rollout's policy (the
+    root's unused)."""
+
+    segments: list
+    node_logprobs: list
 
 
 class KLReference:
@@ -87,6 +114,8 @@ class RLTrainer:
         # never sample those ids
         self.banned = (self.tok.pad_id, self.tok.bos_id,
                        *range(self.tok.vocab_size, model.vocab_size))
+        self.reply_tokens = (max_reply_tokens(self.task, self.tok)
+                             if tree_turns(cfg.rl) > 1 else 0)
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring
@@ -124,11 +153,16 @@ class RLTrainer:
         """Token lists of prompt strings, each led by bos; a prompt too long for the position
         table with a full response is an error naming it."""
         room = self.cfg.model.max_position_embeddings - self.cfg.rl.rl_max_response_length
+        what = "max_position_embeddings - rl_max_response_length"
+        if tree_turns(self.cfg.rl) > 1:  # a root-to-leaf path: every turn and reply
+            room -= (tree_turns(self.cfg.rl) - 1) * (self.cfg.rl.rl_max_response_length
+                                                     + self.reply_tokens)
+            what = "max_position_embeddings - the turns and replies of a tree path"
         prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
         for text, p in zip(texts, prompts):
             if len(p) > room:
                 raise ValueError(f"prompt {text[:60]!r} is {len(p)} tokens with bos: more than "
-                                 f"max_position_embeddings - rl_max_response_length ({room})")
+                                 f"{what} ({room})")
         return prompts
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1,
@@ -149,6 +183,45 @@ class RLTrainer:
                        num_loops=num_loops)
         self.model.train()
         return out
+
+    def tree_rollout(self, step: int, problems, num_loops=None) -> list:
+        """One prefix tree per problem (``TreeSample``) with ``rl_tree_branches``, the task's
+        replies between turns (a multi-turn task's), ``num_loops`` loops: the one call of tree
+        decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
+        from ..rl.tree_rollout import generate_tree
+
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        self.model.eval()
+        trees = generate_tree(
+            self.model, self._prompts([p.prompt for p in problems]),
+            parse_tree_branches(self.cfg.rl.rl_tree_branches),
+            self.cfg.rl.rl_max_response_length, reply_fn=self._reply_fn(problems),
+            eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
+            temperature=self.cfg.rl.rl_temperature, top_p=self.cfg.rl.rl_top_p, generator=gen,
+            banned=self.banned, vocab_size=self.tok.vocab_size,
+            stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops)
+        self.model.train()
+        return [TreeSample(t.segments, t.node_logprobs) for t in trees]
+
+    def _reply_fn(self, problems):
+        """The environment's turn for tree decoding: (problem index, the answer's token ids) ->
+        the reply's token ids (None for a single-turn task)."""
+        if tree_turns(self.cfg.rl) == 1:
+            return None
+
+        def reply(n: int, answer_ids) -> list:
+            return self.tok.encode(self.task.reply(problems[n], self.tok.decode(answer_ids)))
+
+        return reply
+
+    def tree_rewards(self, problems, trees: list, partial: bool = False) -> torch.Tensor:
+        """[N, G] verifiable rewards of each tree's leaves (their final answers)."""
+        return torch.tensor([
+            [self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
+             for answer in leaf_answers(t.segments)]
+            for p, t in zip(problems, trees)
+        ], dtype=torch.float64, device="cpu")
 
     def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
         """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""
@@ -198,15 +271,16 @@ class RLTrainer:
         loops = self.start_step(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature,
-                          num_loops=loops)
+        tree = self.cfg.rl.rl_rollout == "tree"
+        if tree:
+            ro = self.tree_rollout(step, problems, num_loops=loops)
+        else:
+            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size,
+                              self.cfg.rl.rl_temperature, num_loops=loops)
         t_rollout = time.perf_counter()
-        rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
-        advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
-        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
-                              self.device, advantages)
+        groups, rewards = (self._tree_groups if tree else self._groups)(step, problems, ro)
         t_score = time.perf_counter()
-        drift = self._attach_logprobs(groups, ro, loops)
+        drift = (self._attach_tree_logprobs if tree else self._attach_logprobs)(groups, ro, loops)
         t_train = time.perf_counter()
         self.train_drift.clear()
         train = self.optimize(groups, loops)
@@ -214,12 +288,45 @@ class RLTrainer:
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
+        rollout = (tree_rollout_metrics(rewards, [t.segments for t in ro],
+                                        [t.node_logprobs for t in ro])
+                   if tree else rollout_metrics(rewards, ro))
         return self._reduce({
-            **rollout_metrics(rewards, ro), **train, "rollout_logprob_max_diff": drift,
+            **rollout, **train, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
             "time_score_s": t_train - t_score, "time_train_s": t_end - t_train,
             "time_step_s": t_end - t0, "loops": loops,
         })
+
+    def _groups(self, step: int, problems, ro) -> tuple:
+        """(one-level groups of a rollout with their GRPO advantages, rewards [N, G])."""
+        rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
+        advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
+        return build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
+                            self.device, advantages), rewards
+
+    def _tree_groups(self, step: int, problems, trees: list) -> tuple:
+        """(tree groups of a tree rollout, each one GRPO group over its leaves, rewards
+        [N, G] of the leaves)."""
+        rewards = self.tree_rewards(problems, trees, self.cfg.rl.rl_partial_credit)
+        advantages = torch.stack([
+            tree_advantages(rewards[n], [s.parent for s in t.segments], self.cfg.rl.rl_advantage)
+            for n, t in enumerate(trees)])  # [N, G]; rejects NaN/inf
+        return build_tree_groups([t.segments for t in trees], self.tok.pad_id, step,
+                                 self.device, advantages), rewards
+
+    def _attach_tree_logprobs(self, groups, trees: list, num_loops: int) -> float:
+        """``_attach_logprobs`` of tree groups: the rollout's per-node log-probs laid out in
+        the rows (``tree_old_logprobs``)."""
+        from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
+        old = None if from_rollout else self.score(self.ddp, groups, num_loops)
+        ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
+               else [None] * len(groups))
+        rollout = [tree_old_logprobs(g, t.node_logprobs) for g, t in zip(groups, trees)]
+        for n, g in enumerate(groups):
+            g.old_logprobs = rollout[n] if from_rollout else old[n].detach()
+            g.ref_logprobs = ref[n]
+        return float(torch.stack([trained_drift(g, r) for g, r in zip(groups, rollout)]).max())
 
     def _attach_logprobs(self, groups, ro, num_loops: int) -> float:
         """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
