@@ -106,7 +106,12 @@ class RLTrainer:
         self.train_drift = []  # rollout-vs-training log-prob differences of the current step
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
-        self.schedule = schedule_from(cfg, model, self.objective.saved_per_position)
+        turns = tree_turns(cfg.rl)
+        self.reply_tokens = max_reply_tokens(self.task, self.tok) if turns > 1 else 0
+        # positions after the prompt: every turn's answer and, between turns, a reply
+        self.path_tokens = turns * cfg.rl.rl_max_response_length + (turns - 1) * self.reply_tokens
+        self.schedule = schedule_from(cfg, model, self.objective.saved_per_position,
+                                      max_response_length=self.path_tokens)
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
@@ -114,8 +119,6 @@ class RLTrainer:
         # never sample those ids
         self.banned = (self.tok.pad_id, self.tok.bos_id,
                        *range(self.tok.vocab_size, model.vocab_size))
-        self.reply_tokens = (max_reply_tokens(self.task, self.tok)
-                             if tree_turns(cfg.rl) > 1 else 0)
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring
@@ -152,12 +155,9 @@ class RLTrainer:
     def _prompts(self, texts) -> list:
         """Token lists of prompt strings, each led by bos; a prompt too long for the position
         table with a full response is an error naming it."""
-        room = self.cfg.model.max_position_embeddings - self.cfg.rl.rl_max_response_length
-        what = "max_position_embeddings - rl_max_response_length"
-        if tree_turns(self.cfg.rl) > 1:  # a root-to-leaf path: every turn and reply
-            room -= (tree_turns(self.cfg.rl) - 1) * (self.cfg.rl.rl_max_response_length
-                                                     + self.reply_tokens)
-            what = "max_position_embeddings - the turns and replies of a tree path"
+        room = self.cfg.model.max_position_embeddings - self.path_tokens
+        what = ("max_position_embeddings - rl_max_response_length" if tree_turns(self.cfg.rl) == 1
+                else "max_position_embeddings - the turns and replies of a tree path")
         prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
         for text, p in zip(texts, prompts):
             if len(p) > room:
