@@ -188,40 +188,45 @@ class RLTrainer:
         """One prefix tree per problem (``TreeSample``) with ``rl_tree_branches``, the task's
         replies between turns (a multi-turn task's), ``num_loops`` loops: the one call of tree
         decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
-        from ..rl.tree_rollout import generate_tree
+        from ..rl.tree_rollout import generate_tree  # until tree decoding lands on main
 
         gen = torch.Generator(device=self.device)
         gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        prompts = self._prompts([p.prompt for p in problems])
         self.model.eval()
-        trees = generate_tree(
-            self.model, self._prompts([p.prompt for p in problems]),
-            parse_tree_branches(self.cfg.rl.rl_tree_branches),
-            self.cfg.rl.rl_max_response_length, reply_fn=self._reply_fn(problems),
-            eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
+        out = generate_tree(
+            self.model, prompts, parse_tree_branches(self.cfg.rl.rl_tree_branches),
+            self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
             temperature=self.cfg.rl.rl_temperature, top_p=self.cfg.rl.rl_top_p, generator=gen,
-            banned=self.banned, vocab_size=self.tok.vocab_size,
-            stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops)
+            banned=self.banned, exit_mode=self.cfg.rl.rl_rollout_exit,
+            exit_threshold=self.cfg.rl.rl_exit_threshold, vocab_size=self.tok.vocab_size,
+            stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops,
+            reply_fn=self._reply_fn(problems, prompts))
         self.model.train()
-        return [TreeSample(t.segments, t.node_logprobs) for t in trees]
+        return [TreeSample(out.segments[n], out.loop_logprobs[n]) for n in range(len(prompts))]
 
-    def _reply_fn(self, problems):
-        """The environment's turn for tree decoding: (problem index, the answer's token ids) ->
-        the reply's token ids (None for a single-turn task)."""
+    def _reply_fn(self, problems, prompts: list):
+        """The environment's turn of tree decoding: (the path's tokens before the answer, the
+        answer's ids) -> the reply's ids, from the problem whose prompt (``prompts``, token
+        lists) the path starts with (the longest); None for a single-turn tree."""
         if tree_turns(self.cfg.rl) == 1:
             return None
+        by_prompt = {tuple(p): problem for p, problem in zip(prompts, problems)}
+        lengths = sorted({len(p) for p in prompts}, reverse=True)
 
-        def reply(n: int, answer_ids) -> list:
-            return self.tok.encode(self.task.reply(problems[n], self.tok.decode(answer_ids)))
+        def reply(path: list, answer: list) -> list:
+            problem = next(by_prompt[key] for key in (tuple(path[:L]) for L in lengths)
+                           if key in by_prompt)
+            return self.tok.encode(self.task.reply(problem, self.tok.decode(answer)))
 
         return reply
 
-    def tree_rewards(self, problems, trees: list, partial: bool = False) -> torch.Tensor:
-        """[N, G] verifiable rewards of each tree's leaves (their final answers)."""
-        return torch.tensor([
-            [self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
-             for answer in leaf_answers(t.segments)]
-            for p, t in zip(problems, trees)
-        ], dtype=torch.float64, device="cpu")
+    def tree_rewards(self, problems, trees: list, partial: bool = False) -> list:
+        """Per tree, the verifiable rewards [G_n] of its leaves (their final answers)."""
+        return [torch.tensor([self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
+                              for answer in leaf_answers(t.segments)],
+                             dtype=torch.float64, device="cpu")
+                for p, t in zip(problems, trees)]
 
     def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
         """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""
@@ -306,14 +311,13 @@ class RLTrainer:
                             self.device, advantages), rewards
 
     def _tree_groups(self, step: int, problems, trees: list) -> tuple:
-        """(tree groups of a tree rollout, each one GRPO group over its leaves, rewards
-        [N, G] of the leaves)."""
+        """(tree groups of a tree rollout, each one GRPO group over its leaves, the rewards of
+        every leaf)."""
         rewards = self.tree_rewards(problems, trees, self.cfg.rl.rl_partial_credit)
-        advantages = torch.stack([
-            tree_advantages(rewards[n], [s.parent for s in t.segments], self.cfg.rl.rl_advantage)
-            for n, t in enumerate(trees)])  # [N, G]; rejects NaN/inf
+        advantages = [tree_advantages(r, [s.parent for s in t.segments], self.cfg.rl.rl_advantage)
+                      for r, t in zip(rewards, trees)]  # [G_n] each; rejects NaN/inf
         return build_tree_groups([t.segments for t in trees], self.tok.pad_id, step,
-                                 self.device, advantages), rewards
+                                 self.device, advantages), torch.cat(rewards)
 
     def _attach_tree_logprobs(self, groups, trees: list, num_loops: int) -> float:
         """``_attach_logprobs`` of tree groups: the rollout's per-node log-probs laid out in

@@ -61,8 +61,8 @@ def rollout_drift(group: RLGroup, rollout_logprobs: torch.Tensor) -> torch.Tenso
 def build_tree_groups(trees: list, pad_id: int, step: int, device=None,
                       advantages=None) -> list:
     """``RLGroup``s on ``device`` of prefix trees, one per prompt: ``trees`` the
-    ``TreeSegment`` lists (the root the prompt), ``advantages`` [N, G] per leaf (leaves in
-    segment order: the rows)."""
+    ``TreeSegment`` lists (the root the prompt), ``advantages`` [N] x [G_n] per leaf (leaves
+    in segment order: the rows)."""
     return [RLGroup.from_tree(
         segments, pad_id, device=device, group_id=step * 100_000 + n,
         advantages=None if advantages is None else advantages[n])

@@ -57,7 +57,7 @@ def sampled_entropy(ro) -> float:
 
 
 def tree_rollout_metrics(rewards, trees: list, node_logprobs: list) -> dict:
-    """The metrics of a tree rollout: mean and std of its leaves' rewards [N, G], the mean
+    """The metrics of a tree rollout: mean and std of its leaves' rewards (every leaf), the mean
     length of the model's answers (the trained tokens of each node that has any) and the
     sampled-entropy estimate over them (final loop; ``node_logprobs`` [N] x per node
     [R, L_n])."""

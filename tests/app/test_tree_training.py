@@ -32,11 +32,12 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
     that is the node's whole path; a non-final answer's node holds the answer (trained) and
     the environment's reply (not trained)."""
     branches = parse_tree_branches(tr.cfg.rl.rl_tree_branches)
-    reply = tr._reply_fn(problems)
+    prompts = tr._prompts([p.prompt for p in problems])
+    reply = tr._reply_fn(problems, prompts)
     gen = torch.Generator().manual_seed(step)
     tr.model.eval()
     trees = []
-    for n, prompt in enumerate(tr._prompts([p.prompt for p in problems])):
+    for prompt in prompts:
         segments, logprobs, frontier = [TreeSegment(prompt, None)], [None], [(0, prompt)]
         for depth, b in enumerate(branches):
             last, grown = depth == len(branches) - 1, []
@@ -48,7 +49,7 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
                 for i in range(b):
                     L = int(ro.lengths[0, i])
                     answer, lp = ro.responses[0, i, :L].tolist(), ro.loop_logprobs[:, 0, i, :L]
-                    env = [] if last else reply(n, answer)
+                    env = [] if last else reply(path, answer)
                     mask = None if last else [1.0] * L + [0.0] * len(env)
                     segments.append(TreeSegment(answer + env, node, loss_mask=mask))
                     logprobs.append(torch.cat([lp, lp.new_zeros(lp.shape[0], len(env))], -1))
@@ -72,7 +73,7 @@ def test_a_tree_step_trains_with_the_rollout_logprobs_in_the_rows_layout(old_log
         before = [p.detach().clone() for p in tr.model.parameters()]
         metrics = tr.rl_step(0)
     groups, rewards = seen[0]
-    assert rewards.shape == (2, 4) and [g.tree.depth for g in groups] == [2, 2]
+    assert rewards.shape == (8,) and [g.tree.depth for g in groups] == [2, 2]
     # the scoring pass of the model that sampled (score) or the update's first forward
     # (rollout) reads the rollout's log-probs at the same positions: equal to rounding
     assert metrics["rollout_logprob_max_diff"] < 1e-5, metrics
