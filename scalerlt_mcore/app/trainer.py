@@ -28,6 +28,7 @@ from ..rl.advantages import group_advantages, tree_advantages
 from ..rl.batch import (
     build_groups,
     build_tree_groups,
+    first_answers,
     leaf_answers,
     recording_drift,
     rollout_drift,
@@ -184,10 +185,12 @@ class RLTrainer:
         self.model.train()
         return out
 
-    def tree_rollout(self, step: int, problems, num_loops=None) -> list:
-        """One prefix tree per problem (``TreeSample``) with ``rl_tree_branches``, the task's
-        replies between turns (a multi-turn task's), ``num_loops`` loops: the one call of tree
-        decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
+    def tree_rollout(self, step: int, problems, num_loops=None, branches=None,
+                     temperature=None) -> list:
+        """One prefix tree per problem (``TreeSample``) with ``branches`` (default
+        ``rl_tree_branches``) at ``temperature`` (default ``rl_temperature``; 0 greedy), the
+        task's replies between turns (a multi-turn task's), ``num_loops`` loops: the one call
+        of tree decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
         from ..rl.tree_rollout import generate_tree  # until tree decoding lands on main
 
         gen = torch.Generator(device=self.device)
@@ -195,9 +198,10 @@ class RLTrainer:
         prompts = self._prompts([p.prompt for p in problems])
         self.model.eval()
         out = generate_tree(
-            self.model, prompts, parse_tree_branches(self.cfg.rl.rl_tree_branches),
+            self.model, prompts, branches or parse_tree_branches(self.cfg.rl.rl_tree_branches),
             self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
-            temperature=self.cfg.rl.rl_temperature, top_p=self.cfg.rl.rl_top_p, generator=gen,
+            temperature=self.cfg.rl.rl_temperature if temperature is None else temperature,
+            top_p=self.cfg.rl.rl_top_p, generator=gen,
             banned=self.banned, exit_mode=self.cfg.rl.rl_rollout_exit,
             exit_threshold=self.cfg.rl.rl_exit_threshold, vocab_size=self.tok.vocab_size,
             stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops,
@@ -227,6 +231,13 @@ class RLTrainer:
                               for answer in leaf_answers(t.segments)],
                              dtype=torch.float64, device="cpu")
                 for p, t in zip(problems, trees)]
+
+    def first_answer_rewards(self, problems, trees: list) -> torch.Tensor:
+        """Exact-match rewards of every tree's first answers (the root's children), before
+        any reply: what a multi-turn task's later turns improve on."""
+        return torch.tensor([self.task.reward(p, self.tok.decode(answer))
+                             for p, t in zip(problems, trees)
+                             for answer in first_answers(t.segments)], dtype=torch.float64)
 
     def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
         """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""
@@ -293,9 +304,9 @@ class RLTrainer:
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
-        rollout = (tree_rollout_metrics(rewards, [t.segments for t in ro],
-                                        [t.node_logprobs for t in ro])
-                   if tree else rollout_metrics(rewards, ro))
+        rollout = rollout_metrics(rewards, ro) if not tree else {
+            **tree_rollout_metrics(rewards, *zip(*((t.segments, t.node_logprobs) for t in ro))),
+            "first_answer_reward": self.first_answer_rewards(problems, ro).mean().item()}
         return self._reduce({
             **rollout, **train, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
@@ -421,7 +432,13 @@ class RLTrainer:
         for loop in range(num_loops or self.model.config.looped_num_loops):
             ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop, num_loops=num_loops)
             per_loop.append(self.rewards(problems, ro).mean().item())
-        return {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+        out = {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+        turns = tree_turns(self.cfg.rl)
+        if turns > 1:  # the whole episode, greedy: one answer per turn, the replies between
+            trees = self.tree_rollout(0, problems, num_loops, branches=[1] * turns,
+                                      temperature=0.0)
+            out["eval_final_reward"] = torch.cat(self.tree_rewards(problems, trees)).mean().item()
+        return out
 
     def _reduce(self, metrics: dict) -> dict:
         """Mean of scalar metrics over data-parallel ranks."""

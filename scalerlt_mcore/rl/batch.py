@@ -73,13 +73,20 @@ def leaf_answers(segments: list) -> list:
     """Per leaf (segment order: the rows of the tree's group), the ids of its trained tokens:
     the model's final answer (an environment's reply in the same node is untrained)."""
     inner = {s.parent for s in segments}
-    return [_trained(s) for n, s in enumerate(segments) if n not in inner]
+    return [_trained(s, True) for n, s in enumerate(segments) if n not in inner]
 
 
-def _trained(segment) -> list:
+def first_answers(segments: list) -> list:
+    """The trained tokens of the root's children (the model's first answers)."""
+    inner = {s.parent for s in segments}
+    return [_trained(s, n not in inner) for n, s in enumerate(segments) if s.parent == 0]
+
+
+def _trained(segment, leaf: bool) -> list:
+    """The ids of a node's trained tokens (no mask: all of a leaf's, none of an inner node's)."""
     tokens = torch.as_tensor(segment.tokens, device="cpu")
     if segment.loss_mask is None:
-        return tokens.tolist()
+        return tokens.tolist() if leaf else []
     return tokens[torch.as_tensor(segment.loss_mask, device="cpu") != 0].tolist()
 
 

@@ -2,16 +2,19 @@
 environment's replies, turn-2 answers) trained as one GRPO group per prompt through the
 shared-prefix schedule's tree replay.
 
-The rollout here is a per-row reference sampler written on ``generate`` (every node's
-continuations decoded from its whole path as a fresh prompt), so the trainer's handling of a
-tree rollout (rewards of the leaves, groups, old log-probs in the rows' layout) is checked
-against the scoring pass of the training model, independently of tree decoding."""
+- In process, with a per-row reference sampler written on ``generate`` (every node's
+  continuations decoded from its whole path as a fresh prompt): the trainer's handling of a
+  tree rollout (rewards of the leaves, groups, old log-probs in the rows' layout) is checked
+  against the scoring pass of the training model, independently of tree decoding.
+- From the command line, ``--rl-rollout tree --rl-tree-branches 2,2`` on the tiny config:
+  tree decoding, the tree replay and the multi-turn evaluation end to end."""
 
+import math
 from functools import partial
 
 import pytest
 import torch
-from helpers.train_runs import TINY, _flags, _trainer
+from helpers.train_runs import SFT, TINY, TRAIN, _flags, _records, _run, _trainer
 
 from scalerlt_mcore.app.config.rl import parse_tree_branches
 from scalerlt_mcore.app.trainer import TreeSample
@@ -83,3 +86,22 @@ def test_a_tree_step_trains_with_the_rollout_logprobs_in_the_rows_layout(old_log
     for g in groups:  # the environment's replies are not trained; every answer is
         trained = g.loss_mask.sum(1)
         assert (trained >= 2).all() and g.advantages.shape == (4,)
+
+
+def test_a_tree_run_from_the_command_line(tmp_path):
+    """Two warm-up steps and two RL steps over 2,2 trees of the multi-turn task, evaluated
+    at the end (greedy first answers, and a greedy two-turn episode)."""
+    run_dir = tmp_path / "run"
+    argv = _flags(**{**TREE_OPTIONS, "eval_interval": 0}, train_iters=SFT + 2,
+                  run_dir=str(run_dir))
+    proc = _run(TRAIN + argv, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [(r["kind"], r["step"]) for r in records][-3:] == [
+        ("train", SFT), ("train", SFT + 1), ("eval", SFT + 2)]
+    for r in (r for r in records if r["kind"] == "train"):
+        assert r["grad_norm"] > 0 and r["rollout_logprob_max_diff"] < 1e-5, r
+        assert 0 <= r["first_answer_reward"] <= 1 and 1 <= r["response_length"] <= 4, r
+    assert 0 <= records[-1]["eval_final_reward"] <= 1
+    for r in records:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
