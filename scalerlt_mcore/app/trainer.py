@@ -177,7 +177,7 @@ class RLTrainer:
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
                        banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
-                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
+                       prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
                        exit_threshold=self.cfg.rl.rl_exit_threshold,
                        stop_check_interval=self.cfg.rl.rl_stop_check_interval,
@@ -233,9 +233,10 @@ class RLTrainer:
                 for p, t in zip(problems, trees)]
 
     def first_answer_rewards(self, problems, trees: list) -> torch.Tensor:
-        """Exact-match rewards of every tree's first answers (the root's children), before
-        any reply: what a multi-turn task's later turns improve on."""
-        return torch.tensor([self.task.reward(p, self.tok.decode(answer))
+        """The rewards of every tree's first answers (the root's children), before any reply:
+        what a multi-turn task's later turns improve on."""
+        partial = self.cfg.rl.rl_partial_credit
+        return torch.tensor([self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
                              for p, t in zip(problems, trees)
                              for answer in first_answers(t.segments)], dtype=torch.float64)
 
@@ -407,8 +408,12 @@ class RLTrainer:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
         loops = self.start_step(step)
-        pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
-                                           self.groups_per_rank * self.cfg.rl.grpo_group_size)
+        seed, count = (step_seed(self.cfg.training.seed, step, self.rank, 3),
+                       self.groups_per_rank * self.cfg.rl.grpo_group_size)
+        turns = tree_turns(self.cfg.rl)
+        episodes = turns > 1 and hasattr(self.task, "supervised_episodes")  # multi-turn
+        pairs = (self._episode_pairs(self.task.supervised_episodes(seed, count, turns))
+                 if episodes else self.task.supervised_pairs(seed, count))
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(sft_forward_step, self.objective, num_loops=loops),
@@ -419,9 +424,23 @@ class RLTrainer:
                              "lr": self.optimizer.param_groups[0]["lr"], "loops": loops})
 
     def _sft_batch(self, pairs: list) -> dict:
-        prompts = self._prompts([p for p, _ in pairs])
+        """(prompt, answer) pairs, each prompt a text or its token list (bos included)."""
+        prompts = [p if isinstance(p, list) else self._prompts([p])[0] for p, _ in pairs]
         answers = [self.tok.encode(a) + [self.tok.eos_id] for _, a in pairs]
         return sft_batch(prompts, answers, self.tok.pad_id, self.device)
+
+    def _episode_pairs(self, episodes: list) -> list:
+        """(context tokens, final answer) of multi-turn warm-up episodes ``(problem, earlier
+        answers)``: the prompt, then each earlier answer with its eos and the environment's
+        reply to it."""
+        contexts = self._prompts([problem.prompt for problem, _ in episodes])
+        pairs = []
+        for (problem, earlier), context in zip(episodes, contexts):
+            for said in earlier:
+                context = (context + self.tok.encode(said) + [self.tok.eos_id]
+                           + self.tok.encode(self.task.reply(problem, said)))
+            pairs.append((context, problem.answer))
+        return pairs
 
     @torch.no_grad()
     def evaluate(self, num_loops=None) -> dict:

@@ -140,9 +140,22 @@ class MultiTurnTask(Task):
         return self._inner.sample(seed, n, split)
 
     def supervised_pairs(self, seed: int, n: int) -> list[tuple[str, str]]:
-        """The inner task's pairs: the first turn's (a later turn's context holds the first
-        answer's eos, which no text prompt can)."""
+        """The inner task's pairs: the first turn's (``supervised_episodes`` has the later
+        ones, whose context holds each earlier answer's eos, which no text prompt can)."""
         return self._inner.supervised_pairs(seed, n)
+
+    def supervised_episodes(self, seed: int, n: int, turns: int) -> list[tuple]:
+        """``n`` warm-up episodes of the training split, ``(problem, earlier answers)``: 0 ..
+        ``turns`` - 1 earlier answers (uniform), each the right answer (one in three) or it
+        with one character changed (``corrupt``); the environment replies after each
+        (``reply``) and the final answer is the problem's. Later turns then learn to read the
+        reply before RL, as the first learns the task."""
+        rng, out = random.Random(seed), []
+        for problem in self.sample(rng.randrange(2**31 - 1), n):
+            earlier = [problem.answer if rng.random() < 1 / 3 else corrupt(problem, rng)
+                       for _ in range(rng.randrange(turns))]
+            out.append((problem, earlier))
+        return out
 
     def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
         """The inner task's reward of the final answer ``completion``."""
@@ -165,6 +178,17 @@ class MultiTurnTask(Task):
         """Longest reply: verdict, the whole answer, marker; None when the answer's is unknown."""
         answer = self._inner.max_answer_chars
         return None if answer is None else answer + 2 if self.hint == "prefix" else 2
+
+
+def corrupt(problem: Problem, rng: random.Random) -> str:
+    """A wrong answer: the right one with one position changed to another character of the
+    problem's text (or cut there when its text has no other character)."""
+    answer = problem.answer
+    if not answer:
+        return "x"
+    i = rng.randrange(len(answer))
+    others = sorted(set(problem.prompt[:-1] + answer) - {answer[i]})
+    return answer[:i] + (rng.choice(others) + answer[i + 1:] if others else "")
 
 
 def _mix_entry(i: int, entry: Any) -> tuple:

@@ -1,9 +1,12 @@
 """The multi-turn task: the environment's reply (verdict and hint) and the final answer's
 reward."""
 
+import random
+
 import pytest
 
 from scalerlt_mcore.rl import CharTokenizer, Problem, get_task
+from scalerlt_mcore.rl.task_registry import corrupt
 from scalerlt_mcore.rl.tasks import correct_prefix, hint_reply, is_multiturn
 
 
@@ -61,3 +64,17 @@ def test_multiturn_of_arithmetic_with_verdict_only():
 def test_multiturn_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         get_task("multiturn", **options)
+
+
+def test_warm_up_episodes_hold_earlier_answers_and_end_right():
+    task = get_task("multiturn", options={"min_len": 3, "max_len": 3, "alphabet": "ab"})
+    episodes = task.supervised_episodes(5, 60, turns=3)
+    assert episodes == task.supervised_episodes(5, 60, turns=3)  # seeded
+    assert {len(earlier) for _, earlier in episodes} == {0, 1, 2}
+    said = [a for p, earlier in episodes for a in earlier]
+    assert any(a == p.answer for p, e in episodes for a in e) and len(said) > 20
+    assert sum(a != p.answer for p, e in episodes for a in e) > len(said) / 2
+    assert all(len(e) == 0 for _, e in task.supervised_episodes(5, 10, turns=1))
+    p = Problem("aab>", "baa")
+    assert {corrupt(p, random.Random(s)) for s in range(20)} <= {"aaa", "bba", "bab"}
+    assert corrupt(Problem("aaa>", "aaa"), random.Random(0)) in {"", "a", "aa"}
