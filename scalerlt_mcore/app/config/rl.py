@@ -74,7 +74,7 @@ class RLArgs:
     """Branch factor per depth below the root of ``rl_rollout: tree``, comma-separated:
     ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
     environment's reply between them: a multi-turn task such as ``multiturn``), 16 leaves,
-    which must equal ``grpo_group_size``."""
+    which must equal ``grpo_group_size``. A text: in YAML quote a single level (``"4"``)."""
     rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
     """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
     loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
