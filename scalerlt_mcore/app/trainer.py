@@ -40,6 +40,7 @@ from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
 from ..rl.stats import rollout_metrics, summarise, tree_rollout_metrics
+from ..rl.tree_rollout import generate_tree
 from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
 from .config import (
     eval_prompts,
@@ -191,8 +192,6 @@ class RLTrainer:
         ``rl_tree_branches``) at ``temperature`` (default ``rl_temperature``; 0 greedy), the
         task's replies between turns (a multi-turn task's), ``num_loops`` loops: the one call
         of tree decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
-        from ..rl.tree_rollout import generate_tree  # until tree decoding lands on main
-
         gen = torch.Generator(device=self.device)
         gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
         prompts = self._prompts([p.prompt for p in problems])
