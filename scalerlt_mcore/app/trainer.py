@@ -1,5 +1,10 @@
 """The RL loop: rollouts -> verifiable rewards -> group advantages -> joint-replay PPO steps.
 
+With ``rl_rollout: tree`` a rollout is a prefix tree per prompt (``rl_tree_branches``: each
+turn's answers branch; a multi-turn task's environment replies between turns), trained as one
+GRPO group over its leaves (``tree_advantages``, root baseline) through the shared-prefix
+schedule's tree replay.
+
 Every step's prompts and samples derive from (seed, step, data-parallel rank) alone, so a
 resumed run draws the same data as an uninterrupted one, and the ranks of a tensor-parallel
 group draw the same data. Rollout outputs, rewards and metrics live on the host; groups,
@@ -9,6 +14,7 @@ advantages, log-probs, loop weights and warm-up batches on the model's device.
 import contextlib
 import copy
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -18,12 +24,23 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
 from ..model.config import step_num_loops, step_seed
-from ..rl.advantages import group_advantages
-from ..rl.batch import build_groups, recording_drift, rollout_drift, rollout_old_logprobs
+from ..rl.advantages import group_advantages, tree_advantages
+from ..rl.batch import (
+    build_groups,
+    build_tree_groups,
+    first_answers,
+    leaf_answers,
+    recording_drift,
+    rollout_drift,
+    rollout_old_logprobs,
+    trained_drift,
+    tree_old_logprobs,
+)
 from ..rl.objective import rl_forward_step
 from ..rl.rollout import generate
 from ..rl.sft import sft_batch, sft_forward_step
-from ..rl.stats import rollout_metrics, summarise
+from ..rl.stats import rollout_metrics, summarise, tree_rollout_metrics
+from ..rl.tree_rollout import generate_tree
 from ..shared_prefix import SavedTensorProbe, logprobs_forward_step
 from .config import (
     eval_prompts,
@@ -33,11 +50,23 @@ from .config import (
     task_from,
     tokenizer_from,
 )
+from .config.rl import max_reply_tokens, parse_tree_branches, tree_turns
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
                  "time_step_s")
 """Metrics of an RL step that are wall-clock measurements (they differ between identical
 runs): throughput and the time of each phase, rollout / score / train, and of the whole step."""
+
+
+@dataclass
+class TreeSample:
+    """One prompt's rollout tree: ``segments`` (``TreeSegment``s, the root the prompt; the
+    model's answers trained, the environment's replies not) and ``node_logprobs`` [N] x
+    [R, L_n], the per-loop log-probs of each node's tokens under the rollout's policy (the
+    root's unused)."""
+
+    segments: list
+    node_logprobs: list
 
 
 class KLReference:
@@ -79,7 +108,12 @@ class RLTrainer:
         self.train_drift = []  # rollout-vs-training log-prob differences of the current step
         if cfg.rl.rl_old_logprobs == "rollout":
             self.forward_step = recording_drift(self.forward_step, self.train_drift)
-        self.schedule = schedule_from(cfg, model, self.objective.saved_per_position)
+        turns = tree_turns(cfg.rl)
+        self.reply_tokens = max_reply_tokens(self.task, self.tok) if turns > 1 else 0
+        # positions after the prompt: every turn's answer and, between turns, a reply
+        self.path_tokens = turns * cfg.rl.rl_max_response_length + (turns - 1) * self.reply_tokens
+        self.schedule = schedule_from(cfg, model, self.objective.saved_per_position,
+                                      max_response_length=self.path_tokens)
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
@@ -123,12 +157,14 @@ class RLTrainer:
     def _prompts(self, texts) -> list:
         """Token lists of prompt strings, each led by bos; a prompt too long for the position
         table with a full response is an error naming it."""
-        room = self.cfg.model.max_position_embeddings - self.cfg.rl.rl_max_response_length
+        room = self.cfg.model.max_position_embeddings - self.path_tokens
+        what = ("max_position_embeddings - rl_max_response_length" if tree_turns(self.cfg.rl) == 1
+                else "max_position_embeddings - the turns and replies of a tree path")
         prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
         for text, p in zip(texts, prompts):
             if len(p) > room:
                 raise ValueError(f"prompt {text[:60]!r} is {len(p)} tokens with bos: more than "
-                                 f"max_position_embeddings - rl_max_response_length ({room})")
+                                 f"{what} ({room})")
         return prompts
 
     def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1,
@@ -142,13 +178,66 @@ class RLTrainer:
                        pad_id=self.tok.pad_id, temperature=temperature,
                        top_p=self.cfg.rl.rl_top_p, generator=gen,
                        banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
-                       prompt_once=self.cfg.rl.rl_rollout == "prompt_once",
+                       prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
                        exit_threshold=self.cfg.rl.rl_exit_threshold,
                        stop_check_interval=self.cfg.rl.rl_stop_check_interval,
                        num_loops=num_loops)
         self.model.train()
         return out
+
+    def tree_rollout(self, step: int, problems, num_loops=None, branches=None,
+                     temperature=None) -> list:
+        """One prefix tree per problem (``TreeSample``) with ``branches`` (default
+        ``rl_tree_branches``) at ``temperature`` (default ``rl_temperature``; 0 greedy), the
+        task's replies between turns (a multi-turn task's), ``num_loops`` loops: the one call
+        of tree decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        prompts = self._prompts([p.prompt for p in problems])
+        self.model.eval()
+        out = generate_tree(
+            self.model, prompts, branches or parse_tree_branches(self.cfg.rl.rl_tree_branches),
+            self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
+            temperature=self.cfg.rl.rl_temperature if temperature is None else temperature,
+            top_p=self.cfg.rl.rl_top_p, generator=gen,
+            banned=self.banned, exit_mode=self.cfg.rl.rl_rollout_exit,
+            exit_threshold=self.cfg.rl.rl_exit_threshold, vocab_size=self.tok.vocab_size,
+            stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops,
+            reply_fn=self._reply_fn(problems, prompts))
+        self.model.train()
+        return [TreeSample(out.segments[n], out.loop_logprobs[n]) for n in range(len(prompts))]
+
+    def _reply_fn(self, problems, prompts: list):
+        """The environment's turn of tree decoding: (the path's tokens before the answer, the
+        answer's ids) -> the reply's ids, from the problem whose prompt (``prompts``, token
+        lists) the path starts with (the longest); None for a single-turn tree."""
+        if tree_turns(self.cfg.rl) == 1:
+            return None
+        by_prompt = {tuple(p): problem for p, problem in zip(prompts, problems)}
+        lengths = sorted({len(p) for p in prompts}, reverse=True)
+
+        def reply(path: list, answer: list) -> list:
+            problem = next(by_prompt[key] for key in (tuple(path[:L]) for L in lengths)
+                           if key in by_prompt)
+            return self.tok.encode(self.task.reply(problem, self.tok.decode(answer)))
+
+        return reply
+
+    def tree_rewards(self, problems, trees: list, partial: bool = False) -> list:
+        """Per tree, the verifiable rewards [G_n] of its leaves (their final answers)."""
+        return [torch.tensor([self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
+                              for answer in leaf_answers(t.segments)],
+                             dtype=torch.float64, device="cpu")
+                for p, t in zip(problems, trees)]
+
+    def first_answer_rewards(self, problems, trees: list) -> torch.Tensor:
+        """The rewards of every tree's first answers (the root's children), before any reply:
+        what a multi-turn task's later turns improve on."""
+        partial = self.cfg.rl.rl_partial_credit
+        return torch.tensor([self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
+                             for p, t in zip(problems, trees)
+                             for answer in first_answers(t.segments)], dtype=torch.float64)
 
     def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
         """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""
@@ -198,15 +287,16 @@ class RLTrainer:
         loops = self.start_step(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, self.cfg.rl.rl_temperature,
-                          num_loops=loops)
+        tree = self.cfg.rl.rl_rollout == "tree"
+        if tree:
+            ro = self.tree_rollout(step, problems, num_loops=loops)
+        else:
+            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size,
+                              self.cfg.rl.rl_temperature, num_loops=loops)
         t_rollout = time.perf_counter()
-        rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
-        advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
-        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
-                              self.device, advantages)
+        groups, rewards = (self._tree_groups if tree else self._groups)(step, problems, ro)
         t_score = time.perf_counter()
-        drift = self._attach_logprobs(groups, ro, loops)
+        drift = (self._attach_tree_logprobs if tree else self._attach_logprobs)(groups, ro, loops)
         t_train = time.perf_counter()
         self.train_drift.clear()
         train = self.optimize(groups, loops)
@@ -214,12 +304,44 @@ class RLTrainer:
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
+        rollout = rollout_metrics(rewards, ro) if not tree else {
+            **tree_rollout_metrics(rewards, *zip(*((t.segments, t.node_logprobs) for t in ro))),
+            "first_answer_reward": self.first_answer_rewards(problems, ro).mean().item()}
         return self._reduce({
-            **rollout_metrics(rewards, ro), **train, "rollout_logprob_max_diff": drift,
+            **rollout, **train, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
             "time_score_s": t_train - t_score, "time_train_s": t_end - t_train,
             "time_step_s": t_end - t0, "loops": loops,
         })
+
+    def _groups(self, step: int, problems, ro) -> tuple:
+        """(one-level groups of a rollout with their GRPO advantages, rewards [N, G])."""
+        rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
+        advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
+        return build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
+                            self.device, advantages), rewards
+
+    def _tree_groups(self, step: int, problems, trees: list) -> tuple:
+        """(tree groups of a tree rollout, each one GRPO group over its leaves, the rewards of
+        every leaf)."""
+        rewards = self.tree_rewards(problems, trees, self.cfg.rl.rl_partial_credit)
+        advantages = [tree_advantages(r, [s.parent for s in t.segments], self.cfg.rl.rl_advantage)
+                      for r, t in zip(rewards, trees)]  # [G_n] each; rejects NaN/inf
+        return build_tree_groups([t.segments for t in trees], self.tok.pad_id, step,
+                                 self.device, advantages), torch.cat(rewards)
+
+    def _attach_tree_logprobs(self, groups, trees: list, num_loops: int) -> float:
+        """``_attach_logprobs`` of tree groups: the rollout's per-node log-probs laid out in
+        the rows (``tree_old_logprobs``)."""
+        from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
+        old = None if from_rollout else self.score(self.ddp, groups, num_loops)
+        ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
+               else [None] * len(groups))
+        rollout = [tree_old_logprobs(g, t.node_logprobs) for g, t in zip(groups, trees)]
+        for n, g in enumerate(groups):
+            g.old_logprobs = rollout[n] if from_rollout else old[n].detach()
+            g.ref_logprobs = ref[n]
+        return float(torch.stack([trained_drift(g, r) for g, r in zip(groups, rollout)]).max())
 
     def _attach_logprobs(self, groups, ro, num_loops: int) -> float:
         """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
@@ -285,8 +407,12 @@ class RLTrainer:
         """Supervised warm-up on gold answers: one padded batch of prompt+answer sequences
         through stock MCore's schedule, per-loop-weighted token-mean NLL of the answers."""
         loops = self.start_step(step)
-        pairs = self.task.supervised_pairs(step_seed(self.cfg.training.seed, step, self.rank, 3),
-                                           self.groups_per_rank * self.cfg.rl.grpo_group_size)
+        seed, count = (step_seed(self.cfg.training.seed, step, self.rank, 3),
+                       self.groups_per_rank * self.cfg.rl.grpo_group_size)
+        turns = tree_turns(self.cfg.rl)
+        episodes = turns > 1 and hasattr(self.task, "supervised_episodes")  # multi-turn
+        pairs = (self._episode_pairs(self.task.supervised_episodes(seed, count, turns))
+                 if episodes else self.task.supervised_pairs(seed, count))
         batch = self._sft_batch(pairs)
         out, grad_norm = self._optimizer_step(lambda: get_forward_backward_func()(
             forward_step_func=partial(sft_forward_step, self.objective, num_loops=loops),
@@ -297,9 +423,23 @@ class RLTrainer:
                              "lr": self.optimizer.param_groups[0]["lr"], "loops": loops})
 
     def _sft_batch(self, pairs: list) -> dict:
-        prompts = self._prompts([p for p, _ in pairs])
+        """(prompt, answer) pairs, each prompt a text or its token list (bos included)."""
+        prompts = [p if isinstance(p, list) else self._prompts([p])[0] for p, _ in pairs]
         answers = [self.tok.encode(a) + [self.tok.eos_id] for _, a in pairs]
         return sft_batch(prompts, answers, self.tok.pad_id, self.device)
+
+    def _episode_pairs(self, episodes: list) -> list:
+        """(context tokens, final answer) of multi-turn warm-up episodes ``(problem, earlier
+        answers)``: the prompt, then each earlier answer with its eos and the environment's
+        reply to it."""
+        contexts = self._prompts([problem.prompt for problem, _ in episodes])
+        pairs = []
+        for (problem, earlier), context in zip(episodes, contexts):
+            for said in earlier:
+                context = (context + self.tok.encode(said) + [self.tok.eos_id]
+                           + self.tok.encode(self.task.reply(problem, said)))
+            pairs.append((context, problem.answer))
+        return pairs
 
     @torch.no_grad()
     def evaluate(self, num_loops=None) -> dict:
@@ -310,7 +450,13 @@ class RLTrainer:
         for loop in range(num_loops or self.model.config.looped_num_loops):
             ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop, num_loops=num_loops)
             per_loop.append(self.rewards(problems, ro).mean().item())
-        return {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+        out = {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+        turns = tree_turns(self.cfg.rl)
+        if turns > 1:  # the whole episode, greedy: one answer per turn, the replies between
+            trees = self.tree_rollout(0, problems, num_loops, branches=[1] * turns,
+                                      temperature=0.0)
+            out["eval_final_reward"] = torch.cat(self.tree_rewards(problems, trees)).mean().item()
+        return out
 
     def _reduce(self, metrics: dict) -> dict:
         """Mean of scalar metrics over data-parallel ranks."""

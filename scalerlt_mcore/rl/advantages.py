@@ -1,6 +1,8 @@
-"""Group advantages and per-token policy-gradient losses (pure torch, any float dtype)."""
+"""Group advantages (one-level groups and prefix trees) and per-token policy-gradient losses
+(pure torch, any float dtype)."""
 
-from typing import Literal, get_args
+from collections.abc import Sequence
+from typing import Literal, Optional, get_args
 
 import torch
 
@@ -30,6 +32,80 @@ def group_advantages(rewards: torch.Tensor, mode: AdvantageMode = "grpo",
     if mode == "dr_grpo":
         return centred
     return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+
+
+TreeBaseline = Literal["root", "parent"]
+"""The baseline of a tree's advantages (``tree_advantages``): ``root``, the mean (and std) of
+every leaf of the tree; ``parent``, per node, of the leaves below the node's parent."""
+TREE_BASELINES = get_args(TreeBaseline)
+
+
+def tree_leaves(parents: Sequence[Optional[int]]) -> list:
+    """The leaves (nodes without children) of the tree of ``parents`` (the parent of each
+    node, None or -1 for the root), in node order: the rows of the tree's group."""
+    inner = {p for p in parents if p is not None and p >= 0}
+    return [n for n in range(len(parents)) if n not in inner]
+
+
+def tree_paths(parents: Sequence[Optional[int]]) -> list:
+    """Per leaf (``tree_leaves`` order), its nodes from the root down."""
+    def path(n):
+        out = []
+        while n is not None and n >= 0:
+            out.append(n)
+            n = parents[n]
+        return out[::-1]
+
+    return [path(leaf) for leaf in tree_leaves(parents)]
+
+
+def tree_advantages(rewards: torch.Tensor, parents: Sequence[Optional[int]],
+                    mode: AdvantageMode = "grpo", baseline: TreeBaseline = "root",
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages of a prefix tree's leaves: ``rewards`` [G] of its leaves (in
+    ``tree_leaves`` order, the rows of its group), ``parents`` the parent of each node (None
+    or -1 for the root). A row's tokens are every node on its root-to-leaf path, and a token
+    of an internal node n appears once in each of the rows below it (L_n of them).
+
+    ``root`` (the default): the tree is one GRPO group over its leaves, ``group_advantages``
+    of the G rewards -> [G], one advantage per row. Summed over the rows below it, node n's
+    tokens get L_n (V(n) - V(root)) / std, V(n) the mean reward of the leaves below n:
+    TreeRL's global advantage of the node, weighted by its leaves. Unbiased up to GRPO's own
+    (the baseline of a row holds its own reward) and what a per-row ``RLGroup`` trains.
+
+    ``parent`` (TreeRL's local, per-parent sibling baseline): row g's tokens of node n are
+    scored against the leaves below n's parent, (r_g - V(parent(n))) / std(parent(n)) ->
+    [G, N] per (row, node), 0 for the root and for nodes off the row's path. Summed over the
+    rows below it, node n gets L_n (V(n) - V(parent(n))) / std: the credit of the step from
+    the parent to n alone, a baseline that depends on the state before n only (lower
+    variance for late turns). It needs per-token advantages (each position of node n its
+    row's A[g, n]); no per-row advantage gives it: with A_g = r_g - V(parent(leaf)) the
+    rows below an internal node sum to zero and its tokens would get no gradient. A parent
+    with one leaf below it (branch factor 1) gives its child zero advantage.
+
+    ``mode``: as ``group_advantages`` (``grpo``, ``dr_grpo``, ``none``). Non-finite rewards
+    raise ValueError."""
+    if baseline not in TREE_BASELINES:
+        raise ValueError(f"unknown tree baseline {baseline!r}; choose one of {TREE_BASELINES}")
+    paths = tree_paths(parents)
+    if rewards.dim() != 1 or rewards.shape[0] != len(paths):
+        raise ValueError(f"rewards must be [G] for the tree's {len(paths)} leaves, got shape "
+                         f"{tuple(rewards.shape)}")
+    if baseline == "root":
+        return group_advantages(rewards[None], mode, eps)[0]
+    below = {}  # node -> the rows (leaf indices) below it
+    for g, path in enumerate(paths):
+        for n in path:
+            below.setdefault(n, []).append(g)
+    out = rewards.new_zeros(len(paths), len(parents))  # [G, N]
+    for n, rows in below.items():
+        if parents[n] is None or parents[n] < 0:
+            continue  # the root: the prompt, never trained
+        siblings = below[parents[n]]  # the leaves below n's parent
+        adv = group_advantages(rewards[siblings][None], mode, eps)[0]
+        index = {g: i for i, g in enumerate(siblings)}
+        out[rows, n] = adv[[index[g] for g in rows]]
+    return out
 
 
 def ppo_clipped_objective(

@@ -1,7 +1,8 @@
 """A rollout batch as shared-prefix groups: ``RLGroup`` (a group with the RL loss's tensors),
-the groups of a rollout, their old log-probs taken from the rollout, and the rollout-vs-training
-drift. Slices of the group layout are the group's own
-(``SharedPrefixGroup.response_positions``, ``to_layout``)."""
+the groups of a rollout (one-level groups, or prefix trees: ``build_tree_groups``), their old
+log-probs taken from the rollout, and the rollout-vs-training drift. Slices of the group
+layout are the group's own (``SharedPrefixGroup.response_positions``, ``to_layout``; a tree's
+nodes: ``PrefixTree.positions``)."""
 
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -55,6 +56,66 @@ def rollout_drift(group: RLGroup, rollout_logprobs: torch.Tensor) -> torch.Tenso
     rollout = rollout_logprobs[:, : group.response_length].to(train.device)  # [G, S]
     sampled = group.loss_mask[:, span] != 0  # [G, S]
     return torch.where(sampled, (train - rollout).abs(), 0.0).max()
+
+
+def build_tree_groups(trees: list, pad_id: int, step: int, device=None,
+                      advantages=None) -> list:
+    """``RLGroup``s on ``device`` of prefix trees, one per prompt: ``trees`` the
+    ``TreeSegment`` lists (the root the prompt), ``advantages`` [N] x [G_n] per leaf (leaves
+    in segment order: the rows)."""
+    return [RLGroup.from_tree(
+        segments, pad_id, device=device, group_id=step * 100_000 + n,
+        advantages=None if advantages is None else advantages[n])
+        for n, segments in enumerate(trees)]
+
+
+def leaf_answers(segments: list) -> list:
+    """Per leaf (segment order: the rows of the tree's group), the ids of its trained tokens:
+    the model's final answer (an environment's reply in the same node is untrained)."""
+    inner = {s.parent for s in segments}
+    return [_trained(s, True) for n, s in enumerate(segments) if n not in inner]
+
+
+def first_answers(segments: list) -> list:
+    """The trained tokens of the root's children (the model's first answers)."""
+    inner = {s.parent for s in segments}
+    return [_trained(s, n not in inner) for n, s in enumerate(segments) if s.parent == 0]
+
+
+def _trained(segment, leaf: bool) -> list:
+    """The ids of a node's trained tokens (no mask: all of a leaf's, none of an inner node's)."""
+    tokens = torch.as_tensor(segment.tokens, device="cpu")
+    if segment.loss_mask is None:
+        return tokens.tolist() if leaf else []
+    return tokens[torch.as_tensor(segment.loss_mask, device="cpu") != 0].tolist()
+
+
+def tree_layout(group: RLGroup, node_values: list) -> torch.Tensor:
+    """Per-node values in the rows' layout: ``node_values[n]`` [..., L_n] (each token of node n;
+    the root's is ignored) -> [..., G, T], position t of row g holding the value of token t + 1
+    of the row (as labels), the value of node n in every row below it; 0 elsewhere."""
+    tree = group.tree
+    lead = node_values[1].shape[:-1]
+    out = node_values[1].new_zeros(*lead, *group.tokens.shape)  # [..., G, T]
+    for n in range(1, tree.num_nodes):
+        rows = torch.tensor(tree.rows_below(n), device="cpu")
+        values = node_values[n].to(out.device)
+        out[..., rows, tree.positions(n)] = values.unsqueeze(-2).expand(*lead, len(rows), -1)
+    return out.to(group.tokens.device)
+
+
+def tree_old_logprobs(group: RLGroup, node_logprobs: list) -> torch.Tensor:
+    """Old log-probs [R, G, T] of a tree group in its rows' layout from the rollout's
+    per-node per-loop log-probs ``node_logprobs[n]`` [R, L_n] of node n's tokens (a node's
+    untrained tokens, e.g. the environment's reply, any value: the loss mask drops them)."""
+    return tree_layout(group, node_logprobs)
+
+
+def trained_drift(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
+    """max |training - rollout| final-loop log-prob over the group's trained positions, with
+    ``rollout_layout`` [R, G, T] in the group layout (0-dim, on the group's device)."""
+    diff = (group.old_logprobs[-1].float() - rollout_layout[-1].to(group.tokens.device)).abs()
+    return torch.where(group.loss_mask != 0, diff, 0.0).max()
 
 
 def recording_drift(forward_step, drift: list):

@@ -54,3 +54,30 @@ def sampled_entropy(ro) -> float:
     estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
     entropy collapse."""
     return float(-ro.logprobs.double().sum() / ro.lengths.sum())
+
+
+def tree_rollout_metrics(rewards, trees: list, node_logprobs: list) -> dict:
+    """The metrics of a tree rollout: mean and std of its leaves' rewards (every leaf), the mean
+    length of the model's answers (the trained tokens of each node that has any) and the
+    sampled-entropy estimate over them (final loop; ``node_logprobs`` [N] x per node
+    [R, L_n])."""
+    lengths, logp = [], 0.0
+    for segments, lps in zip(trees, node_logprobs):
+        inner = {s.parent for s in segments}
+        for n in range(1, len(segments)):
+            lp = lps[n]
+            trained = _trained_mask(segments[n], lp.shape[-1], leaf=n not in inner)
+            if trained.any():
+                lengths.append(float(trained.sum()))
+                logp += float(lp[-1].double().cpu()[trained].sum())
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "response_length": sum(lengths) / max(len(lengths), 1),
+            "entropy": -logp / max(sum(lengths), 1.0)}
+
+
+def _trained_mask(segment, length: int, leaf: bool) -> torch.Tensor:
+    """[L] bool: the trained tokens of a tree node (no mask: all of a leaf's, none of an
+    internal node's)."""
+    if segment.loss_mask is None:
+        return torch.full((length,), leaf, dtype=torch.bool)
+    return torch.as_tensor(segment.loss_mask, device="cpu") != 0

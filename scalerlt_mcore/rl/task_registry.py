@@ -1,4 +1,5 @@
-"""Tasks by name: the built-in ones (``rl/tasks.py``), ``mix``, ``reasoning_gym:<dataset>``
+"""Tasks by name: the built-in ones (``rl/tasks.py``), ``mix``, ``multiturn``,
+``reasoning_gym:<dataset>``
 (``rl/reasoning_gym.py``), and the user's (``rl/user_task.py``): ``jsonl:PATH`` /
 ``parquet:PATH`` rows and ``module.path:factory``. The task modules sit below this one: none
 imports another's builder."""
@@ -9,12 +10,23 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .reasoning_gym import reasoning_gym_task
-from .tasks import KeyValueRetrieval, ModularArithmetic, Problem, Reverse, Sort, Task, _require
+from .tasks import (
+    HINTS,
+    KeyValueRetrieval,
+    ModularArithmetic,
+    Problem,
+    Reverse,
+    Sort,
+    Task,
+    _require,
+    hint_reply,
+)
 from .user_task import dataset_task, factory_task, is_dataset
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (ModularArithmetic, Reverse, Sort,
                                                     KeyValueRetrieval)}
-"""Registry of built-in tasks by name (besides ``mix``, ``reasoning_gym:<dataset>`` and the
+"""Registry of built-in tasks by name (besides ``mix``, ``multiturn``, ``reasoning_gym:<dataset>``
+and the
 user's: ``jsonl:PATH``, ``parquet:PATH``, ``module.path:factory``)."""
 
 
@@ -31,11 +43,15 @@ def get_task(name: str, *, rl_reward: Optional[str] = None, **options) -> Task:
         _require(set(options) <= {"tasks"}, f"task 'mix' takes only the option 'tasks', got "
                  f"{sorted(options)}")
         return MixedTask(**options)
+    if name == "multiturn":
+        _require(set(options) <= {"task", "options", "hint"}, f"task 'multiturn' takes the "
+                 f"options 'task', 'options' and 'hint', got {sorted(options)}")
+        return MultiTurnTask(**options)
     if ":" in name:
         return factory_task(name, options)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
-                         "mix, reasoning_gym:<dataset>, jsonl:PATH, parquet:PATH, "
+                         "mix, reasoning_gym:<dataset>, multiturn, jsonl:PATH, parquet:PATH, "
                          "module.path:factory")
     cls = TASKS[name]
     allowed = [f.name for f in dataclasses.fields(cls)]
@@ -88,6 +104,91 @@ class MixedTask(Task):
     @property
     def max_answer_chars(self):
         return _max_or_none(t.max_answer_chars for t in self._tasks)
+
+
+@dataclass
+class MultiTurnTask(Task):
+    """A single-turn task made multi-turn: ``rl_task: multiturn`` with ``rl_task_options:
+    {task: reverse, options: {max_len: 3}, hint: prefix}``. The model answers the task's
+    prompt; the environment replies (``reply``: a verdict, ``+`` right or ``-`` wrong, and a
+    hint computed from the problem, ``tasks.hint_reply``); the model answers again, and so on
+    for as many turns as the rollout tree is deep (``rl_tree_branches``). The reward is the
+    inner task's, on the final answer alone.
+
+    ``"abc>"`` -> ``"cab"`` -> (environment) ``"-cb>"`` -> ``"cba"``: reward 1."""
+
+    name = "multiturn"
+    task: str = "reverse"
+    """The inner task: any name ``get_task`` builds (not ``multiturn``)."""
+    options: dict = field(default_factory=dict)
+    """The inner task's options."""
+    hint: str = "prefix"
+    """The hint after an answer (``tasks.HINTS``): ``prefix`` (the correct answer up to and
+    including the first wrong character) or ``none`` (the verdict alone: "wrong, try
+    again")."""
+
+    def __post_init__(self):
+        _require(isinstance(self.task, str) and self.task != "multiturn",
+                 f"task 'multiturn': option 'task' must name another task, got {self.task!r}")
+        _require(isinstance(self.options, dict),
+                 f"task 'multiturn': option 'options' must be a mapping, got {self.options!r}")
+        _require(self.hint in HINTS,
+                 f"task 'multiturn': option 'hint' must be one of {HINTS}, got {self.hint!r}")
+        self._inner = get_task(self.task, **self.options)
+
+    def sample(self, seed: int, n: int, split: str = "train") -> list[Problem]:
+        return self._inner.sample(seed, n, split)
+
+    def supervised_pairs(self, seed: int, n: int) -> list[tuple[str, str]]:
+        """The inner task's pairs: the first turn's (``supervised_episodes`` has the later
+        ones, whose context holds each earlier answer's eos, which no text prompt can)."""
+        return self._inner.supervised_pairs(seed, n)
+
+    def supervised_episodes(self, seed: int, n: int, turns: int) -> list[tuple]:
+        """``n`` warm-up episodes of the training split, ``(problem, earlier answers)``: 0 ..
+        ``turns`` - 1 earlier answers (uniform), each the right answer (one in three) or it
+        with one character changed (``corrupt``); the environment replies after each
+        (``reply``) and the final answer is the problem's. Later turns then learn to read the
+        reply before RL, as the first learns the task."""
+        rng, out = random.Random(seed), []
+        for problem in self.sample(rng.randrange(2**31 - 1), n):
+            earlier = [problem.answer if rng.random() < 1 / 3 else corrupt(problem, rng)
+                       for _ in range(rng.randrange(turns))]
+            out.append((problem, earlier))
+        return out
+
+    def reward(self, problem: Problem, completion: str, *, partial_credit: bool = False) -> float:
+        """The inner task's reward of the final answer ``completion``."""
+        return self._inner.reward(problem, completion, partial_credit=partial_credit)
+
+    def reply(self, problem: Problem, answer_text: str) -> str:
+        """The environment's turn after the answer ``answer_text`` (``tasks.hint_reply``)."""
+        return hint_reply(problem, answer_text, self.hint)
+
+    @property
+    def max_prompt_chars(self):
+        return self._inner.max_prompt_chars
+
+    @property
+    def max_answer_chars(self):
+        return self._inner.max_answer_chars
+
+    @property
+    def max_reply_chars(self) -> Optional[int]:
+        """Longest reply: verdict, the whole answer, marker; None when the answer's is unknown."""
+        answer = self._inner.max_answer_chars
+        return None if answer is None else answer + 2 if self.hint == "prefix" else 2
+
+
+def corrupt(problem: Problem, rng: random.Random) -> str:
+    """A wrong answer: the right one with one position changed to another character of the
+    problem's text (or cut there when its text has no other character)."""
+    answer = problem.answer
+    if not answer:
+        return "x"
+    i = rng.randrange(len(answer))
+    others = sorted(set(problem.prompt[:-1] + answer) - {answer[i]})
+    return answer[:i] + (rng.choice(others) + answer[i + 1:] if others else "")
 
 
 def _mix_entry(i: int, entry: Any) -> tuple:

@@ -13,8 +13,11 @@ key-value pairs, ``"abcdef:1234,...,uvwxyz:9876|abcdef="`` -> ``"1234"`` (511 ch
 default: 512 tokens with bos).
 
 ``reasoning_gym:<dataset>`` draws from a reasoning-gym dataset (``rl/reasoning_gym.py``),
-``mix`` draws from several tasks with weights, ``jsonl:PATH`` / ``parquet:PATH`` from the rows of
-a file and ``module.path:factory`` is the user's own task (``rl/user_task.py``);
+``mix`` draws from several tasks with weights, ``multiturn`` makes any of them a multi-turn
+task (the environment answers each answer with a verdict and a hint, ``MultiTurnTask`` in
+``rl/task_registry.py``, the reply rule ``hint_reply`` here), ``jsonl:PATH`` /
+``parquet:PATH`` from the rows of a file and ``module.path:factory`` is the user's own task
+(``rl/user_task.py``);
 ``rl/task_registry.py`` builds any of them by name (``get_task``) and holds ``MixedTask``.
 
 Every prompt belongs to one split, fixed by a hash of its text (``split_of``): training draws
@@ -239,6 +242,36 @@ class KeyValueRetrieval(Task):
     @property
     def max_answer_chars(self):
         return self.value_len
+
+
+HINTS = ("prefix", "none")
+"""The environment's hint after an answer (``hint_reply``): ``prefix``, the correct answer up
+to and including its first wrong character; ``none``, the verdict alone."""
+
+
+def correct_prefix(answer: str, completion: str) -> str:
+    """``answer`` up to and including the first position where ``completion`` differs from
+    it (the whole answer when ``completion`` is right or has it as a prefix)."""
+    same = 0
+    while same < min(len(answer), len(completion)) and answer[same] == completion[same]:
+        same += 1
+    return answer[: same + 1]
+
+
+def hint_reply(problem: Problem, completion: str, hint: str = "prefix") -> str:
+    """The environment's turn after ``completion``, verifiable from the problem alone: a
+    verdict (``+`` right, ``-`` wrong), the ``hint`` (``HINTS``) and the prompt's last
+    character (its marker, after which the model answers again). ``"abc>"`` (answer
+    ``"cba"``) answered ``"cab"`` -> ``"-cb>"``; answered ``"cba"`` -> ``"+cba>"``."""
+    _require(hint in HINTS, f"hint must be one of {HINTS}, got {hint!r}")
+    verdict = "+" if completion == problem.answer else "-"
+    shown = correct_prefix(problem.answer, completion) if hint == "prefix" else ""
+    return verdict + shown + problem.prompt[-1:]
+
+
+def is_multiturn(task) -> bool:
+    """Whether ``task`` has an environment turn (``reply(problem, answer_text) -> str``)."""
+    return callable(getattr(task, "reply", None))
 
 
 def measure_lengths(task: Task, encode, n: int = 256, seed: int = 0,

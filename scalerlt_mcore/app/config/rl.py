@@ -2,13 +2,14 @@
 through ``OBJECTIVE_FLAGS``) and their checks: the loss's own, what it needs of the model,
 and the task against the lengths."""
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
 from ...model.config import parse_loop_sampling
 from ...rl.advantages import AdvantageMode
 from ...rl.objective import RLObjective
-from ...rl.tasks import measure_lengths
+from ...rl.tasks import is_multiturn, measure_lengths
 from ...rl.tokenizer import CharTokenizer
 from ...rl.user_task import DatasetTask
 from .builders import objective_from, task_from, tokenizer_args, tokenizer_from
@@ -61,10 +62,19 @@ class RLArgs:
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
     grpo_iterations: int = 1
     """Passes (optimizer steps) over each rollout batch (PPO epochs)."""
-    rl_rollout: Literal["prompt_once", "per_row"] = "prompt_once"
+    rl_rollout: Literal["prompt_once", "per_row", "tree"] = "prompt_once"
     """How rollouts hold the prompts: ``prompt_once`` (each prompt prefilled once, its G
     samples read that one copy of its K/V, Hydragen-style) or ``per_row`` (every sample its
-    own row: the prompt prefilled and cached G times). The same samples up to rounding."""
+    own row: the prompt prefilled and cached G times), the same samples up to rounding; or
+    ``tree``, a prefix tree per prompt (``rl_tree_branches``): each turn's answers branch,
+    a multi-turn task's environment replies between turns, every node's K/V is prefilled
+    once, and the tree trains through the shared-prefix schedule as one GRPO group over its
+    leaves."""
+    rl_tree_branches: str = "4,4"
+    """Branch factor per depth below the root of ``rl_rollout: tree``, comma-separated:
+    ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
+    environment's reply between them: a multi-turn task such as ``multiturn``), 16 leaves,
+    which must equal ``grpo_group_size``. A text: in YAML quote a single level (``"4"``)."""
     rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
     """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
     loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
@@ -94,9 +104,38 @@ class RLArgs:
 
 def check_rl(cfg: "RunConfig") -> list[str]:
     """Sampling and the update, the loss's own checks (``RLObjective``), its needs of the
-    model (loop credit, exit gate) and the task."""
+    model (loop credit, exit gate), the rollout tree and the task."""
     return (_check_sampling(cfg.rl) + library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
-            + _check_loop_credit(cfg) + _check_task(cfg))
+            + _check_loop_credit(cfg) + _check_tree(cfg.rl) + _check_task(cfg))
+
+
+def parse_tree_branches(text: str) -> tuple:
+    """``rl_tree_branches`` as the branch factor per depth, ``"4,4"`` -> (4, 4); anything but
+    comma-separated integers >= 1 is a ValueError naming the key."""
+    parts = str(text).split(",")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"rl_tree_branches must be comma-separated integers >= 1 (the "
+                         f"branch factor per depth below the root, e.g. 4,4), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def tree_turns(rl: RLArgs) -> int:
+    """The model's answers on a root-to-leaf path: the tree's depth with ``rl_rollout:
+    tree``, else 1."""
+    return len(parse_tree_branches(rl.rl_tree_branches)) if rl.rl_rollout == "tree" else 1
+
+
+def _check_tree(rl: RLArgs) -> list[str]:
+    """The branch factors parse; a tree's leaves are the group."""
+    try:
+        branches = parse_tree_branches(rl.rl_tree_branches)
+    except ValueError as e:
+        return [str(e)]
+    leaves = math.prod(branches)
+    if rl.rl_rollout == "tree" and rl.grpo_group_size != leaves:
+        return [f"rl_tree_branches {rl.rl_tree_branches} gives {leaves} leaves per prompt: "
+                f"grpo_group_size must equal it, got {rl.grpo_group_size}"]
+    return []
 
 
 def _check_sampling(rl: RLArgs) -> list[str]:
@@ -160,7 +199,16 @@ def _check_task(cfg: "RunConfig") -> list[str]:
     except (ValueError, OSError):
         return []  # reported by the tokenizer section's check
     try:
+        turns = tree_turns(cfg.rl)
+    except ValueError:
+        return []  # reported by the tree's check
+    if turns > 1 and not is_multiturn(task):
+        return [f"rl_tree_branches {cfg.rl.rl_tree_branches} has {turns} turns: rl_task "
+                f"{cfg.rl.rl_task} has no environment reply between them (use a multi-turn "
+                f"task, e.g. rl_task multiturn)"]
+    try:
         prompt, answer = _task_lengths(task, tok)
+        reply = max_reply_tokens(task, tok) if turns > 1 else 0
     except ValueError as e:
         return [f"rl_task {cfg.rl.rl_task} with tokenizer_type "
                 f"{tokenizer_args(cfg)[0]}: {e}"]
@@ -168,11 +216,28 @@ def _check_task(cfg: "RunConfig") -> list[str]:
     if cfg.rl.rl_max_response_length < answer:
         errors.append(f"rl_max_response_length ({cfg.rl.rl_max_response_length}) is shorter "
                       f"than the task's longest answer ({answer})")
-    needed = 1 + prompt + cfg.rl.rl_max_response_length
-    if cfg.model.max_position_embeddings < needed:
+    needed = 1 + prompt + turns * cfg.rl.rl_max_response_length + (turns - 1) * reply
+    if cfg.model.max_position_embeddings < needed and turns == 1:
         errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
                       f">= bos + longest prompt + rl_max_response_length ({needed})")
+    elif cfg.model.max_position_embeddings < needed:
+        errors.append(f"max_position_embeddings ({cfg.model.max_position_embeddings}) must be "
+                      f">= bos + longest prompt + {turns} x rl_max_response_length + "
+                      f"{turns - 1} x longest reply ({reply}) = {needed}: a root-to-leaf "
+                      f"path of rl_tree_branches {cfg.rl.rl_tree_branches}")
     return errors
+
+
+def max_reply_tokens(task, tok, n: int = 256, seed: int = 0) -> int:
+    """Longest environment reply of a multi-turn task in tokens of ``tok``: the task's bound
+    where it states one and ``tok`` has one token per character, else measured on ``n``
+    sampled problems (the replies to a right and to an empty answer)."""
+    bound = getattr(task, "max_reply_chars", None)
+    if bound is not None and (isinstance(tok, CharTokenizer)
+                              or tok.identity()["type"] == "ByteLevelTokenizer"):
+        return bound
+    return max(len(tok.encode(task.reply(p, answer)))
+               for p in task.sample(seed, n) for answer in (p.answer, ""))
 
 
 def _task_lengths(task, tok) -> tuple[int, int]:
