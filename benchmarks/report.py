@@ -147,6 +147,33 @@ def check_targets(results: dict) -> list:
     return rows
 
 
+def merge_entry(out: str, name: str, result: dict, targets: list, heading: str, section: str,
+                notes: tuple = ()) -> None:
+    """A benchmark run alone: ``result`` under ``name`` in ``out``/cpu.json (its ``targets``
+    rows, and ``notes``, replacing its old ones in the meta) and ``section`` under ``heading``
+    in ``out``/cpu.md, keeping the other results and sections there."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "cpu.json")
+    doc = {"meta": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    meta = doc["meta"]
+    meta["targets"] = [t for t in meta.get("targets", []) if t["workload"] != name] + targets
+    if notes:
+        meta["notes"] = [n for n in meta.get("notes", []) if n not in notes] + list(notes)
+    doc[name] = result
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    md = os.path.join(out, "cpu.md")
+    text = open(md).read() if os.path.exists(md) else ""
+    head, _, rest = text.partition("\n" + heading)
+    after = rest.partition("\n## ")[2]  # the sections after this one
+    text = head.rstrip("\n") + f"\n\n{heading}\n\n{section}\n"
+    with open(md, "w") as f:
+        f.write(text.lstrip("\n") + (f"\n## {after}" if after else ""))
+
+
 def write_json(path: str, results: dict, meta: dict) -> dict:
     doc = {"meta": meta, **results}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

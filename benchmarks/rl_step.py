@@ -19,7 +19,6 @@ alone and puts it into DIR/cpu.json and DIR/cpu.md beside the results already th
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -290,26 +289,10 @@ MD_HEADING = "## Whole RL step (rl_step)"
 def merge_into(out: str, result: dict) -> None:
     """Put ``result`` under ``rl_step`` in ``out``/cpu.json (its target row and notes in the
     meta) and its section into ``out``/cpu.md, keeping the other results there."""
-    from .report import check_targets
+    from .report import check_targets, merge_entry
 
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "cpu.json")
-    doc = {"meta": {}}
-    if os.path.exists(path):
-        with open(path) as f:
-            doc = json.load(f)
-    meta = doc["meta"]
-    meta["targets"] = [t for t in meta.get("targets", []) if t["workload"] != "rl_step"]
-    meta["targets"] += check_targets({"rl_step": result})
-    meta["notes"] = [n for n in meta.get("notes", []) if n not in NOTES] + NOTES
-    doc["rl_step"] = result
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = os.path.join(out, "cpu.md")
-    text = open(md).read() if os.path.exists(md) else ""
-    text = text.split("\n" + MD_HEADING)[0].rstrip("\n")
-    with open(md, "w") as f:
-        f.write(f"{text}\n\n{MD_HEADING}\n\n{markdown(result)}\n".lstrip("\n"))
+    merge_entry(out, "rl_step", result, check_targets({"rl_step": result}), MD_HEADING,
+                markdown(result), notes=tuple(NOTES))
 
 
 if __name__ == "__main__":

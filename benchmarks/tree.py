@@ -11,7 +11,6 @@ tokens / unique tokens. Method: docs/benchmarks.md, "Prefix-tree workload".
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -451,27 +450,11 @@ def markdown(result: dict) -> str:
 
 
 def merge_into(out: str, result: dict) -> None:
-    """Put ``result`` under ``tree`` in ``out``/cpu.json (its target rows in the meta) and its
-    section into ``out``/cpu.md, keeping the other results there."""
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "cpu.json")
-    doc = {"meta": {}}
-    if os.path.exists(path):
-        with open(path) as f:
-            doc = json.load(f)
-    meta = doc["meta"]
-    meta["targets"] = [t for t in meta.get("targets", []) if t["workload"] != "tree"]
-    meta["targets"] += result["targets"]
-    doc["tree"] = result
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = os.path.join(out, "cpu.md")
-    text = open(md).read() if os.path.exists(md) else ""
-    head, _, rest = text.partition("\n" + MD_HEADING)
-    after = rest.partition("\n## ")[2]  # the sections after the tree's
-    text = head.rstrip("\n") + f"\n\n{MD_HEADING}\n\n{markdown(result)}\n"
-    with open(md, "w") as f:
-        f.write(text.lstrip("\n") + (f"\n## {after}" if after else ""))
+    """Put ``result`` under ``tree`` in ``out``/cpu.json and its section into ``out``/cpu.md,
+    keeping the other results there."""
+    from .report import merge_entry
+
+    merge_entry(out, "tree", result, result["targets"], MD_HEADING, markdown(result))
 
 
 def main(argv=None) -> int:
