@@ -237,7 +237,8 @@ class RLTrainer:
         partial = self.cfg.rl.rl_partial_credit
         return torch.tensor([self.task.reward(p, self.tok.decode(answer), partial_credit=partial)
                              for p, t in zip(problems, trees)
-                             for answer in first_answers(t.segments)], dtype=torch.float64)
+                             for answer in first_answers(t.segments)], dtype=torch.float64,
+                            device="cpu")
 
     def rewards(self, problems, rollout, partial: bool = False) -> torch.Tensor:
         """[N, G] verifiable rewards of the decoded responses (exact match unless ``partial``)."""

@@ -79,5 +79,5 @@ def _trained_mask(segment, length: int, leaf: bool) -> torch.Tensor:
     """[L] bool: the trained tokens of a tree node (no mask: all of a leaf's, none of an
     internal node's)."""
     if segment.loss_mask is None:
-        return torch.full((length,), leaf, dtype=torch.bool)
+        return torch.full((length,), leaf, dtype=torch.bool, device="cpu")
     return torch.as_tensor(segment.loss_mask, device="cpu") != 0

@@ -103,7 +103,8 @@ class TreeRollout:
         if T < max(ends) - 1:
             raise ValueError(f"old_logprobs: length {T} is shorter than tree {n}'s labels "
                              f"({max(ends) - 1} positions)")
-        out = torch.zeros(*per_node[0].shape[:-1], len(rows), T, dtype=per_node[0].dtype)
+        out = torch.zeros(*per_node[0].shape[:-1], len(rows), T, dtype=per_node[0].dtype,
+                          device="cpu")
         for g, path in enumerate(rows):
             for i in path[1:]:
                 start, L = segs[i].start, len(segs[i].tokens)
@@ -219,8 +220,10 @@ class _TreeGrower:
         for p in prompts:
             L = len(p)
             self.rows.append(len(self.nodes))
-            self.nodes.append(_Node(list(p), None, [0] * L, torch.zeros(L),
-                                    torch.zeros(R, L), torch.zeros(R, L) if gated else None, 0))
+            host = torch.device("cpu")  # the rollout's records live on the host
+            self.nodes.append(_Node(list(p), None, [0] * L, torch.zeros(L, device=host),
+                                    torch.zeros(R, L, device=host),
+                                    torch.zeros(R, L, device=host) if gated else None, 0))
         return logits, exit_lp
 
     def grow(self, logits, exit_lp, G: int, M: int, sampling: Sampling, every: int,
@@ -284,8 +287,8 @@ class _TreeGrower:
             pending.append([] if finished else tokens[kept[-1]:] + reply)
             node = self._add(parent, *answer, reply)
             rows.append(None if finished else node)
-        cache.lengths.copy_(torch.tensor(kept))
-        counts = mark_host(torch.tensor([len(r) for r in pending], dtype=torch.long))
+        cache.lengths.copy_(torch.tensor(kept, device="cpu"))
+        counts = mark_host(torch.tensor([len(r) for r in pending], dtype=torch.long, device="cpu"))
         self.rows = rows
         width = int(counts.max())
         if width == 0:  # every node finished: nothing below
@@ -370,7 +373,7 @@ def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
                                num_loops=num_loops)
     logits = model.prefill(cache, tokens.to(device), lengths, num_loops=num_loops)
     R = logits.shape[0]
-    out = [[torch.zeros(R, len(_ids(s.tokens))) for s in tree] for tree in trees]
+    out = [[torch.zeros(R, len(_ids(s.tokens)), device="cpu") for s in tree] for tree in trees]
     for above, level in zip(levels, levels[1:]):
         G = len(level) // len(above)
         rows = [[0] if e is None else list(_ids(trees[e[0]][e[1]].tokens)) for e in level]

@@ -122,7 +122,7 @@ def _segment_tokens(n: int, segment: TreeSegment) -> Tensor:
 def _segment_mask(n: int, segment: TreeSegment, length: int, leaf: bool) -> Tensor:
     """[L] float64: the segment's loss mask (default: 1 on a leaf, 0 elsewhere)."""
     if segment.loss_mask is None:
-        return torch.full((length,), float(leaf and n != 0), dtype=torch.float64)
+        return torch.full((length,), float(leaf and n != 0), dtype=torch.float64, device="cpu")
     mask = torch.as_tensor(segment.loss_mask, device="cpu").to(torch.float64)
     if tuple(mask.shape) != (length,):
         raise TreeError(f"tree node {n}: loss_mask has shape {tuple(mask.shape)}, its tokens "
@@ -195,8 +195,8 @@ def tree_rows(tree: PrefixTree, tokens: list, masks: list, pad_id: int) -> tuple
     """The naive rows of a tree: (tokens [G, T] long, labels [G, T], loss mask [G, T] float64),
     row g the path of leaf ``leaf_of_row[g]``, right-padded with ``pad_id`` to T."""
     T, G = max(tree.ends), len(tree.leaf_of_row)
-    rows = torch.full((G, T), pad_id, dtype=torch.long)
-    trained = torch.zeros(G, T + 1, dtype=torch.float64)  # [G, T + 1]: is token t trained
+    rows = torch.full((G, T), pad_id, dtype=torch.long, device="cpu")
+    trained = torch.zeros(G, T + 1, dtype=torch.float64, device="cpu")  # [G, T+1]: token t trained
     for g, leaf in enumerate(tree.leaf_of_row):
         for n in tree.path(leaf):
             rows[g, tree.starts[n] : tree.ends[n]] = tokens[n]
