@@ -102,7 +102,7 @@ def test_the_headline_tick_labels_do_not_overlap(tmp_path, monkeypatch):
                                                                   savefig(fig, *a, **k)))
     with open(os.path.join(ROOT, "benchmarks", "results", "cpu.json")) as f:
         doc = json.load(f)
-    results = {n: r for n, r in doc.items() if isinstance(r, dict) and "workload" in r}
+    results = {n: r for n, r in doc.items() if isinstance(r, dict) and "schedules" in r}
     plot(str(tmp_path / "cpu.png"), results, "CPU")
     (fig,) = figures
     from matplotlib.backends.backend_agg import FigureCanvasAgg
