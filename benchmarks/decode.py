@@ -6,9 +6,10 @@
   difference, without the stop check (its one sync every ``stop_check_interval`` tokens,
   default by device, is ``stop_check_per_token``).
 - ``train_step``: host syncs of one joint-replay training step of one group at 2 and 8 waves.
-- ``tokens_per_s``: greedy rollouts of a Llama imported at R = 1 (``looped_gpt_from_hf``)
-  against Hugging Face ``generate`` (static cache, greedy) on the same weights, the same
-  batch, prompt and response lengths (prefill included in both), per row and prompt once
+- ``tokens_per_s``: per shape (``SHAPES``), greedy rollouts of a Llama imported at R = 1
+  (``looped_gpt_from_hf``) against Hugging Face ``generate`` (static cache, greedy) on the
+  same weights, the same batch, prompt and response lengths (prefill included in both), per
+  row and prompt once
   (transformers has one way: N * G rows), and the project's two cache-attention
   paths: ``static`` (the whole preallocated cache under a mask: fixed shapes, CUDA-graphable)
   and ``sliced`` (the cache up to the host-known longest row).
@@ -26,6 +27,11 @@ from functools import partial
 import torch
 
 N_PROMPTS, GROUP, PROMPT, RESPONSE = 2, 4, 32, 32
+SHAPES = {"small": dict(n_prompts=2, group=4, prompt=32, response=32),
+          "rl": dict(n_prompts=2, group=8, prompt=128, response=32)}
+"""The tokens/s shapes: ``small`` (the host-sync counts' shape: decoding dominates) and ``rl``
+(a GRPO-like group: more samples of a longer prompt, where prompt once reads and prefills
+each prompt once)."""
 SHORT, LONG = 4, 12
 VOCAB = 256
 HF_SHAPES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -54,17 +60,18 @@ def tiny_llama(path: str):
     return model.eval()
 
 
-def prompts() -> list:
-    """N_PROMPTS random prompts of PROMPT tokens."""
+def prompts(n_prompts: int = None, prompt: int = None) -> list:
+    """``n_prompts`` random prompts of ``prompt`` tokens (default N_PROMPTS, PROMPT)."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(1, VOCAB, (N_PROMPTS, PROMPT), generator=gen).tolist()
+    shape = (n_prompts or N_PROMPTS, prompt or PROMPT)
+    return torch.randint(1, VOCAB, shape, generator=gen).tolist()
 
 
-def _rollout(model, batch: list, steps: int, prompt_once: bool, **kwargs):
+def _rollout(model, batch: list, steps: int, prompt_once: bool, group: int = None, **kwargs):
     from scalerlt_mcore.rl.rollout import generate
 
-    return generate(model, batch, GROUP, steps, eos_id=VOCAB, pad_id=0, temperature=0.0,
-                    prompt_once=prompt_once, **kwargs)
+    return generate(model, batch, group or GROUP, steps, eos_id=VOCAB, pad_id=0,
+                    temperature=0.0, prompt_once=prompt_once, **kwargs)
 
 
 def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
@@ -78,9 +85,10 @@ def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
     return (counts[1] - counts[0]) / (LONG - SHORT)
 
 
-def tokens_per_s(runs: dict) -> dict:
-    """name -> response tokens/s of each rollout function, the best of ``REPEATS`` after a
-    warm-up, the functions interleaved (a shared host's load drifts)."""
+def tokens_per_s(runs: dict, tokens: int) -> dict:
+    """name -> response tokens/s of each rollout function (``tokens`` response tokens a run),
+    the best of ``REPEATS`` after a warm-up, the functions interleaved (a shared host's load
+    drifts)."""
     best = dict.fromkeys(runs, float("inf"))
     for rep in range(REPEATS + 1):
         for name, fn in runs.items():
@@ -88,15 +96,18 @@ def tokens_per_s(runs: dict) -> dict:
             fn()
             if rep:  # the first round is the warm-up
                 best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: N_PROMPTS * GROUP * RESPONSE / s for name, s in best.items()}
+    return {name: tokens / s for name, s in best.items()}
 
 
-def hf_rollout(hf):
-    """transformers ``generate``: greedy, static cache, exactly ``RESPONSE`` new tokens for
+def hf_rollout(hf, n_prompts: int = None, group: int = None, prompt: int = None,
+               response: int = None):
+    """transformers ``generate``: greedy, static cache, exactly ``response`` new tokens for
     each of the N * G rows (it has no prompt-once mode, and greedy takes no
-    ``num_return_sequences``: the G rows of a prompt are repeated)."""
-    rows = torch.tensor(prompts()).repeat_interleave(GROUP, dim=0)
-    kwargs = dict(max_new_tokens=RESPONSE, min_new_tokens=RESPONSE, do_sample=False,
+    ``num_return_sequences``: the G rows of a prompt are repeated). Defaults: the module's
+    N_PROMPTS, GROUP, PROMPT, RESPONSE."""
+    rows = torch.tensor(prompts(n_prompts, prompt)).repeat_interleave(group or GROUP, dim=0)
+    response = response or RESPONSE
+    kwargs = dict(max_new_tokens=response, min_new_tokens=response, do_sample=False,
                   cache_implementation="static", pad_token_id=0, eos_token_id=None)
 
     def run():
@@ -144,6 +155,21 @@ def _paths(model) -> dict:
     return {"static": {"static_cache": True}, "sliced": {"static_cache": False}}
 
 
+def shape_speeds(model, hf, modes: dict, n_prompts: int, group: int, prompt: int,
+                 response: int) -> dict:
+    """mode -> {project path: tokens/s, "transformers": tokens/s} at one shape."""
+    batch = prompts(n_prompts, prompt)
+    runs = {"transformers": hf_rollout(hf, n_prompts, group, prompt, response)}
+    for mode, once in modes.items():
+        for path, kw in _paths(model).items():
+            runs[f"{mode}/project_{path}"] = partial(_rollout, model, batch, response, once,
+                                                     group, **kw)
+    speeds = tokens_per_s(runs, n_prompts * group * response)
+    return {m: {**{k.split("/")[1]: v for k, v in speeds.items() if k.startswith(m + "/")},
+                "transformers": speeds["transformers"]}
+            for m in modes}
+
+
 def run_decode_bench() -> dict:
     from scalerlt_mcore.model.hf_import import looped_gpt_from_hf
     from scalerlt_mcore.rl.rollout import default_stop_check_interval
@@ -153,23 +179,14 @@ def run_decode_bench() -> dict:
         model = looped_gpt_from_hf(tmp, num_loops=1, max_sequence_length=256,
                                    use_cpu_initialization=True).eval()
     modes = {"per_row": False, "prompt_once": True}
-    batch = prompts()
-    runs = {"transformers": hf_rollout(hf)}
-    for mode, once in modes.items():
-        for path, kw in _paths(model).items():
-            runs[f"{mode}/project_{path}"] = partial(_rollout, model, batch, RESPONSE, once, **kw)
-    speeds = tokens_per_s(runs)
     out = {
         "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
         "stop_check_per_token": {d: 1 / default_stop_check_interval(d) for d in ("cpu", "cuda")},
         "train_step": {str(w): train_step_syncs(w) for w in (2, 8)},
         "greedy_equals_transformers": greedy_agrees(model, hf),
-        "tokens_per_s": {
-            m: {**{k.split("/")[1]: v for k, v in speeds.items() if k.startswith(m + "/")},
-                "transformers": speeds["transformers"]}
-            for m in modes},
-        "shape": dict(prompts=N_PROMPTS, group=GROUP, prompt=PROMPT, response=RESPONSE,
-                      threads=torch.get_num_threads(), **HF_SHAPES),
+        "tokens_per_s": {name: shape_speeds(model, hf, modes, **shape)
+                         for name, shape in SHAPES.items()},
+        "shape": dict(shapes=SHAPES, threads=torch.get_num_threads(), **HF_SHAPES),
         "before": BEFORE,
     }
     return out

@@ -16,14 +16,19 @@ def test_decode_bench_reports_counts_and_peer(mcore_single, monkeypatch, tmp_pat
     monkeypatch.setattr(decode, "RESPONSE", 4)
     monkeypatch.setattr(decode, "REPEATS", 1)
     monkeypatch.setattr(decode, "PROMPT", 8)
+    monkeypatch.setattr(decode, "SHAPES", {
+        "small": dict(n_prompts=2, group=2, prompt=8, response=4),
+        "rl": dict(n_prompts=1, group=3, prompt=12, response=3)})
     result = decode.run_decode_bench()
     assert result["decode_per_token"] == {"per_row": 0.0, "prompt_once": 0.0}
     assert result["train_step"]["2"] == result["train_step"]["8"]
     assert result["greedy_equals_transformers"] is True
-    for mode in ("per_row", "prompt_once"):
-        speeds = result["tokens_per_s"][mode]
-        assert set(speeds) == {"project_static", "project_sliced", "transformers"}
-        assert all(v > 0 for v in speeds.values())
+    assert set(result["tokens_per_s"]) == {"small", "rl"}
+    for shape in ("small", "rl"):
+        for mode in ("per_row", "prompt_once"):
+            speeds = result["tokens_per_s"][shape][mode]
+            assert set(speeds) == {"project_static", "project_sliced", "transformers"}
+            assert all(v > 0 for v in speeds.values())
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({"A": {"x": 1}}))
     decode.merge_into(str(path), result)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -27,6 +28,31 @@ from .kernels import (
     sdpa,
 )
 from .kv import LoopKV
+
+
+@dataclass(frozen=True)
+class RotaryAngles:
+    """RoPE of one forward's positions with its cos and sin computed once for all the layer
+    applications of the forward (MCore's ``apply_rotary_pos_emb`` computes them on every
+    call, 2 x L x R times per forward): what a forward that records no graph (decoding,
+    scoring) passes as ``rotary_pos_emb``. freqs, cos, sin [s, b or 1, 1, rot_dim]."""
+
+    freqs: Tensor
+    cos: Tensor
+    sin: Tensor
+
+    @classmethod
+    def of(cls, freqs: Tensor) -> "RotaryAngles":
+        return cls(freqs, torch.cos(freqs), torch.sin(freqs))
+
+    def rotate(self, t: Tensor) -> Tensor:
+        """MCore's unfused RoPE (non-interleaved) of t [s, b, n, hn]: the same operations on
+        the same values (its cos/sin scale of 1.0 is exact), so the same tensor."""
+        dim = self.freqs.shape[-1]
+        x = t if dim == t.shape[-1] else t[..., :dim]
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        out = x * self.cos.to(t.dtype) + torch.cat((-x2, x1), dim=-1) * self.sin.to(t.dtype)
+        return out if dim == t.shape[-1] else torch.cat((out, t[..., dim:]), dim=-1)
 
 
 @dataclass
@@ -116,7 +142,8 @@ class LoopedSelfAttention(SelfAttention):
     """MCore ``SelfAttention`` (same parameters) whose K/V is routed by virtual depth.
 
     ``inference_context`` is a ``LoopKV`` (or None for a plain causal forward);
-    ``rotary_pos_emb`` is already gathered per position: [sq, b or 1, 1, rot_dim].
+    ``rotary_pos_emb`` is already gathered per position: [sq, b or 1, 1, rot_dim] (MCore's
+    frequencies), or a ``RotaryAngles`` of them.
     The core attention is called as MCore calls it; the prefix modes need one that
     ``supports_prefix``.
     """
@@ -125,14 +152,23 @@ class LoopedSelfAttention(SelfAttention):
                 inference_context=None, rotary_pos_emb=None, **unused):
         query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, hn]
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
+            query, key = self._rotate(query, rotary_pos_emb), self._rotate(key, rotary_pos_emb)
         ctx: Optional[LoopKV] = inference_context
         if ctx is None:
             out = self._core(query, key, value, attention_mask)
         else:
             out = self._attend_routed(ctx, query, key, value, attention_mask)
         return self.linear_proj(out)
+
+    def _rotate(self, t: Tensor, rope) -> Tensor:
+        """RoPE of t [s, b, n, hn]: ``rope`` a ``RotaryAngles`` (its cos/sin, where the config
+        asks for MCore's unfused non-interleaved RoPE) or MCore's frequencies."""
+        c = self.config
+        if not isinstance(rope, RotaryAngles):
+            return apply_rotary_pos_emb(t, rope, config=c)
+        if c.apply_rope_fusion or c.rotary_interleaved or c.multi_latent_attention:
+            return apply_rotary_pos_emb(t, rope.freqs, config=c)
+        return rope.rotate(t)
 
     def _core(self, query, key, value, attention_mask):
         """The core attention, as MCore calls it: causal without a mask, else arbitrary."""
@@ -188,6 +224,7 @@ class LoopedSelfAttention(SelfAttention):
                     for c, P, seen in zip(cache.chain(), step.prefix_spans, step.prefix_allowed)]
         out = chain_prefix_attention(
             query, cache.keys[d][:span].to(dtype), cache.values[d][:span].to(dtype),
-            step.allowed, prefixes, self._prefix_core("prompt-once decoding").scale)
+            step.allowed, prefixes, self._prefix_core("prompt-once decoding").scale,
+            memo=step.memo)
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]

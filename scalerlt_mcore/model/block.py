@@ -10,11 +10,13 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
+
+from .linear import ColumnParallelLinear
 
 
 @dataclass
@@ -62,7 +64,7 @@ class ExitGate(MegatronModule):
 
     def __init__(self, config):
         super().__init__(config=config)
-        self.linear = tensor_parallel.ColumnParallelLinear(
+        self.linear = ColumnParallelLinear(
             config.hidden_size, 1, config=config, init_method=config.init_method, bias=True,
             gather_output=True, skip_bias_add=False)
 

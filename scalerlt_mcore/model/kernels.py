@@ -358,14 +358,23 @@ def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
     return sdpa(q, keys, vals, allowed, scale)
 
 
+def _gqa_takes_mask(q: Tensor) -> bool:
+    """A masked grouped-query SDPA may keep the K/V heads unrepeated: PyTorch's CPU kernel
+    takes a mask with ``enable_gqa`` and gives the same output (decoding's per-row cache
+    attention, without a copy of the cache per step). Only where no graph is recorded: its
+    backward sums the heads' K/V gradients in another order than the repeat's."""
+    return q.device.type == "cpu" and not torch.is_grad_enabled()
+
+
 def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False) -> Tensor:
     """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn].
 
     GQA without a mask goes through ``enable_gqa`` (CUDA: flash); with a mask the K/V heads
     are repeated instead: CUDA's memory-efficient kernel takes a mask but not ``enable_gqa``,
-    and the pair would fall back to the math kernel, materialising the scores."""
+    and the pair would fall back to the math kernel, materialising the scores (on CPU without
+    a recorded graph, ``_gqa_takes_mask``, they are not)."""
     rep = q.shape[2] // k.shape[2]
-    if allowed is not None and rep > 1:
+    if allowed is not None and rep > 1 and not _gqa_takes_mask(q):
         k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))  # [sk, b, np, hn]
     return F.scaled_dot_product_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
@@ -388,7 +397,36 @@ def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float
     return chain_prefix_attention(q, k, v, allowed, [(pk, pv, prompt_allowed)], scale)
 
 
-def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float) -> Tensor:
+def _fused_lse(q: Tensor) -> bool:
+    """Decoding's attention parts run on PyTorch's CPU flash op (``_cpu_flash_lse``): on CPU,
+    without a recorded graph. Elsewhere (CUDA, meta, autograd) on ``attend_with_lse``."""
+    return q.device.type == "cpu" and not torch.is_grad_enabled()
+
+
+def _cpu_flash_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple:
+    """``attend_with_lse`` on PyTorch's CPU flash op: one fused call (the same softmax, other
+    rounding); ``bias`` the additive mask (``additive_mask``). The lse is fp32 for half
+    inputs."""
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype, memo: Optional[dict] = None,
+                  key=None) -> Tensor:
+    """``allowed`` (True = attend) as an additive mask in ``dtype`` (0 / -inf). ``memo``: a
+    dict kept for one forward (``CacheStep.memo``) in which it is made once under ``key``,
+    not once per layer application."""
+    if memo is not None and (key, dtype) in memo:
+        return memo[key, dtype]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    if memo is not None:
+        memo[key, dtype] = bias
+    return bias
+
+
+def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float,
+                           memo: Optional[dict] = None) -> Tensor:
     """Decoding against a path of prefix segments (a prefix tree's root-to-node path), each
     stored once: every query attends to its own cached keys and to each segment's keys; the
     softmax parts are merged through their log-sum-exps (a cascade: one product per (segment
@@ -398,20 +436,34 @@ def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float) -> Te
     attend). ``prefixes``: one (pk, pv, seen) per segment level, pk/pv [P_j, N_j, ng, hn] with
     B a multiple of N_j (rows b continue segment row b // (B / N_j)), ``seen`` [N_j, P_j]
     (False on padding). Every query must see at least one key of each part. Merged in fp32
-    or wider, rounded once. Returns [B, np, s, hn].
+    or wider, rounded once. Returns [B, np, s, hn]. On CPU without a recorded graph the parts
+    run on PyTorch's CPU flash op (``_fused_lse``), their additive masks made once per
+    ``memo`` (one per forward: ``CacheStep.memo``).
     """
     s, B, heads, hn = q.shape
     groups = k.shape[2]
     rep = heads // groups
     qs = _bhsd(q)  # [B, np, s, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
-    out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
+    fused = _fused_lse(q)
+    if fused:  # grouped queries against their group's K/V: [B, ng, rep * s, hn]
+        grouped = allowed[:, None, None].expand(B, 1, rep, s, allowed.shape[-1])
+        bias = additive_mask(grouped.reshape(B, 1, rep * s, -1), q.dtype, memo, "own")
+        out, lse = _cpu_flash_lse(qs.reshape(B, groups, rep * s, hn), _bhsd(k), _bhsd(v),
+                                  bias, scale)
+        out, lse = out.reshape(B, heads, s, hn), lse.reshape(B, heads, s)
+    else:
+        ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
+        out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
     acc = torch.promote_types(out.dtype, torch.float32)
     out = out.to(acc)
-    for pk, pv, seen in reversed(prefixes):  # the nearest segment first
+    for j, (pk, pv, seen) in reversed(list(enumerate(prefixes))):  # the nearest first
         layout = _PrefixLayout(pk.shape[1], B // pk.shape[1], groups, rep, s)
-        out_p, lse_p = attend_with_lse(layout.to_prefix(qs), _bhsd(pk), _bhsd(pv),
-                                       seen[:, None, None, :], scale)  # [N_j, ng, M(, hn)]
+        qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [N_j, ng, M / P_j, hn]
+        if fused:
+            bias = additive_mask(seen[:, None, None, :], q.dtype, memo, j)
+            out_p, lse_p = _cpu_flash_lse(qp, pk, pv, bias, scale)  # [N_j, ng, M(, hn)]
+        else:
+            out_p, lse_p = attend_with_lse(qp, pk, pv, seen[:, None, None, :], scale)
         out, lse = merge_with_lse(layout.from_prefix(out_p).to(acc), layout.from_prefix(lse_p),
                                   out, lse)
     return out.to(q.dtype)

@@ -287,6 +287,9 @@ class CacheStep:
     allowed: Optional[Tensor] = None
     masked: Optional[Tensor] = None
     prefix_allowed: tuple = ()
+    memo: dict = field(default_factory=dict)
+    """What the layer applications of the forward derive once from the masks (e.g. their
+    additive forms, ``kernels.additive_mask``)."""
 
     def with_masks(self) -> "CacheStep":
         device, slots = self.slots.device, self.slots

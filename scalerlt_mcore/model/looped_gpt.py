@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -14,10 +13,12 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
+from .attention import RotaryAngles
 from .block import exit_log_distribution, loop_grad_context
 from .config import POSITION_EMBEDDING_TYPES, step_seed
 from .host_syncs import mark_host
 from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature, upload
+from .linear import ColumnParallelLinear
 from .specs import get_looped_gpt_block_spec, is_block_spec
 from .vocab_parallel import gather_vocab, token_logprobs
 
@@ -104,7 +105,7 @@ class LoopedGPTModel(LanguageModule):
         block_spec = (transformer_layer_spec if is_block_spec(transformer_layer_spec)
                       else get_looped_gpt_block_spec(config, layer_spec=transformer_layer_spec))
         self.decoder = build_module(block_spec, config=config)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
+        self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, skip_bias_add=False, gather_output=not parallel_output,
             skip_weight_param_allocation=share_embeddings_and_output_weights,
@@ -414,12 +415,16 @@ class LoopedGPTModel(LanguageModule):
         pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         return pos[None, :].expand_as(input_ids), start + input_ids.shape[1]
 
-    def _rope(self, positions: Tensor, span: int) -> Optional[Tensor]:
-        """RoPE of ``positions`` [B, S] (all < ``span``) -> [S, B, 1, d], or None."""
+    def _rope(self, positions: Tensor, span: int):
+        """RoPE of ``positions`` [B, S] (all < ``span``) -> frequencies [S, B, 1, d], or None;
+        recording no graph, their ``RotaryAngles`` (cos and sin once per forward)."""
         if self.position_embedding_type != "rope":
             return None
-        table = self.rotary_pos_emb(span)  # [T, 1, 1, d]
-        return table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
+        # one table of at least the model's length: MCore caches it by length (rows do not
+        # depend on it), so decode steps and groups of every length reuse it
+        table = self.rotary_pos_emb(max(span, self.max_sequence_length))  # [T, 1, 1, d]
+        freqs = table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
+        return freqs if torch.is_grad_enabled() else RotaryAngles.of(freqs)
 
     def _collect_prefix_state(self, ctx: LoopKV, states: list, config) -> PrefixState:
         depths = config.looped_num_depths

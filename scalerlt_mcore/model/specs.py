@@ -7,6 +7,7 @@ Block spec: ``get_looped_gpt_block_spec`` names every part of the recurrent bloc
 """
 
 import copy
+import dataclasses
 import functools
 from typing import Optional
 
@@ -23,6 +24,7 @@ from .block import (
     LoopedBlockSubmodules,
     RecurrentTransformerBlock,
 )
+from .linear import DIRECT
 from .sandwich import (
     QKBiasSelfAttention,
     ResidualNormLayerSubmodules,
@@ -42,10 +44,30 @@ except ImportError:  # CPU hosts: Transformer Engine is a GPU-only extra
 
 
 def _looped(spec: ModuleSpec) -> ModuleSpec:
-    spec = copy.deepcopy(spec)
+    spec = _direct_linears(copy.deepcopy(spec))
     attention = spec.submodules.self_attention
     attention.module = LoopedSelfAttention
     attention.submodules.core_attention = LoopedCoreAttention
+    return spec
+
+
+def _direct_linears(spec):
+    """``spec`` with MCore's ``ColumnParallelLinear`` / ``RowParallelLinear`` swapped for their
+    subclasses in ``linear.py`` (a direct forward without a recorded graph), wherever they
+    appear: in ``ModuleSpec`` submodules or in the keywords of a ``functools.partial`` (the
+    MLP entry of MCore 0.19's layer specs). Other modules (Transformer Engine's) stay."""
+    if isinstance(spec, type):
+        return DIRECT.get(spec, spec)
+    if isinstance(spec, functools.partial):
+        keywords = {k: _direct_linears(v) for k, v in spec.keywords.items()}
+        return functools.partial(spec.func, *spec.args, **keywords)
+    if isinstance(spec, ModuleSpec):
+        spec.module = _direct_linears(spec.module)
+        spec.submodules = _direct_linears(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _direct_linears(getattr(spec, f.name)))
     return spec
 
 

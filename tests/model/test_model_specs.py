@@ -33,6 +33,8 @@ from scalerlt_mcore.model import (
 from scalerlt_mcore.model import specs as specs_module
 from scalerlt_mcore.model.block import LinearConcatInjection
 from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.model.linear import ColumnParallelLinear as DirectColumn
+from scalerlt_mcore.model.linear import RowParallelLinear as DirectRow
 from scalerlt_mcore.model.sandwich import SandwichMLP
 from scalerlt_mcore.model.specs import get_looped_sandwich_layer_local_spec
 
@@ -74,23 +76,27 @@ def _no_qk_norm(norm) -> bool:
     return norm is None if mcore_at_least("0.19") else isinstance(norm, IdentityOp)
 
 
-def test_local_spec_swaps_only_attention():
+def test_local_spec_swaps_attention_and_linears():
     spec = get_looped_gpt_layer_local_spec()
     stock = get_gpt_layer_local_spec()
     assert isinstance(spec, ModuleSpec) and spec.module is TransformerLayer
     attn = spec.submodules.self_attention
     assert attn.module is LoopedSelfAttention and issubclass(LoopedSelfAttention, SelfAttention)
     assert attn.submodules.core_attention is LoopedCoreAttention
-    assert attn.submodules.linear_qkv is ColumnParallelLinear
-    assert attn.submodules.linear_proj is RowParallelLinear
+    assert attn.submodules.linear_qkv is DirectColumn
+    assert attn.submodules.linear_proj is DirectRow
     assert attn.params == stock.submodules.self_attention.params  # causal mask type
     mlp, mlp_parts = _mlp_spec(spec)
     assert mlp is MLP
-    assert mlp_parts.linear_fc1 is ColumnParallelLinear
-    assert mlp_parts.linear_fc2 is RowParallelLinear
+    assert mlp_parts.linear_fc1 is DirectColumn
+    assert mlp_parts.linear_fc2 is DirectRow
     assert spec.submodules.input_layernorm is stock.submodules.input_layernorm
     # MCore's own spec is not modified by building ours
     assert get_gpt_layer_local_spec().submodules.self_attention.module is SelfAttention
+    stock_attn = get_gpt_layer_local_spec().submodules.self_attention.submodules
+    assert stock_attn.linear_qkv is ColumnParallelLinear
+    assert issubclass(DirectColumn, ColumnParallelLinear)
+    assert issubclass(DirectRow, RowParallelLinear)
     core = get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention
     assert core is DotProductAttention
 
@@ -102,8 +108,8 @@ def test_sandwich_spec_keeps_mcores_mlp_form():
     assert type(spec.submodules.mlp) is type(get_gpt_layer_local_spec().submodules.mlp)
     mlp, mlp_parts = _mlp_spec(spec)
     assert mlp is SandwichMLP
-    assert mlp_parts.linear_fc1 is ColumnParallelLinear
-    assert mlp_parts.linear_fc2 is RowParallelLinear
+    assert mlp_parts.linear_fc1 is DirectColumn
+    assert mlp_parts.linear_fc2 is DirectRow
     assert mlp_parts.post_layernorm is not None
 
 
