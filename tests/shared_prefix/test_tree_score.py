@@ -29,14 +29,15 @@ CASES = [
     ("d3-W3-retain-ckpt-concat", DEPTH3, 3, 3, "retain", True, {"attn": "concat"}),
     ("d3-W1-truncated", DEPTH3, 3, 1, "recompute", False, {"looped_backprop_loops": 1}),
     ("d3-W2-exit-gate", DEPTH3, 3, 2, "recompute", False, {"gate": True}),
+    ("d3-W2-bf16-concat", DEPTH3, 2, 2, "recompute", False, {"bf16": True, "attn": "concat"}),
 ]
 
 
 def _model(R: int, extra: dict):
     extra = dict(extra)
-    if extra.pop("gate", False):
-        return _gated(R=R, **extra)
-    return build_model(R=R, arch=True, **extra)
+    bf16, gate = extra.pop("bf16", False), extra.pop("gate", False)
+    model = _gated(R=R, **extra) if gate else build_model(R=R, arch=True, **extra)
+    return model.to(torch.bfloat16) if bf16 else model
 
 
 def _group(shape, R: int, seed: int):
