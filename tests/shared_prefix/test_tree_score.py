@@ -9,7 +9,8 @@ into a real update.
 
 That the scored values are the model's log-probs of the rows is checked against the model's
 full-sequence forward in tests/shared_prefix/test_tree.py (``test_forward_only_scores_the_rows``);
-the tree's training against naive stock MCore there too.
+the tree's training against naive stock MCore there too. Without ``collect_non_loss_data`` the
+scored stats are the training losses; data that cannot be laid out in the rows are refused.
 """
 
 import pytest
@@ -121,3 +122,38 @@ def test_zero_advantages_leave_the_weights_unchanged(mcore_single, case, kl_coef
     before = [p.detach().clone() for p in model.parameters()]
     torch.optim.Adam(model.parameters(), lr=1e-3).step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_forward_only_stats_of_a_tree_are_its_training_losses(mcore_single):
+    """forward_only without ``collect_non_loss_data``: the loss's stats of every call summed
+    (0-dim), the group's loss that training computes."""
+    R = 2
+    model = build_model(R=R, arch=True).double()
+    group = tree_group(DEPTH3, R, seed=5, kl=True)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.1)
+    fb = get_shared_prefix_forward_backward_func(2)
+    scored = fb(forward_step_func=rl_forward_step(spec.objective()), data_iterator=iter([group]),
+                model=model, num_microbatches=1, seq_length=0, micro_batch_size=1,
+                forward_only=True)[0]
+    trained = joint_step(model, [group], spec, 2)[0]
+    for key in ("loss", "kl", "tokens", "clipped"):
+        assert scored[key].dim() == 0
+        assert abs(float(scored[key] - trained[key])) <= 1e-12 * abs(float(trained[key])), key
+    assert float(scored["tokens"]) == float((group.loss_mask != 0).sum())
+
+
+def test_forward_only_data_of_a_tree_must_be_laid_out(mcore_single):
+    """A tree's scored data are tensors [..., W, L] of a call's rows and positions (laid out
+    in the rows) or 0-dim; anything else is refused naming its shape."""
+    model = build_model(R=2)
+    group = tree_group(DEPTH2, 2, seed=1, dtype=torch.float32)
+
+    def per_row(data_iterator, model):
+        wave = next(data_iterator)
+        return model(wave), lambda output, non_loss_data=False: output.sum((0, 2))  # [W]
+
+    fb = get_shared_prefix_forward_backward_func(2)
+    with pytest.raises(ValueError, match=r"must hold tensors \[..., W, L\] .* got shape"):
+        fb(forward_step_func=per_row, data_iterator=iter([group]), model=model,
+           num_microbatches=1, seq_length=0, micro_batch_size=1, forward_only=True,
+           collect_non_loss_data=True)
