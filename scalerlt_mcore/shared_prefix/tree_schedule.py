@@ -26,6 +26,10 @@ backward of the step, whatever the tree's shape.
 An internal node's own trained tokens are one loss call whose rows are every row below the
 node: its log-probs, computed once (batch 1), expanded over those rows; the loss weighs them
 with each row's own weights (advantages), as the naive rows do.
+
+Scoring (forward_only, ``TreeReplay.score``) makes the same calls in the same order of nodes
+under no grad, each node once against its path, and lays their results out in the rows: the
+scored log-probs are the training forward's bit for bit at the same weights.
 """
 
 import contextlib
@@ -109,19 +113,18 @@ class TreeReplay:
         children in the same waves against the same state), its ``loss_func`` called as
         MCore calls it (``SharedPrefixSchedule.score_call``) -> the calls' results in the
         group's layout (``lay_out``). So scored log-probs equal the training forward's at the
-        same weights bit for bit (up to the leaves' dtype: fp32 path state), as a one-level
-        group's do."""
+        same weights bit for bit, as a one-level group's do (docs/prefix_trees.md, Scoring)."""
         self.calls, calls = 0, []
         self._score_node(0, None, calls)
         return lay_out(calls, self.group)
 
     def _score_node(self, n: int, prefix: Optional[PrefixState], calls: list) -> None:
         """Node n's own-token call (when trained) and its units against its path, as in
-        ``_descend``: the path state is its nodes' states as fp32 leaves."""
+        ``_descend`` (the path: its nodes' states as the fp32 leaves the units train against)."""
         tokens, node_prefix, out = self._node_forward(n, prefix, self.has_loss[n])
         if self.has_loss[n]:
-            wave, _, model = self._own_readouts(n, node_prefix, tokens, out)
-            calls.append((wave, self._score_call(wave, None, model)))
+            wave, readouts = self._own_readouts(n, node_prefix, tokens, out)
+            calls.append((wave, self._score_call(wave, None, readouts)))
         own = out.prefix_state.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, own)
         for unit in self._units(n):
@@ -214,7 +217,8 @@ class TreeReplay:
         tokens, prefix, out = self._node_forward(n, prefix, loss)
         if not loss:
             return out.prefix_state, None
-        return out.prefix_state, self._call(*self._own_readouts(n, prefix, tokens, out))
+        wave, readouts = self._own_readouts(n, prefix, tokens, out)
+        return out.prefix_state, self._call(wave, None, readouts)
 
     def _node_forward(self, n: int, prefix: Optional[PrefixState], readout: bool) -> tuple:
         """Node n's forward against ``prefix``, with ``readout`` its own positions' log-probs
@@ -234,7 +238,7 @@ class TreeReplay:
     def _own_readouts(self, n: int, prefix: PrefixState, tokens: Tensor, out) -> tuple:
         """The loss call of node n's tokens' labels (positions start-1 .. end-2): the first
         from its parent's boundary, the rest from its own positions 0 .. L-2, over every row
-        below -> (its WaveBatch, None, the ``FixedReadouts`` the loss receives)."""
+        below -> (its WaveBatch, the ``FixedReadouts`` the loss receives)."""
         run = self.run
         first = run.inner.boundary_readouts(prefix, tokens[:, 0], num_loops=run.num_loops)
         rows = torch.tensor(self.tree.rows_below(n), device=tokens.device)
@@ -246,7 +250,7 @@ class TreeReplay:
         if weights is not None:
             readouts["loop_weights"] = weights
         wave = WaveBatch(self.group, rows, self.tree.positions(n))
-        return wave, None, FixedReadouts(run.inner, readouts)
+        return wave, FixedReadouts(run.inner, readouts)
 
     def _wave_loss(self, state: PrefixState, wave: WaveBatch) -> Tensor:
         self.num_waves += 1
