@@ -27,9 +27,10 @@ An internal node's own trained tokens are one loss call whose rows are every row
 node: its log-probs, computed once (batch 1), expanded over those rows; the loss weighs them
 with each row's own weights (advantages), as the naive rows do.
 
-Scoring (forward_only, ``TreeReplay.score``) makes the same calls in the same order of nodes
-under no grad, each node once against its path, and lays their results out in the rows: the
-scored log-probs are the training forward's bit for bit at the same weights.
+Scoring (forward_only, ``TreeReplay.score``) makes the same loss calls under no grad (each
+node once against its path, its own tokens at batch 1, its leaf children in the same waves)
+and lays their results out in the rows: the scored log-probs are the training forward's bit
+for bit at the same weights.
 """
 
 import contextlib
