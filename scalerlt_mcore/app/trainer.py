@@ -204,23 +204,19 @@ class RLTrainer:
             banned=self.banned, exit_mode=self.cfg.rl.rl_rollout_exit,
             exit_threshold=self.cfg.rl.rl_exit_threshold, vocab_size=self.tok.vocab_size,
             stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops,
-            reply_fn=self._reply_fn(problems, prompts))
+            reply_fn=self._reply_fn(problems))
         self.model.train()
         return [TreeSample(out.segments[n], out.loop_logprobs[n]) for n in range(len(prompts))]
 
-    def _reply_fn(self, problems, prompts: list):
-        """The environment's turn of tree decoding: (the path's tokens before the answer, the
-        answer's ids) -> the reply's ids, from the problem whose prompt (``prompts``, token
-        lists) the path starts with (the longest); None for a single-turn tree."""
+    def _reply_fn(self, problems):
+        """The environment's turn of tree decoding (``rl/tree_rollout.ReplyFn``): (the index of
+        the tree's problem in ``problems``, the path's tokens before the answer, the answer's
+        ids) -> the reply's ids; None for a single-turn tree."""
         if tree_turns(self.cfg.rl) == 1:
             return None
-        by_prompt = {tuple(p): problem for p, problem in zip(prompts, problems)}
-        lengths = sorted({len(p) for p in prompts}, reverse=True)
 
-        def reply(path: list, answer: list) -> list:
-            problem = next(by_prompt[key] for key in (tuple(path[:L]) for L in lengths)
-                           if key in by_prompt)
-            return self.tok.encode(self.task.reply(problem, self.tok.decode(answer)))
+        def reply(prompt: int, path: list, answer: list) -> list:
+            return self.tok.encode(self.task.reply(problems[prompt], self.tok.decode(answer)))
 
         return reply
 

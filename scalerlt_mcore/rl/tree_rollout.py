@@ -8,12 +8,12 @@ every segment on its root-to-node path (``chain_prefix_attention``: a cascade ov
 segments merged by log-sum-exp). No shared segment is copied per continuation.
 
 An internal node is its answer (trained) followed by the environment's reply (not trained;
-``reply_fn``, multi-turn): after the level's answers are sampled, the rest of each node (its
-last sampled token, which no decode step has fed yet, and the reply) is appended to the
-level's cache in one forward (``LoopedGPTModel.extend``), whose readout at the node's last
-token gives its children's first-token logits. Leaves are the last answers. A node whose
-answer ended with ``eos_id`` and got no reply is finished: it becomes a leaf (its child rows
-decode nothing and are dropped), so trees may be uneven.
+``reply_fn``, multi-turn, told the index of the node's prompt): after the level's answers are
+sampled, the rest of each node (its last sampled token, which no decode step has fed yet, and
+the reply) is appended to the level's cache in one forward (``LoopedGPTModel.extend``), whose
+readout at the node's last token gives its children's first-token logits. Leaves are the last
+answers. A node whose answer ended with ``eos_id`` and got no reply is finished: it becomes a
+leaf (its child rows decode nothing and are dropped), so trees may be uneven.
 
 Sampling, log-probs, exit modes and the stop check are ``rl/rollout.py``'s
 (``decode_tokens``): no decoded token waits for the device; the host reads each level's
@@ -26,6 +26,7 @@ leaves' tokens for the reward: ``SharedPrefixGroup.from_tree`` / ``RLGroup.from_
 the segments as they are, ``TreeRollout.old_logprobs`` their rows' old log-probs.
 """
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -112,9 +113,11 @@ class TreeRollout:
         return out
 
 
-ReplyFn = Callable[[list, list], list]
-"""reply_fn(path_tokens, answer_tokens) -> the environment's reply (token ids) after an
-internal node's answer; ``path_tokens``: every token before the answer (root to parent)."""
+ReplyFn = Callable[[int, list, list], list]
+"""reply_fn(prompt, path_tokens, answer_tokens) -> the environment's reply (token ids) after
+an internal node's answer; ``prompt``: the index in ``prompts`` of the node's tree (its
+problem: prompts may share tokens, or be prefixes of one another); ``path_tokens``: every
+token before the answer (root to parent)."""
 
 
 @dataclass
@@ -139,7 +142,8 @@ def generate_tree(model, prompts: list, branches: Sequence[int],
                   reply_fn: Optional[ReplyFn] = None) -> TreeRollout:
     """Grow one tree per prompt (a list of token lists): ``branches[k]`` children per node of
     depth k, each decoding up to ``max_new_tokens[k]`` tokens (an int: every depth), stopping
-    at ``eos_id``; internal nodes get ``reply_fn``'s reply appended (untrained). Sampling
+    at ``eos_id``; internal nodes get ``reply_fn``'s reply appended (untrained; ``ReplyFn``:
+    called with the index of the node's prompt, its path and its answer). Sampling
     (temperature, top-p, greedy at 0, ``banned``, ``loop``, ``exit_mode``, ``vocab_size``,
     ``stop_check_interval``, ``static_cache``, ``num_loops``) as ``rl/rollout.py``'s
     ``generate`` (no CUDA graph). Rows of a level are ordered by parent, as ``generate``'s
@@ -147,6 +151,7 @@ def generate_tree(model, prompts: list, branches: Sequence[int],
     device = next(model.parameters()).device
     check_generator(generator, device)
     budgets = _check_tree_inputs(prompts, branches, max_new_tokens, exit_mode)
+    _check_reply_fn(reply_fn)
     every = stop_check_interval or default_stop_check_interval(device)
     if every < 1:
         raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
@@ -193,6 +198,21 @@ def _check_tree_inputs(prompts, branches, max_new_tokens, exit_mode) -> list:
     if exit_mode not in EXIT_MODES:
         raise ValueError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
     return budgets
+
+
+def _check_reply_fn(reply_fn) -> None:
+    """A ``reply_fn`` must take (prompt index, path, answer) positionally."""
+    if reply_fn is None:
+        return
+    try:
+        signature = inspect.signature(reply_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): called as is
+        return
+    try:
+        signature.bind(0, [], [])
+    except TypeError as e:
+        raise ValueError(f"reply_fn must take (prompt, path, answer): the index of the node's "
+                         f"prompt in prompts, the path's tokens and the answer's ({e})") from e
 
 
 class _TreeGrower:
@@ -302,8 +322,9 @@ class _TreeGrower:
     def _reply(self, parent: int, answer: list) -> list:
         if self.reply_fn is None:
             return []
-        path = [t for i in self._path(parent) for t in self.nodes[i].tokens]
-        reply = self.reply_fn(path, list(answer))
+        nodes = self._path(parent)  # nodes[0]: the root, node n of prompt n
+        path = [t for i in nodes for t in self.nodes[i].tokens]
+        reply = self.reply_fn(nodes[0], path, list(answer))
         if not isinstance(reply, (list, tuple)) or not all(isinstance(t, int) for t in reply):
             raise ValueError(f"reply_fn must return a list of token ids (ints), got {reply!r}")
         vocab = self.model.vocab_size

@@ -401,15 +401,24 @@ class SharedPrefixSchedule:
         """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
         calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built.
         The waves are the plan's (a naive plan's microbatches are scored as waves); a tree
-        group's rows are scored as full sequences."""
+        group's calls are those of its training (``TreeReplay.score``: each node against its
+        path, in the group's layout), or its rows as full sequences under a naive plan."""
+        if is_tree(run.group) and not run.plan.naive:
+            return TreeReplay(self, run).score()
         state = None if is_tree(run.group) else self._prompt_state(run)
         for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
-            output, loss_func = self._forward_step(run, wave, state, n)
-            if run.collect_non_loss_data:
-                run.results[n] = loss_func(output, non_loss_data=True)
-            else:
-                run.results[n] = loss_func(output)[1]
+            run.results[n] = self.score_call(run, wave, state, n)
         return _merge(run.results)
+
+    def score_call(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
+                   wave_no: int, model=None):
+        """One scored call: ``forward_step_func`` on the wave (``_forward_step``) and its
+        ``loss_func``'s result as MCore's forward_only keeps it (the non-loss data with
+        ``collect_non_loss_data``, else the stats)."""
+        output, loss_func = self._forward_step(run, wave, state, wave_no, model)
+        if run.collect_non_loss_data:
+            return loss_func(output, non_loss_data=True)
+        return loss_func(output)[1]
 
 
 def _with_loop_weights(result: dict, inner, num_loops: int) -> dict:

@@ -26,6 +26,11 @@ backward of the step, whatever the tree's shape.
 An internal node's own trained tokens are one loss call whose rows are every row below the
 node: its log-probs, computed once (batch 1), expanded over those rows; the loss weighs them
 with each row's own weights (advantages), as the naive rows do.
+
+Scoring (forward_only, ``TreeReplay.score``) makes the same loss calls under no grad (each
+node once against its path, its own tokens at batch 1, its leaf children in the same waves)
+and lays their results out in the rows: the scored log-probs are the training forward's bit
+for bit at the same weights.
 """
 
 import contextlib
@@ -101,6 +106,38 @@ class TreeReplay:
         self.run.guard.verify("joint replay", contents=True)
         self._replay(chain, None)
         return self.num_waves
+
+    @torch.no_grad()
+    def score(self) -> object:
+        """forward_only: every loss call of ``train``, on the numbers ``train`` computes (each
+        node once against its path's state, its own tokens' readouts at batch 1, its leaf
+        children in the same waves against the same state), its ``loss_func`` called as
+        MCore calls it (``SharedPrefixSchedule.score_call``) -> the calls' results in the
+        group's layout (``lay_out``). So scored log-probs equal the training forward's at the
+        same weights bit for bit, as a one-level group's do (docs/prefix_trees.md, Scoring)."""
+        self.calls, calls = 0, []
+        self._score_node(0, None, calls)
+        return lay_out(calls, self.group)
+
+    def _score_node(self, n: int, prefix: Optional[PrefixState], calls: list) -> None:
+        """Node n's own-token call (when trained) and its units against its path, as in
+        ``_descend`` (the path: its nodes' states as the fp32 leaves the units train against)."""
+        tokens, node_prefix, out = self._node_forward(n, prefix, self.has_loss[n])
+        if self.has_loss[n]:
+            wave, readouts = self._own_readouts(n, node_prefix, tokens, out)
+            calls.append((wave, self._score_call(wave, None, readouts)))
+        own = out.prefix_state.detached_leaves(torch.float32, self.trained)
+        path = _cat(prefix, own)
+        for unit in self._units(n):
+            if isinstance(unit, _Wave):
+                state = _as_prefix(path, self.run.state_dtype)
+                calls.append((unit.batch, self._score_call(unit.batch, state, None)))
+            else:
+                self._score_node(unit.node, path, calls)
+
+    def _score_call(self, wave: WaveBatch, state, model):
+        number, self.calls = self.calls, self.calls + 1
+        return self.schedule.score_call(self.run, wave, state, number, model)
 
     # ---- the plan of a node ----------------------------------------------------------------
 
@@ -178,23 +215,31 @@ class TreeReplay:
         """Node n's own state against ``prefix`` (its ancestors; None for the root) and, with
         ``loss``, the loss of its own trained tokens -> (PrefixState of its L positions, the
         scaled loss or None)."""
+        tokens, prefix, out = self._node_forward(n, prefix, loss)
+        if not loss:
+            return out.prefix_state, None
+        wave, readouts = self._own_readouts(n, prefix, tokens, out)
+        return out.prefix_state, self._call(wave, None, readouts)
+
+    def _node_forward(self, n: int, prefix: Optional[PrefixState], readout: bool) -> tuple:
+        """Node n's forward against ``prefix``, with ``readout`` its own positions' log-probs
+        -> (its tokens [1, L], the prefix as the forward took it, the model's output)."""
         g, tree, run = self.group, self.tree, self.run
         row = tree.rows_below(n)[0]
         start, end = tree.starts[n], tree.ends[n]
         tokens = g.tokens[row : row + 1, start:end]  # [1, L]
-        labels = g.labels[row : row + 1, start:end] if loss else None  # [1, L]: label of L-1 unused
+        labels = g.labels[row : row + 1, start:end] if readout else None  # [1, L]: L-1 unused
         prefix = _as_prefix(prefix, run.state_dtype)
         out = run.inner(tokens, labels=labels, prefix_state=prefix, return_prefix_state=True,
-                        readout=loss, num_loops=run.num_loops)
+                        readout=readout, num_loops=run.num_loops)
         if run.state_dtype is None:
             run.state_dtype = out.prefix_state.boundary.dtype
-        if not loss:
-            return out.prefix_state, None
-        return out.prefix_state, self._own_loss(n, prefix, tokens, out)
+        return tokens, prefix, out
 
-    def _own_loss(self, n: int, prefix: PrefixState, tokens: Tensor, out) -> Tensor:
-        """The loss of node n's tokens' labels (positions start-1 .. end-2): the first from its
-        parent's boundary, the rest from its own positions 0 .. L-2, over every row below."""
+    def _own_readouts(self, n: int, prefix: PrefixState, tokens: Tensor, out) -> tuple:
+        """The loss call of node n's tokens' labels (positions start-1 .. end-2): the first
+        from its parent's boundary, the rest from its own positions 0 .. L-2, over every row
+        below -> (its WaveBatch, the ``FixedReadouts`` the loss receives)."""
         run = self.run
         first = run.inner.boundary_readouts(prefix, tokens[:, 0], num_loops=run.num_loops)
         rows = torch.tensor(self.tree.rows_below(n), device=tokens.device)
@@ -206,7 +251,7 @@ class TreeReplay:
         if weights is not None:
             readouts["loop_weights"] = weights
         wave = WaveBatch(self.group, rows, self.tree.positions(n))
-        return self._call(wave, None, FixedReadouts(run.inner, readouts))
+        return wave, FixedReadouts(run.inner, readouts)
 
     def _wave_loss(self, state: PrefixState, wave: WaveBatch) -> Tensor:
         self.num_waves += 1
@@ -280,6 +325,37 @@ def nodes_with_loss(group) -> list:
     flags = torch.stack([mask[list(tree.rows_below(n))][:, tree.positions(n)].any()
                          for n in range(tree.num_nodes)])
     return flags.tolist()
+
+
+def lay_out(calls: list, group) -> object:
+    """A tree group's forward_only result from its loss calls' (``WaveBatch``, result): a
+    tensor [..., W, L] of a call's W rows and L positions (``wave.span``) is written into
+    [..., G, T] of the group's rows and positions (a node's values in every row below it;
+    0 where no call wrote: the prompt, padding, T-1), 0-dim tensors are summed, dicts are
+    merged key by key."""
+    waves, results = zip(*calls)
+    return _lay_out_values(list(waves), list(results), group, "result")
+
+
+def _lay_out_values(waves: list, items: list, group, name: str):
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _lay_out_values(waves, [it[k] for it in items], group, f"{name}[{k!r}]")
+                for k in first}
+    if not isinstance(first, Tensor):
+        return items
+    if first.dim() == 0:
+        return torch.stack(items).sum()
+    G, T = group.tokens.shape
+    out = first.new_zeros(*first.shape[:-2], G, T)  # [..., G, T]
+    for wave, value in zip(waves, items):
+        span = range(T)[wave.span]
+        if value.dim() < 2 or tuple(value.shape[-2:]) != (len(wave.index), len(span)):
+            raise ValueError(f"a tree group's forward_only {name} must hold tensors "
+                             f"[..., W, L] of a call's rows and positions ({len(wave.index)}, "
+                             f"{len(span)}) or 0-dim ones, got shape {tuple(value.shape)}")
+        out[..., wave.index, wave.span] = value.to(out.dtype)
+    return out
 
 
 def _scaled(loss, config):

@@ -18,7 +18,9 @@ from helpers.train_runs import SFT, TINY, TRAIN, _flags, _records, _run, _traine
 
 from scalerlt_mcore.app.config.rl import parse_tree_branches
 from scalerlt_mcore.app.trainer import TreeSample
+from scalerlt_mcore.rl.batch import leaf_answers
 from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.tasks import Problem
 from scalerlt_mcore.shared_prefix import TreeSegment
 from scalerlt_mcore.testing import model_parallel_context
 
@@ -36,11 +38,11 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
     the environment's reply (not trained)."""
     branches = parse_tree_branches(tr.cfg.rl.rl_tree_branches)
     prompts = tr._prompts([p.prompt for p in problems])
-    reply = tr._reply_fn(problems, prompts)
+    reply = tr._reply_fn(problems)
     gen = torch.Generator().manual_seed(step)
     tr.model.eval()
     trees = []
-    for prompt in prompts:
+    for n, prompt in enumerate(prompts):
         segments, logprobs, frontier = [TreeSegment(prompt, None)], [None], [(0, prompt)]
         for depth, b in enumerate(branches):
             last, grown = depth == len(branches) - 1, []
@@ -52,7 +54,7 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
                 for i in range(b):
                     L = int(ro.lengths[0, i])
                     answer, lp = ro.responses[0, i, :L].tolist(), ro.loop_logprobs[:, 0, i, :L]
-                    env = [] if last else reply(path, answer)
+                    env = [] if last else reply(n, path, answer)
                     mask = None if last else [1.0] * L + [0.0] * len(env)
                     segments.append(TreeSegment(answer + env, node, loss_mask=mask))
                     logprobs.append(torch.cat([lp, lp.new_zeros(lp.shape[0], len(env))], -1))
@@ -63,8 +65,28 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
     return trees
 
 
+def fixed_rewards(spread: bool):
+    """``RLTrainer.tree_rewards`` with rewards set per leaf: 0 ... 1 (``spread``) or all 0.5
+    (every advantage exactly 0)."""
+
+    def rewards(problems, trees, partial=False):
+        sizes = [len(leaf_answers(t.segments)) for t in trees]
+        return [torch.linspace(0, 1, G, dtype=torch.float64) if spread
+                else torch.full((G,), 0.5, dtype=torch.float64) for G in sizes]
+
+    return rewards
+
+
+def _params(tr) -> list:
+    return [p.detach().clone() for p in tr.model.parameters()]
+
+
 @pytest.mark.parametrize("old_logprobs", ["score", "rollout"])
 def test_a_tree_step_trains_with_the_rollout_logprobs_in_the_rows_layout(old_logprobs):
+    """Step 0, every advantage zero and the KL reference the policy itself (taken at the first
+    RL step): old and reference log-probs are the training forward's bit for bit (scored per
+    node, as the tree trains), so the gradient is exactly zero and Adam leaves the weights as
+    they were, as for one-level groups. Step 1, rewards that differ: the tree trains."""
     argv = _flags(**TREE_OPTIONS, rl_old_logprobs=old_logprobs,
                   grpo_iterations=1 if old_logprobs == "rollout" else 2)
     with model_parallel_context(TINY["seed"]):
@@ -73,9 +95,14 @@ def test_a_tree_step_trains_with_the_rollout_logprobs_in_the_rows_layout(old_log
         seen = []
         build = tr._tree_groups
         tr._tree_groups = lambda *a: seen.append(build(*a)) or seen[-1]
-        before = [p.detach().clone() for p in tr.model.parameters()]
-        metrics = tr.rl_step(0)
-    groups, rewards = seen[0]
+        before = _params(tr)
+        tr.tree_rewards = fixed_rewards(spread=False)
+        still = tr.rl_step(0)
+        unchanged = all(torch.equal(p, b) for p, b in zip(tr.model.parameters(), before))
+        tr.tree_rewards = fixed_rewards(spread=True)
+        metrics = tr.rl_step(1)
+    assert still["grad_norm"] == 0 and still["kl"] == 0 and unchanged, still
+    groups, rewards = seen[1]
     assert rewards.shape == (8,) and [g.tree.depth for g in groups] == [2, 2]
     # the scoring pass of the model that sampled (score) or the update's first forward
     # (rollout) reads the rollout's log-probs at the same positions: equal to rounding
@@ -86,6 +113,21 @@ def test_a_tree_step_trains_with_the_rollout_logprobs_in_the_rows_layout(old_log
     for g in groups:  # the environment's replies are not trained; every answer is
         trained = g.loss_mask.sum(1)
         assert (trained >= 2).all() and g.advantages.shape == (4,)
+
+
+def test_the_reply_is_the_trees_own_problems():
+    """The environment's turn is the problem of the tree's own prompt, also where a path of
+    one problem starts with another problem's prompt (which a lookup by prompt prefix would
+    take)."""
+    with model_parallel_context(TINY["seed"]):
+        tr = _trainer(_flags(**TREE_OPTIONS))
+    problems = [Problem("ab>", "ba"), Problem("ab>bb-", "aa")]
+    reply = tr._reply_fn(problems)
+    path = tr._prompts([problems[1].prompt])[0]  # problem 0's prompt + "bb-" as turn 1
+    answer = tr.tok.encode("ba")
+    own = [tr.tok.encode(tr.task.reply(p, "ba")) for p in problems]
+    assert own[0] != own[1]
+    assert reply(0, path, answer) == own[0] and reply(1, path, answer) == own[1]
 
 
 def test_a_tree_run_from_the_command_line(tmp_path):

@@ -8,6 +8,7 @@
 - The segments build the RL group (``RLGroup.from_tree``) with the rollout's old log-probs.
 - A node ended by eos with no reply is a leaf (its children are dropped).
 - No host sync per decoded token in steady state (``HostSyncCounter``).
+- `reply_fn` is told the index of each node's prompt (prompts sharing a prefix, or equal).
 - Bad input is named.
 """
 
@@ -27,10 +28,10 @@ PROMPTS = [[7, 3, 9], [4, 12, 30, 2, 8], [11]]
 EOS, PAD = VOCAB + 1, 0  # an eos the model never draws: every answer runs its budget
 
 
-def reply(path: list, answer: list) -> list:
-    """A deterministic environment: 1 to 3 tokens (ids 3 ... 39) depending on the path and
-    the answer."""
-    return [(len(path) + a) % 37 + 3 for a in answer[: 1 + len(path) % 3]]
+def reply(prompt: int, path: list, answer: list) -> list:
+    """A deterministic environment: 1 to 3 tokens (ids 3 ... 39) depending on the prompt's
+    index, the path and the answer."""
+    return [(len(path) + a + 5 * prompt) % 37 + 3 for a in answer[: 1 + len(path) % 3]]
 
 
 def check_segments(rollout, n: int, reply_fn=None) -> None:
@@ -47,7 +48,7 @@ def check_segments(rollout, n: int, reply_fn=None) -> None:
         if reply_fn is not None and i not in rollout.leaves[n]:
             path = [t for j in rollout.path(n, s.parent) for t in segs[j].tokens]
             answer = s.tokens[:trained]
-            assert s.tokens[trained:] == reply_fn(path, answer)
+            assert s.tokens[trained:] == reply_fn(n, path, answer)
 
 
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
@@ -65,7 +66,7 @@ def test_greedy_tree_is_greedy_per_row_decoding(mcore_single, pe):
         segs = tree.segments[n]
         assert len(segs) == 1 + 2 + 6 and len(tree.leaves[n]) == 6
         answer = first.responses[n, 0].tolist()
-        path = prompt + answer + reply(prompt, answer)
+        path = prompt + answer + reply(n, prompt, answer)
         second = generate(model, [path], 1, budgets[1], eos_id=EOS, pad_id=PAD,
                           temperature=0.0, banned=(PAD,))
         for i in (1, 5):  # the two depth-1 nodes (depth-first: 1, its 3 leaves, 5, ...)
@@ -168,6 +169,31 @@ def test_segments_build_the_rl_group(mcore_single):
         assert group.tree.leaf_of_row == tuple(tree.leaves[n])
 
 
+def test_reply_fn_is_told_the_prompt_of_the_node(mcore_single):
+    """Prompts sharing a prefix (one a prefix of another, two equal): ``reply_fn`` gets the
+    index of the node's own prompt, so each tree holds its own problem's replies, also where
+    the paths alone cannot tell the problems apart."""
+    model, _, _ = build("rope", torch.float64)
+    model.eval()
+    prompts = [[7, 3], [7, 3, 9, 4], [7, 3]]
+    calls = []
+
+    def env(prompt: int, path: list, answer: list) -> list:
+        calls.append((prompt, path))
+        return [10 + prompt, 20 + prompt]  # the problem's own reply
+
+    tree = generate_tree(model, prompts, [2, 2], [2, 2], eos_id=EOS, pad_id=PAD,
+                         temperature=0.0, banned=(PAD,), reply_fn=env)
+    assert sorted({n for n, _ in calls}) == [0, 1, 2] and len(calls) == 3 * 2
+    assert all(path[: len(prompts[n])] == prompts[n] for n, path in calls)
+    for n in range(len(prompts)):
+        segs = tree.segments[n]
+        internal = [s for i, s in enumerate(segs) if i and i not in tree.leaves[n]]
+        assert len(internal) == 2
+        assert all(s.tokens[sum(s.loss_mask):] == [10 + n, 20 + n] for s in internal)
+    assert tree.leaf_tokens(0) != tree.leaf_tokens(2)  # equal prompts, their own replies
+
+
 def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
     model, _, _ = build("learned_absolute", torch.float64)
     model.eval()
@@ -228,9 +254,10 @@ BAD_INPUTS = [
     (dict(max_new_tokens=[2, 0]), "max_new_tokens at depth 1 is 0"),
     (dict(exit_mode="sometimes"), "exit_mode must be one of"),
     (dict(exit_mode="mixture"), "needs the model's exit gate"),
-    (dict(reply_fn=lambda path, answer: "ok"), "reply_fn must return a list of token ids"),
+    (dict(reply_fn=lambda n, path, answer: "ok"), "reply_fn must return a list of token ids"),
+    (dict(reply_fn=lambda path, answer: []), "reply_fn must take \\(prompt, path, answer\\)"),
     (dict(stop_check_interval=-1), "stop_check_interval must be >= 1"),
-    (dict(reply_fn=lambda path, answer: [1, VOCAB]), "outside the model's vocabulary"),
+    (dict(reply_fn=lambda n, path, answer: [1, VOCAB]), "outside the model's vocabulary"),
 ]
 
 
