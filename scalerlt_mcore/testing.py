@@ -6,7 +6,10 @@
 
 Both enable the CPU backend, initialise model parallelism (PP=1; TP=1, or as given to
 `run_distributed`) and seed MCore's RNG tracker, and always destroy the model-parallel state
-and the process group afterwards.
+and the process group afterwards. `model_parallel_context` also lets go of what its models
+would otherwise keep alive for the rest of the process (its process groups: each gloo group
+holds threads and sockets): MCore's caches (``_release_cached_models``) and the backward hooks
+of every MCore DDP built inside it (``_releasable_ddp_hooks``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from scalerlt_mcore.cpu_backend import enable_cpu_backend
+from scalerlt_mcore.mcore_compat import require_mcore
 
 
 def _init_mcore(seed: int, tensor_model_parallel_size: int = 1) -> None:
@@ -67,16 +71,69 @@ def _release_cached_models() -> None:
             cache_clear()
 
 
+class _ReleasableHook:
+    """An MCore DDP backward hook that can be let go of (``hook = None``); after that, calling
+    it is an error naming the cause."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, *args):
+        if self.hook is None:
+            raise RuntimeError("an MCore DistributedDataParallel built inside "
+                               "model_parallel_context ran a backward pass after the context "
+                               "exited (its process groups are destroyed)")
+        return self.hook(*args)
+
+
+@contextmanager
+def _releasable_ddp_hooks():
+    """Every backward hook an MCore ``DistributedDataParallel`` registers while this is active
+    calls through a `_ReleasableHook`, which lets go of the hook on exit.
+
+    DDP registers one hook per parameter on the parameter's ``AccumulateGrad`` autograd node;
+    the hook closes over the DDP. The node is C++: Python's gc sees the node's hooks only while
+    Python holds the node's only reference, and the distributed optimizer's parameter shards
+    (views of the parameters) reference it too. With the optimizer reachable from the DDP (the
+    config holds ``optimizer.scale_loss``, as in Megatron's training loop), DDP, model,
+    optimizer, buffers and process groups form a cycle the gc cannot see, alive until the
+    process exits. Letting go of the hooks breaks it. Written for the DDP of megatron-core
+    0.16.1 and 0.19.2 (patches/README.md, "Test harness"), where ``_make_backward_post_hook``
+    makes each of them; the method is restored on exit.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    require_mcore("scalerlt_mcore.testing: releasing MCore DDP backward hooks")
+    make = vars(DistributedDataParallel)["_make_backward_post_hook"]
+    made = []
+
+    def _make_backward_post_hook(self, param):
+        made.append(_ReleasableHook(make(self, param)))
+        return made[-1]
+
+    DistributedDataParallel._make_backward_post_hook = _make_backward_post_hook
+    try:
+        yield
+    finally:
+        DistributedDataParallel._make_backward_post_hook = make
+        for hook in made:
+            hook.hook = None
+
+
 @contextmanager
 def model_parallel_context(seed: int = 1234):
-    """World size 1 gloo process group + MCore model-parallel state, destroyed on exit."""
+    """World size 1 gloo process group + MCore model-parallel state, destroyed on exit; the
+    models built inside it keep neither alive after it (module docstring)."""
     if dist.is_initialized():
         raise RuntimeError("model_parallel_context: a process group is already initialised")
     enable_cpu_backend()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        _init_mcore(seed)
-        yield
+        with _releasable_ddp_hooks():
+            _init_mcore(seed)
+            yield
     finally:
         _destroy_mcore()
 

@@ -14,7 +14,9 @@ and (D=1, 2*M microbatches) on the concatenated data:
   over D, so the gradient is that of  sum_all masked losses / sum_all mask.
 """
 
+import gc
 import os
+import weakref
 from functools import partial
 
 import pytest
@@ -186,3 +188,57 @@ def test_model_parallel_context_releases_its_process_groups():
     for _ in range(3):
         build_and_run()
     assert _threads() <= before, f"threads grew from {before} to {_threads()}"
+
+
+def _ddp_step():
+    """In a fresh context: a tiny GPTModel in MCore DDP + distributed Adam, wired as Megatron's
+    training loop wires them (the config holds the optimizer's ``scale_loss``), one forward and
+    backward. Returns the DDP and the context's data-parallel group."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from scalerlt_mcore.testing import model_parallel_context
+
+    with model_parallel_context():
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                   use_cpu_initialization=True)
+        gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=11, max_sequence_length=8)
+        ddp = DistributedDataParallel(config=config, module=gpt,
+                                      ddp_config=DistributedDataParallelConfig(
+                                          use_distributed_optimizer=True))
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=LR, use_distributed_optimizer=True, bf16=False, fp16=False),
+            [ddp])
+        config.grad_scale_func = optimizer.scale_loss
+        tokens = torch.zeros(1, 4, dtype=torch.long)
+        ddp(tokens, torch.arange(4)[None], None, labels=tokens).sum().backward()
+        # DDP's hooks ran inside the context: the gradient is in the buffer, not in .grad
+        assert all(p.grad is None for p in gpt.parameters())
+        assert any(p.main_grad.abs().sum() > 0 for p in gpt.parameters())
+        return ddp, parallel_state.get_data_parallel_group()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_model_parallel_context_releases_a_ddp_model_and_its_process_groups():
+    """A model in MCore DDP with the distributed optimizer must be freed after its context,
+    with the context's gloo groups (threads, sockets): DDP's backward hooks close over the DDP
+    and autograd's C++ nodes, kept alive by the optimizer's parameter shards, hold the hooks."""
+    _ddp_step()
+    gc.collect()
+    before = _threads()
+    refs = [tuple(map(weakref.ref, _ddp_step())) for _ in range(2)]
+    gc.collect()
+    assert [(ddp() is None, group() is None) for ddp, group in refs] == [(True, True)] * 2
+    assert _threads() <= before, f"threads grew from {before} to {_threads()}"
+
+
+def test_a_ddp_model_after_its_context_refuses_a_backward_pass():
+    """Its process groups are gone: a backward pass reaching its parameters is an error."""
+    ddp, _ = _ddp_step()
+    with pytest.raises(RuntimeError, match="built inside model_parallel_context ran a backward "
+                       "pass after the context exited"):
+        sum(p.sum() for p in ddp.parameters()).backward()
