@@ -92,8 +92,7 @@ def _tp_worker(rank, world_size) -> bool:
 
 
 def test_direct_forward_under_tensor_parallelism():
-    assert run_distributed(_tp_worker, 2, tensor_model_parallel_size=2, timeout=120) == [True,
-                                                                                         True]
+    assert run_distributed(_tp_worker, 2, tensor_model_parallel_size=2) == [True, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
