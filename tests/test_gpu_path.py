@@ -100,6 +100,9 @@ def test_masked_sdpa_repeats_kv_heads_instead_of_enable_gqa(monkeypatch):
     assert torch.allclose(out, torch.einsum("bhst,tbhd->bhsd", probs, vals), atol=1e-12)
     kernels.sdpa(q, k, v, None, 0.25, causal=True)  # unmasked GQA keeps enable_gqa
     assert sdpa.calls[-1] == (False, True, True)
+    with torch.no_grad():  # decoding on CPU: the CPU kernel takes the pair, the same output
+        fast = kernels.sdpa(q, k, v, allowed, 0.25)
+    assert sdpa.calls[-1] == (True, False, True) and torch.equal(fast, out)
 
 
 @pytest.mark.usefixtures("mcore_single")
@@ -115,4 +118,4 @@ def test_prefill_from_an_empty_cache_is_plain_causal(monkeypatch):
     assert not cache.fresh
     sdpa.calls.clear()
     model.decode_step(cache, torch.randint(0, 64, (3,)))  # decoding reads the cache, masked
-    assert sdpa.calls and set(sdpa.calls) == {(True, False, False)}
+    assert sdpa.calls and set(sdpa.calls) == {(True, False, True)}  # CPU: GQA unrepeated
