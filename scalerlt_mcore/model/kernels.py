@@ -358,11 +358,13 @@ def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
     return sdpa(q, keys, vals, allowed, scale)
 
 
-def _gqa_takes_mask(q: Tensor) -> bool:
-    """A masked grouped-query SDPA may keep the K/V heads unrepeated: PyTorch's CPU kernel
-    takes a mask with ``enable_gqa`` and gives the same output (decoding's per-row cache
-    attention, without a copy of the cache per step). Only where no graph is recorded: its
-    backward sums the heads' K/V gradients in another order than the repeat's."""
+def _cpu_without_graph(q: Tensor) -> bool:
+    """Decoding on CPU: ``q`` is a CPU tensor and no graph is recorded. There a masked
+    grouped-query SDPA keeps the K/V heads unrepeated (PyTorch's CPU kernel takes a mask with
+    ``enable_gqa``, the same output, no copy of the cache per step), and the prompt-once parts
+    run on the CPU flash op (``_cpu_flash_lse``). Not with a graph: the pair's backward sums
+    the heads' K/V gradients in another order than the repeat's; elsewhere (CUDA, meta) the
+    parts run on ``attend_with_lse``."""
     return q.device.type == "cpu" and not torch.is_grad_enabled()
 
 
@@ -372,9 +374,9 @@ def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False)
     GQA without a mask goes through ``enable_gqa`` (CUDA: flash); with a mask the K/V heads
     are repeated instead: CUDA's memory-efficient kernel takes a mask but not ``enable_gqa``,
     and the pair would fall back to the math kernel, materialising the scores (on CPU without
-    a recorded graph, ``_gqa_takes_mask``, they are not)."""
+    a recorded graph, ``_cpu_without_graph``, they are not)."""
     rep = q.shape[2] // k.shape[2]
-    if allowed is not None and rep > 1 and not _gqa_takes_mask(q):
+    if allowed is not None and rep > 1 and not _cpu_without_graph(q):
         k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))  # [sk, b, np, hn]
     return F.scaled_dot_product_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
@@ -395,12 +397,6 @@ def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float
     ``chain_prefix_attention``.
     """
     return chain_prefix_attention(q, k, v, allowed, [(pk, pv, prompt_allowed)], scale)
-
-
-def _fused_lse(q: Tensor) -> bool:
-    """Decoding's attention parts run on PyTorch's CPU flash op (``_cpu_flash_lse``): on CPU,
-    without a recorded graph. Elsewhere (CUDA, meta, autograd) on ``attend_with_lse``."""
-    return q.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 def _cpu_flash_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple:
@@ -437,14 +433,14 @@ def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float,
     B a multiple of N_j (rows b continue segment row b // (B / N_j)), ``seen`` [N_j, P_j]
     (False on padding). Every query must see at least one key of each part. Merged in fp32
     or wider, rounded once. Returns [B, np, s, hn]. On CPU without a recorded graph the parts
-    run on PyTorch's CPU flash op (``_fused_lse``), their additive masks made once per
+    run on PyTorch's CPU flash op (``_cpu_without_graph``), their additive masks made once per
     ``memo`` (one per forward: ``CacheStep.memo``).
     """
     s, B, heads, hn = q.shape
     groups = k.shape[2]
     rep = heads // groups
     qs = _bhsd(q)  # [B, np, s, hn]
-    fused = _fused_lse(q)
+    fused = _cpu_without_graph(q)
     if fused:  # grouped queries against their group's K/V: [B, ng, rep * s, hn]
         grouped = allowed[:, None, None].expand(B, 1, rep, s, allowed.shape[-1])
         bias = additive_mask(grouped.reshape(B, 1, rep * s, -1), q.dtype, memo, "own")
