@@ -433,36 +433,65 @@ def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float,
     B a multiple of N_j (rows b continue segment row b // (B / N_j)), ``seen`` [N_j, P_j]
     (False on padding). Every query must see at least one key of each part. Merged in fp32
     or wider, rounded once. Returns [B, np, s, hn]. On CPU without a recorded graph the parts
-    run on PyTorch's CPU flash op (``_cpu_without_graph``), their additive masks made once per
-    ``memo`` (one per forward: ``CacheStep.memo``).
+    run on PyTorch's CPU flash op (``_chain_on_cpu``).
     """
+    if _cpu_without_graph(q):
+        return _chain_on_cpu(q, k, v, allowed, prefixes, scale, {} if memo is None else memo)
     s, B, heads, hn = q.shape
     groups = k.shape[2]
     rep = heads // groups
     qs = _bhsd(q)  # [B, np, s, hn]
-    fused = _cpu_without_graph(q)
-    if fused:  # grouped queries against their group's K/V: [B, ng, rep * s, hn]
-        grouped = allowed[:, None, None].expand(B, 1, rep, s, allowed.shape[-1])
-        bias = additive_mask(grouped.reshape(B, 1, rep * s, -1), q.dtype, memo, "own")
-        out, lse = _cpu_flash_lse(qs.reshape(B, groups, rep * s, hn), _bhsd(k), _bhsd(v),
-                                  bias, scale)
-        out, lse = out.reshape(B, heads, s, hn), lse.reshape(B, heads, s)
-    else:
-        ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
-        out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
+    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
+    out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
     acc = torch.promote_types(out.dtype, torch.float32)
     out = out.to(acc)
-    for j, (pk, pv, seen) in reversed(list(enumerate(prefixes))):  # the nearest first
+    for pk, pv, seen in reversed(prefixes):  # the nearest first
         layout = _PrefixLayout(pk.shape[1], B // pk.shape[1], groups, rep, s)
         qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [N_j, ng, M / P_j, hn]
-        if fused:
-            bias = additive_mask(seen[:, None, None, :], q.dtype, memo, j)
-            out_p, lse_p = _cpu_flash_lse(qp, pk, pv, bias, scale)  # [N_j, ng, M(, hn)]
-        else:
-            out_p, lse_p = attend_with_lse(qp, pk, pv, seen[:, None, None, :], scale)
+        out_p, lse_p = attend_with_lse(qp, pk, pv, seen[:, None, None, :], scale)
         out, lse = merge_with_lse(layout.from_prefix(out_p).to(acc), layout.from_prefix(lse_p),
                                   out, lse)
     return out.to(q.dtype)
+
+
+def _grouped_per_row(x: Tensor, B: int) -> Tensor:
+    """[N, ng, (B / N) * L(, hn)] (a segment row's queries of one KV group) -> [B, ng, L(, hn)]
+    (each row's own)."""
+    n, groups = x.shape[:2]
+    x = x.reshape(n, groups, B // n, -1, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(B, groups, *x.shape[3:])
+
+
+def _chain_on_cpu(q, k, v, allowed, prefixes: list, scale: float, memo: dict) -> Tensor:
+    """``chain_prefix_attention`` on PyTorch's CPU flash op, where decoding's host time per op
+    is what counts: the queries stay grouped by KV head, [B, ng, rep * s, hn] (a row's mask is
+    the same for all its heads, so one call per part needs no repeated K/V); each part's
+    additive mask is made once per ``memo`` (one per forward: ``CacheStep.memo``); the parts
+    are merged as out <- lerp(out, out_j, sigmoid(lse_j - lse)), the softmax weight of part
+    j. Same inputs and output as ``chain_prefix_attention``."""
+    s, B, heads, hn = q.shape
+    groups = k.shape[2]
+    rep = heads // groups
+    qg = _bhsd(q).reshape(B, groups, rep * s, hn)  # [B, ng, rep * s, hn]
+    if ("own", q.dtype) not in memo:
+        grouped = allowed[:, None, None].expand(B, 1, rep, s, allowed.shape[-1])
+        additive_mask(grouped.reshape(B, 1, rep * s, -1), q.dtype, memo, "own")
+    out, lse = _cpu_flash_lse(qg, _bhsd(k), _bhsd(v), memo["own", q.dtype], scale)
+    acc = torch.promote_types(out.dtype, torch.float32)
+    out = out.to(acc)
+    for j in range(len(prefixes) - 1, -1, -1):  # the nearest segment first
+        pk, pv, seen = prefixes[j]
+        n = pk.shape[1]
+        qp = qg.reshape(n, B // n, groups, rep * s, hn).transpose(1, 2).reshape(
+            n, groups, -1, hn)  # [N_j, ng, (B / N_j) * rep * s, hn]
+        bias = additive_mask(seen[:, None, None, :], q.dtype, memo, j)
+        out_p, lse_p = _cpu_flash_lse(qp, _bhsd(pk), _bhsd(pv), bias, scale)
+        lse_p = _grouped_per_row(lse_p, B)
+        out = torch.lerp(out, _grouped_per_row(out_p, B).to(acc),
+                         torch.sigmoid(lse_p - lse)[..., None])
+        if j:
+            lse = torch.logaddexp(lse, lse_p)
+    return out.to(q.dtype).reshape(B, heads, s, hn)
 
 
 # ---- saved bytes: what each attention path keeps for backward (the planner's memory model) ----

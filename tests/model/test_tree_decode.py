@@ -44,8 +44,11 @@ def explicit_chain_attention(q, k, v, allowed, prefixes, scale):
     return out
 
 
-@pytest.mark.parametrize("levels", [2, 3])
-def test_chain_attention_equals_concatenated_keys(levels):
+@pytest.mark.parametrize("recording", [True, False], ids=["graph", "cpu_decode"])
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_chain_attention_equals_concatenated_keys(levels, recording):
+    """Both paths: with a graph recorded (the matmul parts) and without (decoding on CPU: the
+    CPU flash op's parts, merged by lerp)."""
     gen = torch.Generator().manual_seed(levels)
     heads, groups, d, s, T = 4, 2, 8, 3, 6
     batches = [2, 4, 8][:levels]  # rows per segment level; the queries' rows: twice the last
@@ -64,7 +67,8 @@ def test_chain_attention_equals_concatenated_keys(levels):
     own = torch.randint(0, T - s + 1, (B,), generator=gen)  # cached tokens before the queries
     slots = own[:, None] + torch.arange(s)[None]  # [B, s]
     allowed = torch.arange(T)[None, None] <= slots[:, :, None]  # [B, s, T]
-    got = chain_prefix_attention(q, k, v, allowed, prefixes, 0.3)
+    with torch.set_grad_enabled(recording):
+        got = chain_prefix_attention(q, k, v, allowed, prefixes, 0.3)
     want = explicit_chain_attention(q, k, v, allowed, prefixes, 0.3)
     assert (got - want).abs().max().item() <= 1e-13
 
