@@ -36,7 +36,7 @@ SHORT, LONG = 4, 12
 VOCAB = 256
 HF_SHAPES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-REPEATS = 3
+REPEATS = 8
 
 BEFORE = {
     "commit": "6190762",
