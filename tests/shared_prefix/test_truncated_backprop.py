@@ -30,6 +30,9 @@ from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.schedule import SharedPrefixSchedule
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+F32_FACTOR = 1.5
+"""An fp32 joint loss may be up to this many times as far from the exact loss as stock
+MCore's fp32 naive run is (where that run itself rounds further than TOL)."""
 
 
 def _set_k(model, k: int):
@@ -150,14 +153,22 @@ def test_joint_replay_matches_naive(mcore_single, row):
         exact_model = fp64_twin(model, _set_k(build_model(R=R, arch=arch, attn=attn).double(), k))
         naive_losses, _ = naive_step(exact_model, [fp64_group(group)], spec, per_mb=2)
         ref = grads(exact_model)
+        # stock MCore's own fp32 run of the same step: how far this host's fp32 rounds from
+        # the exact loss (1.37e-6 of a 0.029 loss on an AVX-512 host, under 1e-6 on others)
+        f32_losses, _ = naive_step(model, [group], spec, per_mb=2)
+        model.zero_grad(set_to_none=True)
     else:
         naive_losses, _ = naive_step(model, [group], spec, per_mb=2)
         ref = grads(model)
         model.zero_grad(set_to_none=True)
     out = joint_step(model, [group], spec, W, checkpoint_waves=ck)
     tol = TOL[dtype]
-    loss_err = abs(float(out[0]["loss"]) - float(naive_losses[0])) / abs(float(naive_losses[0]))
-    assert loss_err <= tol
+    exact = float(naive_losses[0])
+    loss_err = abs(float(out[0]["loss"]) - exact) / abs(exact)
+    if dtype == torch.float32:  # no further from the exact loss than stock MCore's fp32 run
+        assert loss_err <= max(tol, F32_FACTOR * abs(float(f32_losses[0]) - exact) / abs(exact))
+    else:
+        assert loss_err <= tol
     errs = _rel_errors(grads(model), ref, arch or k >= R)  # zeros checked on both sides
     if dtype == torch.float32:
         assert whole_gradient_error(grads(model), ref) <= tol, errs
