@@ -15,6 +15,7 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import LoopedCoreAttention, LoopedSelfAttention
 from .block import (
@@ -24,6 +25,7 @@ from .block import (
     LoopedBlockSubmodules,
     RecurrentTransformerBlock,
 )
+from .layer import LoopedTransformerLayer
 from .linear import DIRECT
 from .sandwich import (
     QKBiasSelfAttention,
@@ -45,6 +47,8 @@ except ImportError:  # CPU hosts: Transformer Engine is a GPU-only extra
 
 def _looped(spec: ModuleSpec) -> ModuleSpec:
     spec = _direct_linears(copy.deepcopy(spec))
+    if spec.module is TransformerLayer:
+        spec.module = LoopedTransformerLayer
     attention = spec.submodules.self_attention
     attention.module = LoopedSelfAttention
     attention.submodules.core_attention = LoopedCoreAttention

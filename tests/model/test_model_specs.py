@@ -33,6 +33,7 @@ from scalerlt_mcore.model import (
 from scalerlt_mcore.model import specs as specs_module
 from scalerlt_mcore.model.block import LinearConcatInjection
 from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.model.layer import LoopedTransformerLayer
 from scalerlt_mcore.model.linear import ColumnParallelLinear as DirectColumn
 from scalerlt_mcore.model.linear import RowParallelLinear as DirectRow
 from scalerlt_mcore.model.sandwich import SandwichMLP
@@ -79,7 +80,9 @@ def _no_qk_norm(norm) -> bool:
 def test_local_spec_swaps_attention_and_linears():
     spec = get_looped_gpt_layer_local_spec()
     stock = get_gpt_layer_local_spec()
-    assert isinstance(spec, ModuleSpec) and spec.module is TransformerLayer
+    assert isinstance(spec, ModuleSpec) and spec.module is LoopedTransformerLayer
+    assert issubclass(LoopedTransformerLayer, TransformerLayer)
+    assert stock.module is TransformerLayer  # MCore's own spec is not modified
     attn = spec.submodules.self_attention
     assert attn.module is LoopedSelfAttention and issubclass(LoopedSelfAttention, SelfAttention)
     assert attn.submodules.core_attention is LoopedCoreAttention
