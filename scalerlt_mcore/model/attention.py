@@ -204,12 +204,10 @@ class LoopedSelfAttention(SelfAttention):
         if ctx.cache.prefix is not None:
             return self._attend_prompt_once(ctx, query, key, value)
         cache, step, d = ctx.cache, ctx.step, ctx.depth
-        cache.keys[d][step.slots, step.rows] = key.transpose(0, 1).to(cache.keys.dtype)
-        cache.values[d][step.slots, step.rows] = value.transpose(0, 1).to(cache.values.dtype)
+        cache.write(d, step, key, value)
         if cache.fresh:  # a prefill from an empty cache: plain causal over its own K/V
             return self._core(query, key, value, None)
-        keys = cache.keys[d][: step.span].to(query.dtype)  # [T, B, ng, hn]
-        vals = cache.values[d][: step.span].to(query.dtype)
+        keys, vals = cache.read(d, step.span, query.dtype)  # [T, B, ng, hn]
         return self._core(query, keys, vals, step.masked)
 
     def _attend_prompt_once(self, ctx: LoopKV, query, key, value):
@@ -217,14 +215,11 @@ class LoopedSelfAttention(SelfAttention):
         attend to it and, read once per row of each prefix cache of its chain (the prompt,
         then each tree level above the cache), to the K/V of the row's path."""
         cache, step, d = ctx.cache, ctx.step, ctx.depth
-        cache.keys[d][step.slots, step.rows] = key.transpose(0, 1).to(cache.keys.dtype)
-        cache.values[d][step.slots, step.rows] = value.transpose(0, 1).to(cache.values.dtype)
-        span, dtype = step.span, query.dtype
-        prefixes = [(c.keys[d][:P].to(dtype), c.values[d][:P].to(dtype), seen)
+        cache.write(d, step, key, value)
+        prefixes = [(*c.read(d, P, query.dtype), seen)
                     for c, P, seen in zip(cache.chain(), step.prefix_spans, step.prefix_allowed)]
         out = chain_prefix_attention(
-            query, cache.keys[d][:span].to(dtype), cache.values[d][:span].to(dtype),
-            step.allowed, prefixes, self._prefix_core("prompt-once decoding").scale,
-            memo=step.memo)
+            query, *cache.read(d, step.span, query.dtype), step.allowed, prefixes,
+            self._prefix_core("prompt-once decoding").scale, memo=step.memo)
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, np, sq, hn] -> [sq, b, np*hn]

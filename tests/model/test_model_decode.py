@@ -92,8 +92,10 @@ def test_cache_slots_hold_each_loops_kv(mcore_single):
         _, kv = reference_forward(weights, ref, seqs[b : b + 1, :n])
         assert len(kv) == cache.keys.shape[0]
         for d, (k, v) in enumerate(kv):
-            assert (cache.keys[d, :n, b] - k[0]).abs().max().item() <= 1e-10, d
-            assert (cache.values[d, :n, b] - v[0]).abs().max().item() <= 1e-10, d
+            keys, values = cache.read(d, n, k.dtype)  # [n, B, ng, hn]
+            assert (keys[:, b] - k[0]).abs().max().item() <= 1e-10, d
+            assert (values[:, b] - v[0]).abs().max().item() <= 1e-10, d
+            assert torch.equal(cache.keys[d, b, :, :n].transpose(0, 1), keys[:, b])  # layout
     for layer in range(N_CORE):
         slots = [cache.keys[depth(r, layer)] for r in range(LOOPS)]
         for r in range(1, LOOPS):

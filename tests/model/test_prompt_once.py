@@ -49,8 +49,9 @@ def test_prompt_once_decode_matches_reference(mcore_single, pe, dtype, tol):
     with torch.no_grad():
         outs, prefix, cache = decode_prompt_once(model, prompts, conts)
     # the prompt is cached once per prompt, the continuations G times
-    assert prefix.keys.shape[1:3] == (int(LENGTHS.max()), 3)
-    assert cache.keys.shape[1:3] == (STEPS + 1, 3 * G)
+    assert (prefix.max_length, prefix.batch) == (int(LENGTHS.max()), 3)
+    assert (cache.max_length, cache.batch) == (STEPS + 1, 3 * G)
+    assert cache.keys.shape[1] == 3 * G and cache.keys.shape[3] == STEPS + 1  # [D, B, ng, T, hn]
     assert cache.lengths.tolist() == [STEPS] * (3 * G)
     err = 0.0
     for b in range(3 * G):
@@ -71,8 +72,8 @@ def test_each_sample_reads_its_own_prompt(mcore_single):
     with torch.no_grad():
         _, prefix, cache = decode_prompt_once(model, prompts, conts)
         clean = model.decode_step(cache, conts[:, STEPS])  # [R, 3G, V]
-        prefix.keys[:, :, 1].zero_()
-        prefix.values[:, :, 1].zero_()
+        prefix.keys[:, 1].zero_()  # [D, B, ng, T, hn]: prompt 1
+        prefix.values[:, 1].zero_()
         cache.lengths -= 1  # rerun the same step against the corrupted prompt
         dirty = model.decode_step(cache, conts[:, STEPS])
     diff = (clean - dirty).abs().amax(dim=(0, 2))  # [3G]

@@ -180,7 +180,7 @@ def test_decode_steps_down_a_three_level_chain(mcore_single):
         leaf = model.new_kv_cache(8, 3, prefix=level)
         assert leaf.chain() == [root, level]
         # each level holds only its own tokens' K/V: no shared segment is copied per row
-        assert [c.keys.shape[1:3] for c in (root, level, leaf)] == [(4, 2), (3, 4), (3, 8)]
+        assert [(c.max_length, c.batch) for c in (root, level, leaf)] == [(4, 2), (3, 4), (3, 8)]
         assert leaf.offsets().tolist() == (p_len.repeat_interleave(2) + m_len).repeat_interleave(
             2).tolist()
         outs = [model.decode_step(leaf, steps[:, j]) for j in range(3)]  # 3 x [R, 8, V]
