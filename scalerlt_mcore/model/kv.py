@@ -271,8 +271,18 @@ class DepthKVCache:
             prefix_spans = tuple(int(c.lengths.max()) for c in chain)
             rope_span = int(positions.max()) + 1
         prefix_lengths = tuple(upload(c.lengths, self.device) for c in chain)
-        return CacheStep(upload(positions, self.device), upload(slots, self.device),
+        return CacheStep(_positions_on(positions, steps, self.device), upload(slots, self.device),
                          prefix_lengths, span, prefix_spans, rope_span).with_masks()
+
+
+def _positions_on(positions: Tensor, steps: int, device) -> Tensor:
+    """The step's positions [B, s] (host) on ``device``; a prefill (s > 1) whose rows all have
+    the same positions (checked on the host) as an expand of one row, which RoPE computes
+    once for all rows (``LoopedGPTModel._rope``). Never for a decode step: a CUDA graph
+    captures that step once for rows of any positions."""
+    if steps > 1 and bool((positions == positions[:1]).all()):
+        return upload(positions[:1], device).expand(positions.shape)
+    return upload(positions, device)
 
 
 def upload(host: Tensor, device) -> Tensor:

@@ -417,14 +417,20 @@ class LoopedGPTModel(LanguageModule):
 
     def _rope(self, positions: Tensor, span: int):
         """RoPE of ``positions`` [B, S] (all < ``span``) -> frequencies [S, B, 1, d], or None;
-        recording no graph, their ``RotaryAngles`` (cos and sin once per forward)."""
+        recording no graph, their ``RotaryAngles`` (cos and sin once per forward), of one row
+        [S, 1, 1, d] where the rows share their positions (``positions`` an expand of one row:
+        a forward from position 0 or a prefill of equal rows), broadcast by the rotation: the
+        same values, without a product over B rows of angles in every layer application."""
         if self.position_embedding_type != "rope":
             return None
         # one table of at least the model's length: MCore caches it by length (rows do not
         # depend on it), so decode steps and groups of every length reuse it
         table = self.rotary_pos_emb(max(span, self.max_sequence_length))  # [T, 1, 1, d]
-        freqs = table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B, 1, d]
-        return freqs if torch.is_grad_enabled() else RotaryAngles.of(freqs)
+        graph = torch.is_grad_enabled()
+        if not graph and positions.stride(0) == 0:
+            positions = positions[:1]  # [1, S]
+        freqs = table[:, 0, 0][positions].transpose(0, 1).unsqueeze(2)  # [S, B or 1, 1, d]
+        return freqs if graph else RotaryAngles.of(freqs)
 
     def _collect_prefix_state(self, ctx: LoopKV, states: list, config) -> PrefixState:
         depths = config.looped_num_depths

@@ -26,13 +26,14 @@ from typing import Optional, Union
 
 import torch
 from megatron.core.transformer.attention import SelfAttentionSubmodules
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 from .attention import LoopedSelfAttention
+from .layer import LoopedMLP
 
 
 @dataclass
@@ -76,8 +77,8 @@ class SandwichSelfAttention(LoopedSelfAttention):
         return _normed(self, super().forward(hidden_states, *args, **kwargs), "attention")
 
 
-class SandwichMLP(MLP):
-    """MCore's ``MLP`` whose output is normalised (``post_layernorm``)."""
+class SandwichMLP(LoopedMLP):
+    """MCore's ``MLP`` (``LoopedMLP``) whose output is normalised (``post_layernorm``)."""
 
     def __init__(self, config, submodules: SandwichMLPSubmodules, **kwargs):
         super().__init__(config=config, submodules=submodules, **kwargs)

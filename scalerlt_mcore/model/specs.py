@@ -25,7 +25,7 @@ from .block import (
     LoopedBlockSubmodules,
     RecurrentTransformerBlock,
 )
-from .layer import LoopedTransformerLayer
+from .layer import LoopedMLP, LoopedTransformerLayer
 from .linear import DIRECT
 from .sandwich import (
     QKBiasSelfAttention,
@@ -49,6 +49,7 @@ def _looped(spec: ModuleSpec) -> ModuleSpec:
     spec = _direct_linears(copy.deepcopy(spec))
     if spec.module is TransformerLayer:
         spec.module = LoopedTransformerLayer
+    spec.submodules.mlp = _mlp_entry(spec.submodules.mlp, MLP, LoopedMLP) or spec.submodules.mlp
     attention = spec.submodules.self_attention
     attention.module = LoopedSelfAttention
     attention.submodules.core_attention = LoopedCoreAttention
@@ -95,23 +96,33 @@ def get_looped_sandwich_layer_local_spec(normalization: str = "RMSNorm") -> Modu
     return spec
 
 
-def _sandwich_mlp(mlp, norm):
-    """MCore's MLP entry of a layer spec, in the form the installed MCore holds, with
-    ``SandwichMLP`` for ``MLP`` and ``norm`` as its output norm: a ``ModuleSpec(MLP)`` in
-    MCore 0.16.1, a ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19.2
-    (patches/README.md, API differences)."""
-    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
-        return ModuleSpec(module=SandwichMLP, params=mlp.params, submodules=SandwichMLPSubmodules(
-            **vars(mlp.submodules), post_layernorm=norm))
+def _mlp_entry(mlp, old: type, new: type, submodules=None):
+    """MCore's MLP entry of a layer spec, in the form the installed MCore holds, with ``new``
+    for ``old`` and its submodules through ``submodules`` (a function; None: kept): a
+    ``ModuleSpec(MLP)`` in MCore 0.16.1, a ``functools.partial(MLP.as_mlp_submodule,
+    submodules=...)`` in 0.19.2 (patches/README.md, API differences). None for another entry
+    (e.g. Transformer Engine's fused MLP)."""
+    submodules = submodules or (lambda parts: parts)
+    if isinstance(mlp, ModuleSpec) and mlp.module is old:
+        return ModuleSpec(module=new, params=mlp.params, submodules=submodules(mlp.submodules))
     if (isinstance(mlp, functools.partial) and not mlp.args
-            and mlp.func == getattr(MLP, "as_mlp_submodule", None)):
+            and mlp.func == getattr(old, "as_mlp_submodule", None)):
         keywords = dict(mlp.keywords)
-        submodules = SandwichMLPSubmodules(**vars(keywords.pop("submodules")),
-                                           post_layernorm=norm)
-        return functools.partial(SandwichMLP.as_mlp_submodule, submodules=submodules, **keywords)
-    raise TypeError(f"sandwich layer spec: MCore's local layer spec has an MLP entry of unknown "
-                    f"form {mlp!r} (expected ModuleSpec(MLP) or "
-                    f"functools.partial(MLP.as_mlp_submodule, submodules=...))")
+        keywords["submodules"] = submodules(keywords["submodules"])
+        return functools.partial(new.as_mlp_submodule, **keywords)
+    return None
+
+
+def _sandwich_mlp(mlp, norm):
+    """The looped layer spec's MLP entry with ``SandwichMLP`` for ``LoopedMLP`` and ``norm``
+    as its output norm (``_mlp_entry``)."""
+    entry = _mlp_entry(mlp, LoopedMLP, SandwichMLP, lambda parts: SandwichMLPSubmodules(
+        **vars(parts), post_layernorm=norm))
+    if entry is None:
+        raise TypeError(f"sandwich layer spec: the looped local layer spec has an MLP entry of "
+                        f"unknown form {mlp!r} (expected ModuleSpec(LoopedMLP) or "
+                        f"functools.partial(LoopedMLP.as_mlp_submodule, submodules=...))")
+    return entry
 
 
 def get_looped_residual_norm_layer_local_spec(normalization: str = "RMSNorm") -> ModuleSpec:

@@ -2,14 +2,18 @@
 ``LoopedTransformerLayer`` gives MCore's ``TransformerLayer`` output bitwise; with a graph, with
 dropout in training, or with MCore-only arguments MCore's forward runs."""
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from scalerlt_mcore.model import LoopedTransformerConfig, get_looped_gpt_layer_local_spec
-from scalerlt_mcore.model.layer import LoopedTransformerLayer, _plain_add
-from scalerlt_mcore.model.specs import get_looped_sandwich_layer_local_spec
+from scalerlt_mcore.model.layer import LoopedMLP, LoopedTransformerLayer, _plain_add
+from scalerlt_mcore.model.specs import _mlp_entry, get_looped_sandwich_layer_local_spec
 
 H = 32
 
@@ -21,13 +25,16 @@ def _config(dtype, **kwargs):
 
 
 def _pair(spec_fn, dtype=torch.float32, **kwargs) -> tuple:
-    """(MCore's TransformerLayer, the looped layer) from one layer spec, the same random
-    weights (every parameter drawn, biases and norms included)."""
+    """(MCore's TransformerLayer with MCore's MLP, the looped layer with the looped MLP) from
+    one layer spec, the same random weights (every parameter drawn, biases and norms
+    included). A sandwich MLP stays in both."""
     spec = spec_fn()
     assert spec.module is LoopedTransformerLayer  # what the looped specs build
     config = _config(dtype, **kwargs)
     ours = LoopedTransformerLayer(config, spec.submodules, layer_number=1)
-    stock = TransformerLayer(config, spec.submodules, layer_number=1)
+    mlp = _mlp_entry(spec.submodules.mlp, LoopedMLP, MLP) or spec.submodules.mlp
+    stock = TransformerLayer(config, dataclasses.replace(spec.submodules, mlp=mlp),
+                             layer_number=1)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ours.parameters():
@@ -42,13 +49,15 @@ def _input(dtype, s=5, b=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_direct_forward_equals_mcores(mcore_single, dtype, bias, normalization):
+@pytest.mark.parametrize("normalization,glu", [("LayerNorm", False), ("RMSNorm", True)])
+def test_direct_forward_equals_mcores(mcore_single, dtype, bias, normalization, glu):
     """Biases (added by MCore's bias-dropout-add), dropout configured (off in eval), both
-    norms, bf16 (its residual adds rounded as MCore rounds them)."""
+    norms, a plain and a gated (SwiGLU) MLP, bf16 (its residual adds rounded as MCore rounds
+    them)."""
+    act = dict(gated_linear_unit=True, activation_func=F.silu) if glu else {}
     stock, ours = _pair(lambda: get_looped_gpt_layer_local_spec(normalization=normalization),
                         dtype, add_bias_linear=bias, hidden_dropout=0.1,
-                        normalization=normalization)
+                        normalization=normalization, **act)
     x = _input(dtype)
     with torch.no_grad():
         got, context = ours(x)
@@ -111,3 +120,41 @@ def test_mcores_forward_where_the_direct_path_does_not_apply(mcore_single, monke
     with torch.no_grad():
         dropped, _ = ours(x)  # training with dropout 0.5: MCore's forward draws the mask
     assert calls == [1, 1, 1, 1] and not torch.equal(dropped, out.detach())
+
+
+GLU = dict(gated_linear_unit=True, activation_func=F.silu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_direct_forward_equals_mcores(mcore_single, dtype, bias):
+    stock, ours = _pair(get_looped_gpt_layer_local_spec, dtype, add_bias_linear=bias, **GLU)
+    x = _input(dtype)
+    with torch.no_grad():
+        got, want = ours.mlp(x), stock.mlp(x)
+    assert type(ours.mlp) is LoopedMLP and type(stock.mlp) is MLP
+    assert torch.equal(got[0], want[0]) and (got[1] is None) == (want[1] is None)
+    assert not bias or torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("extra", [dict(glu_linear_offset=1.0),
+                                   dict(activation_func_clamp_value=0.5),
+                                   dict(gated_linear_unit=False)], ids=["offset", "clamp", "plain"])
+def test_mlp_takes_mcores_forward_where_the_offset_add_matters(mcore_single, monkeypatch,
+                                                               extra):
+    """A nonzero offset or a clamp (MCore's glu does them) and an ungated MLP: MCore's
+    forward, the same tensor; a gated MLP with a graph recorded too."""
+    _, ours = _pair(get_looped_gpt_layer_local_spec, **{**GLU, **extra})
+    calls = []
+    original = MLP.forward
+    monkeypatch.setattr(MLP, "forward", lambda self, *a, **k: calls.append(1)
+                        or original(self, *a, **k))
+    x = _input(torch.float32)
+    with torch.no_grad():
+        ours.mlp(x)
+    assert calls == [1]
+    _, gated = _pair(get_looped_gpt_layer_local_spec, **GLU)
+    with torch.no_grad():
+        gated.mlp(x)
+    assert calls == [1]
+    assert gated.mlp(x)[0].requires_grad and calls == [1, 1]

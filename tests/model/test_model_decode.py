@@ -129,3 +129,28 @@ def test_zeroing_one_slot_changes_only_dependent_loops(mcore_single, slot, chang
             assert diff > 1e-6, r
         else:
             assert diff == 0.0, r
+
+
+def test_prefill_of_equal_rows_shares_one_row_of_rope(mcore_single):
+    """A prefill whose rows share their positions gives them as an expand of one row (RoPE's
+    angles computed once for all rows), with the same logits as a full-width RoPE; rows at
+    other positions, and every decode step, get their own rows."""
+    model, _, _ = build("rope")
+    prompts = sequences(seed=3)[1]
+    with torch.no_grad():
+        cache = model.new_kv_cache(3, 12)
+        step = cache.plan(prompts.shape[1])
+        assert step.positions.stride(0) == 0 and step.positions.shape == (3, 7)
+        shared = model.prefill(cache, prompts, LENGTHS)
+        assert cache.plan(1).positions.stride(0) != 0  # a decode step: each row its own
+        cache.lengths[1] += 1  # rows at different positions
+        assert cache.plan(2).positions.stride(0) != 0
+        full = model.new_kv_cache(3, 12)
+        rope, expanded = model._rope, []
+        model._rope = lambda positions, span: (expanded.append(positions.stride(0) == 0)
+                                               or rope(positions.contiguous(), span))
+        try:
+            per_row = model.prefill(full, prompts, LENGTHS)
+        finally:
+            model._rope = rope
+    assert expanded == [True] and torch.equal(shared, per_row)

@@ -33,7 +33,7 @@ from scalerlt_mcore.model import (
 from scalerlt_mcore.model import specs as specs_module
 from scalerlt_mcore.model.block import LinearConcatInjection
 from scalerlt_mcore.model.config import LoopedTransformerConfig
-from scalerlt_mcore.model.layer import LoopedTransformerLayer
+from scalerlt_mcore.model.layer import LoopedMLP, LoopedTransformerLayer
 from scalerlt_mcore.model.linear import ColumnParallelLinear as DirectColumn
 from scalerlt_mcore.model.linear import RowParallelLinear as DirectRow
 from scalerlt_mcore.model.sandwich import SandwichMLP
@@ -90,7 +90,8 @@ def test_local_spec_swaps_attention_and_linears():
     assert attn.submodules.linear_proj is DirectRow
     assert attn.params == stock.submodules.self_attention.params  # causal mask type
     mlp, mlp_parts = _mlp_spec(spec)
-    assert mlp is MLP
+    assert mlp is LoopedMLP and issubclass(LoopedMLP, MLP)
+    assert _mlp_spec(stock)[0] is MLP  # MCore's own spec is not modified
     assert mlp_parts.linear_fc1 is DirectColumn
     assert mlp_parts.linear_fc2 is DirectRow
     assert spec.submodules.input_layernorm is stock.submodules.input_layernorm
