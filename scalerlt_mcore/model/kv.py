@@ -207,9 +207,13 @@ class DepthKVCache:
 
     def write(self, depth: int, step: "CacheStep", key: Tensor, value: Tensor) -> None:
         """Store a forward's new K/V [s, B, ng, hn] (MCore's layout) of ``depth`` at the
-        step's slots."""
+        step's slots: slots 0 ... s-1 of every row in a ``fresh`` prefill (one strided copy),
+        else scattered to each row's slots."""
         for cached, new in ((self.keys, key), (self.values, value)):
-            cached[depth][step.rows, :, step.slots] = new.transpose(0, 1).to(cached.dtype)
+            if self.fresh:
+                cached[depth][:, :, : new.shape[0]] = new.permute(1, 2, 0, 3)  # [B, ng, s, hn]
+            else:
+                cached[depth][step.rows, :, step.slots] = new.transpose(0, 1).to(cached.dtype)
 
     def read(self, depth: int, span: int, dtype: torch.dtype) -> tuple:
         """The K/V of ``depth``'s first ``span`` slots of every row in ``dtype``, as views
