@@ -170,14 +170,47 @@ def shape_speeds(model, hf, modes: dict, n_prompts: int, group: int, prompt: int
             for m in modes}
 
 
-def run_decode_bench() -> dict:
+def cpu_times(model, hf, repeats: int) -> dict:
+    """shape -> {"transformers", "per_row", "prompt_once": ms}: process CPU time on one
+    thread of one rollout (sliced cache), the best of ``repeats`` after a warm-up, the three
+    interleaved (steadier than wall time on a shared host; ``--cpu-time``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name, sh in SHAPES.items():
+            batch = prompts(sh["n_prompts"], sh["prompt"])
+            runs = {"transformers": hf_rollout(hf, sh["n_prompts"], sh["group"], sh["prompt"],
+                                               sh["response"])}
+            for mode, once in (("per_row", False), ("prompt_once", True)):
+                runs[mode] = partial(_rollout, model, batch, sh["response"], once, sh["group"],
+                                     static_cache=False)
+            best = dict.fromkeys(runs, float("inf"))
+            for rep in range(repeats + 1):
+                for key, fn in runs.items():
+                    t0 = time.process_time()
+                    fn()
+                    if rep:
+                        best[key] = min(best[key], time.process_time() - t0)
+            out[name] = {key: round(s * 1e3, 1) for key, s in best.items()}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _models(tmp: str) -> tuple:
     from scalerlt_mcore.model.hf_import import looped_gpt_from_hf
+
+    hf = tiny_llama(tmp)
+    return looped_gpt_from_hf(tmp, num_loops=1, max_sequence_length=256,
+                              use_cpu_initialization=True).eval(), hf
+
+
+def run_decode_bench() -> dict:
     from scalerlt_mcore.rl.rollout import default_stop_check_interval
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf = tiny_llama(tmp)
-        model = looped_gpt_from_hf(tmp, num_loops=1, max_sequence_length=256,
-                                   use_cpu_initialization=True).eval()
+        model, hf = _models(tmp)
     modes = {"per_row": False, "prompt_once": True}
     out = {
         "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
@@ -196,10 +229,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--cpu-time", type=int, metavar="N", default=0,
+                        help="print only the one-thread process CPU times (ms) of transformers, "
+                             "per row and prompt once, best of N (cpu_times)")
     args = parser.parse_args(argv)
     from scalerlt_mcore.testing import model_parallel_context
 
     with model_parallel_context(seed=0):
+        if args.cpu_time:
+            with tempfile.TemporaryDirectory() as tmp:
+                print(json.dumps(cpu_times(*_models(tmp), args.cpu_time), indent=1))
+            return 0
         result = run_decode_bench()
     print(json.dumps(result, indent=1))
     if not args.no_write:
