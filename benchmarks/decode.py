@@ -2,17 +2,16 @@
 
 - ``decode_per_token``: host syncs (``model/host_syncs.py``; on CPU the ops that *would* make
   the host wait on CUDA) per decoded token of a greedy rollout in steady state, per row and
-  prompt once: the count of a rollout of ``LONG`` tokens minus one of ``SHORT``, over the
-  difference, without the stop check (its one sync every ``stop_check_interval`` tokens,
-  default by device, is ``stop_check_per_token``).
+  prompt once (``MODES``): the count of a rollout of ``LONG`` tokens minus one of ``SHORT``,
+  over the difference, without the stop check (its one sync every ``stop_check_interval``
+  tokens, default by device, is ``stop_check_per_token``).
 - ``train_step``: host syncs of one joint-replay training step of one group at 2 and 8 waves.
 - ``tokens_per_s``: per shape (``SHAPES``), greedy rollouts of a Llama imported at R = 1
   (``looped_gpt_from_hf``) against Hugging Face ``generate`` (static cache, greedy) on the
   same weights, the same batch, prompt and response lengths (prefill included in both), per
-  row and prompt once
-  (transformers has one way: N * G rows), and the project's two cache-attention
-  paths: ``static`` (the whole preallocated cache under a mask: fixed shapes, CUDA-graphable)
-  and ``sliced`` (the cache up to the host-known longest row).
+  row and prompt once (``MODES``; transformers has one way: N * G rows), and the project's
+  two cache-attention paths: ``static`` (the whole preallocated cache under a mask: fixed
+  shapes, CUDA-graphable) and ``sliced`` (the cache up to the host-known longest row).
 
 ``python -m benchmarks.decode [--out DIR]`` prints the JSON and merges it into cpu.json.
 """
@@ -20,6 +19,9 @@
 import argparse
 import json
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -37,6 +39,14 @@ VOCAB = 256
 HF_SHAPES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 REPEATS = 8
+MODES = {"per_row": dict(prompt_once=False),
+         "prompt_once": dict(prompt_once=True),
+         "prompt_once_shared": dict(prompt_once=True, prompt_kv="shared")}
+"""The rollouts measured: per row; prompt once as on this device (``prompt_kv`` by device: on
+CPU the prompts' K/V copied into each row's cache after the one prefill); prompt once reading
+one shared copy of each prompt's K/V (the GPU's default)."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository root (``cpu_times_across`` runs ``python -m benchmarks.decode`` there)."""
 
 BEFORE = {
     "commit": "6190762",
@@ -67,20 +77,21 @@ def prompts(n_prompts: int = None, prompt: int = None) -> list:
     return torch.randint(1, VOCAB, shape, generator=gen).tolist()
 
 
-def _rollout(model, batch: list, steps: int, prompt_once: bool, group: int = None, **kwargs):
+def _rollout(model, batch: list, steps: int, mode: dict, group: int = None, **kwargs):
+    """A greedy rollout of ``batch``; ``mode``: one of ``MODES``."""
     from scalerlt_mcore.rl.rollout import generate
 
     return generate(model, batch, group or GROUP, steps, eos_id=VOCAB, pad_id=0,
-                    temperature=0.0, prompt_once=prompt_once, **kwargs)
+                    temperature=0.0, **mode, **kwargs)
 
 
-def syncs_per_token(model, prompt_once: bool, **kwargs) -> float:
+def syncs_per_token(model, mode: dict, **kwargs) -> float:
     """Steady-state host syncs per decoded token of a greedy rollout."""
     from scalerlt_mcore.model.host_syncs import count_host_syncs
 
     batch = prompts()
     kwargs.setdefault("stop_check_interval", LONG + 1)  # counted apart (stop_check_per_token)
-    counts = [count_host_syncs(_rollout, model, batch, n, prompt_once, **kwargs)[1].total
+    counts = [count_host_syncs(_rollout, model, batch, n, mode, **kwargs)[1].total
               for n in (SHORT, LONG)]
     return (counts[1] - counts[0]) / (LONG - SHORT)
 
@@ -119,7 +130,7 @@ def hf_rollout(hf, n_prompts: int = None, group: int = None, prompt: int = None,
 
 def greedy_agrees(model, hf) -> bool:
     """The project's greedy tokens equal transformers' on these weights (per row)."""
-    ours = _rollout(model, prompts(), SHORT, False).responses.reshape(-1, SHORT)
+    ours = _rollout(model, prompts(), SHORT, MODES["per_row"]).responses.reshape(-1, SHORT)
     rows = torch.tensor(prompts()).repeat_interleave(GROUP, dim=0)
     with torch.no_grad():
         theirs = hf.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=SHORT,
@@ -160,9 +171,9 @@ def shape_speeds(model, hf, modes: dict, n_prompts: int, group: int, prompt: int
     """mode -> {project path: tokens/s, "transformers": tokens/s} at one shape."""
     batch = prompts(n_prompts, prompt)
     runs = {"transformers": hf_rollout(hf, n_prompts, group, prompt, response)}
-    for mode, once in modes.items():
+    for mode, kwargs in modes.items():
         for path, kw in _paths(model).items():
-            runs[f"{mode}/project_{path}"] = partial(_rollout, model, batch, response, once,
+            runs[f"{mode}/project_{path}"] = partial(_rollout, model, batch, response, kwargs,
                                                      group, **kw)
     speeds = tokens_per_s(runs, n_prompts * group * response)
     return {m: {**{k.split("/")[1]: v for k, v in speeds.items() if k.startswith(m + "/")},
@@ -171,9 +182,9 @@ def shape_speeds(model, hf, modes: dict, n_prompts: int, group: int, prompt: int
 
 
 def cpu_times(model, hf, repeats: int) -> dict:
-    """shape -> {"transformers", "per_row", "prompt_once": ms}: process CPU time on one
-    thread of one rollout (sliced cache), the best of ``repeats`` after a warm-up, the three
-    interleaved (steadier than wall time on a shared host; ``--cpu-time``)."""
+    """shape -> {"transformers", each of ``MODES``: ms}: process CPU time on one thread of one
+    rollout (sliced cache), the best of ``repeats`` after a warm-up, all interleaved (steadier
+    than wall time on a shared host; ``--cpu-time``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -182,8 +193,8 @@ def cpu_times(model, hf, repeats: int) -> dict:
             batch = prompts(sh["n_prompts"], sh["prompt"])
             runs = {"transformers": hf_rollout(hf, sh["n_prompts"], sh["group"], sh["prompt"],
                                                sh["response"])}
-            for mode, once in (("per_row", False), ("prompt_once", True)):
-                runs[mode] = partial(_rollout, model, batch, sh["response"], once, sh["group"],
+            for mode, kwargs in MODES.items():
+                runs[mode] = partial(_rollout, model, batch, sh["response"], kwargs, sh["group"],
                                      static_cache=False)
             best = dict.fromkeys(runs, float("inf"))
             for rep in range(repeats + 1):
@@ -196,6 +207,43 @@ def cpu_times(model, hf, repeats: int) -> dict:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def cpu_times_across(processes: int, repeats: int) -> dict:
+    """``cpu_times`` in ``processes`` fresh interpreters, one after another: shape -> path ->
+    {"median", "min", "max"} of their bests (ms) and the speed ratios
+    (``summarize_cpu_times``). On a shared host one process's times move by a third against the
+    next one's (the allocator's layout, the neighbours' load), more than the paths differ;
+    the median over processes is the figure (``--cpu-time N --processes K``)."""
+    runs = []
+    for _ in range(processes):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--cpu-time",
+                                   str(repeats), "--json-to", f.name], capture_output=True,
+                                  text=True, cwd=ROOT)
+            if done.returncode:
+                raise RuntimeError(f"cpu_times process failed (rc {done.returncode}):\n"
+                                   f"{done.stderr[-2000:]}")
+            runs.append(json.load(f))
+    return {**summarize_cpu_times(runs), "processes": processes, "repeats": repeats}
+
+
+def summarize_cpu_times(runs: list) -> dict:
+    """``cpu_times`` results of several processes -> shape -> path -> {"median", "min",
+    "max"} (ms), and ``speed_vs_transformers`` -> shape -> path: transformers' median time
+    over the path's (above 1: the project is faster)."""
+    out = {shape: {path: _spread([r[shape][path] for r in runs]) for path in runs[0][shape]}
+           for shape in runs[0]}
+    out["speed_vs_transformers"] = {
+        shape: {path: round(paths["transformers"]["median"] / v["median"], 3)
+                for path, v in paths.items() if path != "transformers"}
+        for shape, paths in out.items()}
+    return out
+
+
+def _spread(values: list) -> dict:
+    return {"median": round(statistics.median(values), 1), "min": min(values),
+            "max": max(values)}
 
 
 def _models(tmp: str) -> tuple:
@@ -211,9 +259,9 @@ def run_decode_bench() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model, hf = _models(tmp)
-    modes = {"per_row": False, "prompt_once": True}
+    modes = MODES
     out = {
-        "decode_per_token": {m: syncs_per_token(model, once) for m, once in modes.items()},
+        "decode_per_token": {m: syncs_per_token(model, kw) for m, kw in modes.items()},
         "stop_check_per_token": {d: 1 / default_stop_check_interval(d) for d in ("cpu", "cuda")},
         "train_step": {str(w): train_step_syncs(w) for w in (2, 8)},
         "greedy_equals_transformers": greedy_agrees(model, hf),
@@ -230,15 +278,29 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--cpu-time", type=int, metavar="N", default=0,
-                        help="print only the one-thread process CPU times (ms) of transformers, "
+                        help="only the one-thread process CPU times (ms) of transformers, "
                              "per row and prompt once, best of N (cpu_times)")
+    parser.add_argument("--processes", type=int, metavar="K", default=0,
+                        help="with --cpu-time: the median of K fresh processes' times, merged "
+                             "into cpu.json under decode_cpu_ms (cpu_times_across)")
+    parser.add_argument("--json-to", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cpu_time and args.processes:
+        result = cpu_times_across(args.processes, args.cpu_time)
+        print(json.dumps(result, indent=1))
+        if not args.no_write:
+            merge_into(os.path.join(args.out, "cpu.json"), result, "decode_cpu_ms")
+        return 0
     from scalerlt_mcore.testing import model_parallel_context
 
     with model_parallel_context(seed=0):
         if args.cpu_time:
             with tempfile.TemporaryDirectory() as tmp:
-                print(json.dumps(cpu_times(*_models(tmp), args.cpu_time), indent=1))
+                times = cpu_times(*_models(tmp), args.cpu_time)
+            if args.json_to:
+                with open(args.json_to, "w") as f:
+                    json.dump(times, f)
+            print(json.dumps(times, indent=1))
             return 0
         result = run_decode_bench()
     print(json.dumps(result, indent=1))
@@ -247,13 +309,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def merge_into(path: str, result: dict) -> None:
-    """Store ``result`` under ``host_syncs`` in ``path`` (created when missing)."""
+def merge_into(path: str, result: dict, key: str = "host_syncs") -> None:
+    """Store ``result`` under ``key`` in ``path`` (created when missing)."""
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    data["host_syncs"] = result
+    data[key] = result
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -182,7 +182,7 @@ class RLTrainer:
                        exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
                        exit_threshold=self.cfg.rl.rl_exit_threshold,
                        stop_check_interval=self.cfg.rl.rl_stop_check_interval,
-                       num_loops=num_loops)
+                       num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv)
         self.model.train()
         return out
 

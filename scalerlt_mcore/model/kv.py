@@ -229,6 +229,23 @@ class DepthKVCache:
         """The prefix caches this cache continues, root first (empty without a prefix)."""
         return [] if self.prefix is None else [*self.prefix.chain(), self.prefix]
 
+    def copy_rows_of(self, prefix: "DepthKVCache") -> None:
+        """Fill this per-row cache (no ``prefix`` of its own) with the K/V and lengths of
+        ``prefix``'s N rows, each copied into the G = B / N rows that continue it (rows
+        n*G ... n*G+G-1): prompt-once decoding with the prompts' K/V ``copied`` (one copy per
+        row, read as per-row decoding reads its cache; ``rl/rollout.py``'s ``prompt_kv``)."""
+        if self.prefix is not None:
+            raise ValueError("copy_rows_of fills a per-row cache; this one continues a prefix")
+        _check_prefix_cache(prefix, self)
+        n, span = prefix.batch, prefix.max_length
+        if span > self.max_length:
+            raise ValueError(f"the prefix cache holds {span} positions per row, this cache "
+                             f"{self.max_length}")
+        for mine, theirs in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            rows = mine[:, :, :, :span].unflatten(1, (n, self.batch // n))  # [D, N, G, ng, P, hn]
+            rows.copy_(theirs[:, :, None])
+        self.lengths.copy_(prefix.lengths.repeat_interleave(self.batch // n))
+
     def reserve(self, max_length: int) -> None:
         """Grow the cache to hold ``max_length`` positions per row (a copy of this cache
         only; nothing if it already does). A cache continuing this one reads the new

@@ -90,6 +90,22 @@ def default_stop_check_interval(device) -> int:
     return STOP_CHECK_INTERVALS.get(torch.device(device).type, 1)
 
 
+PROMPT_KV = ("shared", "copied")
+"""How prompt-once decoding reads each prompt's K/V after prefilling it once: ``shared`` (one
+copy per prompt, which its G rows read through a cascade attention of two parts merged by
+their log-sum-exps: the prompt's K/V read once per group, what bounds a GPU's decode step) or
+``copied`` (the prompt's K/V copied once into each of its G rows' caches, decoded as per row:
+one attention part per step, what bounds a host-bound CPU step; ``benchmarks/decode.py``
+measures both). The prefill is once per prompt either way."""
+
+PROMPT_KV_BY_DEVICE = {"cpu": "copied"}
+"""Default ``prompt_kv`` per device type (``shared`` elsewhere)."""
+
+
+def default_prompt_kv(device) -> str:
+    return PROMPT_KV_BY_DEVICE.get(torch.device(device).type, "shared")
+
+
 def ban_mask(banned, vocab_size, width: int, device) -> Optional[Tensor]:
     """[width] bool on ``device``, True on the ``banned`` ids and the padding ids >=
     ``vocab_size``; None when nothing is banned. Built once per rollout (no host index tensor
@@ -186,7 +202,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              exit_mode: str = "none", exit_threshold: float = 0.5,
              vocab_size=None, stop_check_interval: Optional[int] = None,
              static_cache: Optional[bool] = None, cuda_graph: bool = False,
-             num_loops: Optional[int] = None) -> Rollout:
+             num_loops: Optional[int] = None, prompt_kv: Optional[str] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
     ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
     from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
@@ -194,7 +210,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     vocabulary, as training scores them). The returned tensors are on the host (rewards and
     decoding read them there). ``prompt_once``: prefill each prompt once and decode its samples
     against that one copy (the same samples and log-probs up to rounding; rows are ordered as
-    per row). ``vocab_size``: the real vocabulary (ids beyond it are padding, never drawn);
+    per row); ``prompt_kv`` (``PROMPT_KV``; None: by device) how its samples read the
+    prompt's K/V. ``vocab_size``: the real vocabulary (ids beyond it are padding, never drawn);
     None: no padding. ``num_loops``: R of the decoding (None: the config's
     ``looped_num_loops``)."""
     device = next(model.parameters()).device
@@ -204,10 +221,13 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     every = stop_check_interval or default_stop_check_interval(device)
     if every < 1:
         raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
+    prompt_kv = prompt_kv or default_prompt_kv(device)
+    if prompt_kv not in PROMPT_KV:
+        raise ValueError(f"prompt_kv must be one of {PROMPT_KV} or None, got {prompt_kv!r}")
     if prompt_once:
         cache, logits, exit_lp = prefill_prompt_once(model, prompts, group_size,
                                                      max_new_tokens, pad_id, static_cache,
-                                                     num_loops)
+                                                     num_loops, prompt_kv)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
         tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp] host
@@ -312,19 +332,26 @@ class _Record:
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,
                         pad_id: int, static: Optional[bool] = None,
-                        num_loops: Optional[int] = None) -> tuple:
+                        num_loops: Optional[int] = None, prompt_kv: str = "shared") -> tuple:
     """Each of the N prompts prefilled once. -> (a cache for the N * G samples that continue
     them, holding ``max_new_tokens`` of their own; per-loop logits [R, N * G, V] of every
     sample's first token, the prompt's repeated G times; their exit distribution [R, N * G]
-    or None without a gate). ``static``: the caches' ``static`` (``DepthKVCache``)."""
+    or None without a gate). ``static``: the caches' ``static`` (``DepthKVCache``).
+    ``prompt_kv`` (``PROMPT_KV``): ``shared``, the cache continues the prompts' cache;
+    ``copied``, it is a per-row cache holding each prompt's K/V in its G rows."""
     device = next(model.parameters()).device
     tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp] host
     prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static,
                                 num_loops=num_loops)
     logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths, with_exit=True,
                                     num_loops=num_loops)  # [R, N, V], [R, N]
-    cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
-                               static=static, num_loops=num_loops)
+    if prompt_kv == "copied":
+        cache = model.new_kv_cache(len(prompts) * group_size, prefix.max_length + max_new_tokens,
+                                   static=static, num_loops=num_loops)
+        cache.copy_rows_of(prefix)
+    else:
+        cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
+                                   static=static, num_loops=num_loops)
     if exit_lp is not None:
         exit_lp = exit_lp.repeat_interleave(group_size, dim=1)  # [R, N * G]
     return cache, logits.repeat_interleave(group_size, dim=1), exit_lp  # [R, N * G, V]

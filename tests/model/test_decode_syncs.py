@@ -56,6 +56,19 @@ def test_prompt_once_decode_step_runs_on_meta(mcore_single, static):
     assert logits.device == META and logits.shape == (LOOPS, 6, VOCAB)
 
 
+def test_copied_prompt_once_decode_step_runs_on_meta(mcore_single):
+    """``prompt_kv`` copied: the prompts' K/V copied into a per-row cache, then decoded per row,
+    end to end on meta (no host sync in the copy or the step)."""
+    model = _meta_model("rope")
+    prefix = model.new_kv_cache(3, 7)
+    prefix.lengths.copy_(LENGTHS)
+    cache = model.new_kv_cache(6, 12)
+    cache.copy_rows_of(prefix)
+    assert cache.lengths.tolist() == LENGTHS.repeat_interleave(2).tolist()
+    logits = model.decode_step(cache, torch.zeros(6, dtype=torch.long, device=META))
+    assert logits.device == META and logits.shape == (LOOPS, 6, VOCAB)
+
+
 def test_decode_step_with_the_drawn_initial_state_runs_on_meta(mcore_single):
     model = _meta_model("rope", looped_initial_state="random")
     cache = model.new_kv_cache(3, 12)
@@ -70,11 +83,14 @@ def _syncs(model, steps: int, **kwargs) -> int:
     return counter.total
 
 
-@pytest.mark.parametrize("prompt_once", [False, True])
+@pytest.mark.parametrize("prompt_once, prompt_kv", [(False, None), (True, "shared"),
+                                                    (True, "copied")])
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
-def test_no_host_sync_per_decoded_token(mcore_single, prompt_once, temperature, top_p):
+def test_no_host_sync_per_decoded_token(mcore_single, prompt_once, prompt_kv, temperature,
+                                        top_p):
     model, _, _ = build("rope", torch.float32)
-    kw = dict(prompt_once=prompt_once, temperature=temperature, top_p=top_p, banned=(0, 5),
+    kw = dict(prompt_once=prompt_once, prompt_kv=prompt_kv, temperature=temperature,
+              top_p=top_p, banned=(0, 5),
               vocab_size=VOCAB - 4, stop_check_interval=100)
     assert _syncs(model, 3, **kw) == _syncs(model, 9, **kw)  # setup only, none per token
     kw["stop_check_interval"] = 2  # one stop check every 2 tokens

@@ -14,7 +14,7 @@ import torch
 from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import default_prompt_kv, generate
 
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts right-padded to 7
 G, STEPS = 2, 4  # samples per prompt; teacher-forced decode steps after the prefill
@@ -88,15 +88,17 @@ def _prompts(seed: int) -> list:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 1, 6)]
 
 
+@pytest.mark.parametrize("prompt_kv", ["shared", "copied"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
 @pytest.mark.parametrize("group_size, temperature, top_p", [(4, 1.0, 1.0), (3, 0.8, 0.9),
                                                             (1, 0.0, 1.0)])
 def test_generate_prompt_once_samples_as_per_row(mcore_single, pe, dtype, group_size,
-                                                 temperature, top_p):
+                                                 temperature, top_p, prompt_kv):
     """Same seed: the same tokens and lengths; per-loop log-probs equal up to fp32 rounding
     (fp64 model: the stored fp32 values differ by at most one fp32 ulp; fp32 model: a few
-    ulps of rounding through the layers, as the decode tests' 1e-5)."""
+    ulps of rounding through the layers, as the decode tests' 1e-5), whether the samples
+    read one shared copy of their prompt's K/V or their own copies of it."""
     model, _, _ = build(pe, dtype)
     model.eval()
     eos = 5
@@ -105,7 +107,7 @@ def test_generate_prompt_once_samples_as_per_row(mcore_single, pe, dtype, group_
         gen = torch.Generator().manual_seed(11)
         runs.append(generate(model, _prompts(2), group_size, 8, eos_id=eos, pad_id=0,
                              temperature=temperature, top_p=top_p, generator=gen,
-                             banned=(0, 1), prompt_once=prompt_once))
+                             banned=(0, 1), prompt_once=prompt_once, prompt_kv=prompt_kv))
     per_row, once = runs
     assert torch.equal(per_row.responses, once.responses)
     assert torch.equal(per_row.lengths, once.lengths)
@@ -117,6 +119,45 @@ def test_generate_prompt_once_samples_as_per_row(mcore_single, pe, dtype, group_
     assert torch.equal(once.logprobs, once.loop_logprobs[-1])
     sampled = per_row.responses != 0
     assert (lp[:, ~sampled] == 0).all() and (lp[:, sampled] < 0).all()
+
+
+def test_copy_rows_of_holds_each_prompt_in_its_rows(mcore_single):
+    """A per-row cache filled from a prefilled prompt cache: row b holds prompt b // G's K/V
+    at every depth and its length; its slots after the prompt stay empty."""
+    model, _, _ = build("rope", torch.float32)
+    prompts, _ = data()
+    prefix = model.new_kv_cache(3, int(LENGTHS.max()))
+    model.prefill(prefix, prompts, LENGTHS)
+    cache = model.new_kv_cache(3 * G, int(LENGTHS.max()) + 4)
+    cache.copy_rows_of(prefix)
+    assert cache.lengths.tolist() == LENGTHS.repeat_interleave(G).tolist()
+    P = prefix.max_length
+    for d in range(model.config.looped_num_depths):
+        want = prefix.read(d, P, torch.float32)  # [P, 3, ng, hn]
+        got = cache.read(d, cache.max_length, torch.float32)  # [P + 4, 3G, ng, hn]
+        for w, g in zip(want, got):
+            assert torch.equal(g[:P], w.repeat_interleave(G, dim=1))
+            assert not g[P:].any()
+
+
+def test_copy_rows_of_errors(mcore_single):
+    model, _, _ = build("learned_absolute")
+    prefix = model.new_kv_cache(3, 7)
+    with pytest.raises(ValueError, match="this one continues a prefix"):
+        model.new_kv_cache(6, 4, prefix=prefix).copy_rows_of(prefix)
+    with pytest.raises(ValueError, match="holds 7 positions per row, this cache 5"):
+        model.new_kv_cache(6, 5).copy_rows_of(prefix)
+    with pytest.raises(ValueError, match="cache of batch 5 cannot continue 3 prompts"):
+        model.new_kv_cache(5, 9).copy_rows_of(prefix)
+
+
+def test_prompt_kv_by_device_and_checked(mcore_single):
+    assert default_prompt_kv("cpu") == "copied"
+    assert default_prompt_kv("cuda") == default_prompt_kv("meta") == "shared"
+    model, _, _ = build("learned_absolute")
+    with pytest.raises(ValueError, match=r"prompt_kv must be one of \('shared', 'copied'\)"):
+        generate(model, _prompts(2), 2, 3, eos_id=5, pad_id=0, prompt_once=True,
+                 prompt_kv="once")
 
 
 def test_prompt_once_cache_errors(mcore_single):

@@ -26,12 +26,14 @@ def _training_readouts(model, prompt: list, response: list) -> tuple:
 
 
 @pytest.mark.parametrize("mode", ["mixture", "threshold"])
-@pytest.mark.parametrize("prompt_once", [False, True])
-def test_rollout_logprobs_are_the_training_ones(mcore_single, mode, prompt_once):
+@pytest.mark.parametrize("prompt_once, prompt_kv", [(False, None), (True, "shared"),
+                                                    (True, "copied")])
+def test_rollout_logprobs_are_the_training_ones(mcore_single, mode, prompt_once, prompt_kv):
     model = _gated(R=3).eval()
     gen = torch.Generator().manual_seed(5)
     ro = generate(model, PROMPTS, G, STEPS, eos_id=EOS, pad_id=PAD, temperature=1.0,
-                  generator=gen, banned=(PAD,), prompt_once=prompt_once, exit_mode=mode,
+                  generator=gen, banned=(PAD,), prompt_once=prompt_once, prompt_kv=prompt_kv,
+                  exit_mode=mode,
                   exit_threshold=0.6)
     used = set()
     for n, prompt in enumerate(PROMPTS):

@@ -15,9 +15,10 @@ exact gradients of the fp32 problem. Per layout, over two steps with different w
   full weights over all data-parallel ranks' groups (fp64 <= 1e-12; fp32: A and the TP=1 fp32
   run each within 1e-6 of the TP=1 fp64 gradient);
 - rollouts with the sharded KV cache and gathered vocab-parallel logits, per row and prompt
-  once (``DepthKVCache(prefix=...)``, ``prompt_once_attention`` per head shard), draw the same
-  tokens on every rank, equal to TP=1 per-row rollouts for the same seed, and never draw a
-  padding id although the padding logits are made to hold most of the probability mass.
+  once (``DepthKVCache(prefix=...)``, ``prompt_once_attention`` per head shard; and each
+  prompt's K/V copied into its rows, ``prompt_kv`` copied), draw the same tokens on every rank,
+  equal to TP=1 per-row rollouts for the same seed, and never draw a padding id although the
+  padding logits are made to hold most of the probability mass.
 """
 
 import dataclasses
@@ -199,13 +200,18 @@ def _train_steps(dtype) -> dict:
     return out
 
 
-def _rollout(model, prompt_once: bool = False):
+ROLLOUT_MODES = {"per_row": (False, None), "prompt_once_shared": (True, "shared"),
+                 "prompt_once_copied": (True, "copied")}
+"""name -> (prompt_once, prompt_kv) of the sharded rollouts compared with TP=1's."""
+
+
+def _rollout(model, prompt_once: bool = False, prompt_kv=None):
     from scalerlt_mcore.rl.rollout import generate
 
     gen = torch.Generator().manual_seed(ROLLOUT_SEED)
     return generate(model, [list(p) for p in ROLLOUT_PROMPTS], ROLLOUT_G, ROLLOUT_NEW,
                     eos_id=EOS, pad_id=PAD, temperature=1.0, generator=gen, banned=(PAD,),
-                    vocab_size=REAL_VOCAB, prompt_once=prompt_once)
+                    vocab_size=REAL_VOCAB, prompt_once=prompt_once, prompt_kv=prompt_kv)
 
 
 def _rollout_model(tp: int):
@@ -222,8 +228,8 @@ def _worker(rank, world_size) -> dict:
     for dtype in (torch.float64, torch.float32):
         out[dtype] = _train_steps(dtype)
     model = _rollout_model(TP)
-    out["rollout"] = {once: (ro.responses, ro.logprobs)
-                      for once in (False, True) for ro in [_rollout(model, once)]}
+    out["rollout"] = {mode: (ro.responses, ro.logprobs) for mode in ROLLOUT_MODES
+                      for ro in [_rollout(model, *ROLLOUT_MODES[mode])]}
     out["errors"] = _errors()
     out["checkpoint_shapes"] = _checkpoint_shapes(_model(torch.float32, TP))
     return out
@@ -386,6 +392,7 @@ def test_rollouts_equal_tp1(layout):
     assert int(want.responses.max()) < REAL_VOCAB, "a padding id was sampled"
     assert (want.responses != PAD).sum() > len(ROLLOUT_PROMPTS) * ROLLOUT_G
     for r in layout["ranks"]:
-        for prompt_once, (responses, logprobs) in r["rollout"].items():
-            assert torch.equal(responses, want.responses), f"prompt_once={prompt_once}"
+        assert set(r["rollout"]) == set(ROLLOUT_MODES)
+        for mode, (responses, logprobs) in r["rollout"].items():
+            assert torch.equal(responses, want.responses), mode
             assert (logprobs - want.logprobs).abs().max().item() <= 1e-5

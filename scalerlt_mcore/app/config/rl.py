@@ -70,6 +70,13 @@ class RLArgs:
     a multi-turn task's environment replies between turns, every node's K/V is prefilled
     once, and the tree trains through the shared-prefix schedule as one GRPO group over its
     leaves."""
+    rl_prompt_kv: Optional[Literal["shared", "copied"]] = None
+    """How ``prompt_once`` rollouts read each prompt's K/V after prefilling it once:
+    ``shared`` (one copy per prompt, read once per group by a two-part cascade attention:
+    the GPU's choice, where a decode step is bound by memory reads) or ``copied`` (copied into
+    each sample's cache once, then decoded as per row: one attention part per step, the CPU's
+    choice, where a step is bound by host time per op); None: by device (``copied`` on CPU,
+    ``shared`` elsewhere). The same samples up to rounding."""
     rl_tree_branches: str = "4,4"
     """Branch factor per depth below the root of ``rl_rollout: tree``, comma-separated:
     ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
