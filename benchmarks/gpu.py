@@ -271,6 +271,14 @@ def write_markdown(path: str, results: dict, meta: dict, decode=None) -> str:
 
 # ---- the rollout decode micro-benchmark ------------------------------------------------------
 
+DECODE_MODES = {"per_row": dict(prompt_once=False),
+                "prompt_once": dict(prompt_once=True),
+                "prompt_once_copied": dict(prompt_once=True, prompt_kv="copied")}
+"""The rollouts of the decode micro-benchmark: per row, prompt once as on the device
+(``prompt_kv`` by device: ``shared`` on CUDA) and prompt once with the prompts' K/V copied
+into every row (the CPU default), so a GPU run shows which reads it should default to."""
+
+
 def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: int = 64,
                      reps: int = 3) -> dict:
     """Rollouts from ``wl``'s model (bf16 on CUDA, fp32 on CPU) of ``prompts`` random prompts
@@ -294,8 +302,8 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             sync()
             start = time.perf_counter()
             generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, banned=(0,),
-                     generator=sampler, prompt_once=mode == "prompt_once",
-                     vocab_size=wl.vocab, cuda_graph=graph)
+                     generator=sampler, vocab_size=wl.vocab, cuda_graph=graph,
+                     **DECODE_MODES[mode])
             sync()
             out.append(time.perf_counter() - start)
         return out[1:]
@@ -306,7 +314,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
               "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", ""),
               "hidden": wl.hidden, "heads": wl.heads, "num_loops": wl.num_loops}
     samples = prompts * wl.group_size
-    for mode in ("per_row", "prompt_once"):
+    for mode in DECODE_MODES:
         full, first = wall(mode, new_tokens), wall(mode, 1)
         step = (median(full) - median(first)) / max(new_tokens - 1, 1)
         result[mode] = {"wall_s": median(full), "wall_all_s": full, "one_token_s": median(first),
@@ -330,7 +338,7 @@ def decode_table(d: dict) -> str:
              "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s "
              "| CUDA-graph response tokens/s |",
              "|---|---|---|---|---|---|"]
-    for mode in ("per_row", "prompt_once"):
+    for mode in DECODE_MODES:
         m = d[mode]
         lines.append(f"| {mode} | {1e3 * m['wall_s']:.1f} | {m['tokens_per_s']:.0f} "
                      f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} "
