@@ -2,14 +2,14 @@
 
 - ``decode_per_token``: host syncs (``model/host_syncs.py``; on CPU the ops that *would* make
   the host wait on CUDA) per decoded token of a greedy rollout in steady state, per row and
-  prompt once (``MODES``): the count of a rollout of ``LONG`` tokens minus one of ``SHORT``,
+  prompt once (``decode_modes``): the count of a rollout of ``LONG`` tokens minus one of ``SHORT``,
   over the difference, without the stop check (its one sync every ``stop_check_interval``
   tokens, default by device, is ``stop_check_per_token``).
 - ``train_step``: host syncs of one joint-replay training step of one group at 2 and 8 waves.
 - ``tokens_per_s``: per shape (``SHAPES``), greedy rollouts of a Llama imported at R = 1
   (``looped_gpt_from_hf``) against Hugging Face ``generate`` (static cache, greedy) on the
   same weights, the same batch, prompt and response lengths (prefill included in both), per
-  row and prompt once (``MODES``; transformers has one way: N * G rows), and the project's
+  row and prompt once (``decode_modes``; transformers has one way: N * G rows), and the project's
   two cache-attention paths: ``static`` (the whole preallocated cache under a mask: fixed
   shapes, CUDA-graphable) and ``sliced`` (the cache up to the host-known longest row).
 
@@ -39,12 +39,6 @@ VOCAB = 256
 HF_SHAPES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 REPEATS = 8
-MODES = {"per_row": dict(prompt_once=False),
-         "prompt_once": dict(prompt_once=True),
-         "prompt_once_shared": dict(prompt_once=True, prompt_kv="shared")}
-"""The rollouts measured: per row; prompt once as on this device (``prompt_kv`` by device: on
-CPU the prompts' K/V copied into each row's cache after the one prefill); prompt once reading
-one shared copy of each prompt's K/V (the GPU's default)."""
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The repository root (``cpu_times_across`` runs ``python -m benchmarks.decode`` there)."""
 
@@ -77,8 +71,21 @@ def prompts(n_prompts: int = None, prompt: int = None) -> list:
     return torch.randint(1, VOCAB, shape, generator=gen).tolist()
 
 
+def decode_modes(device) -> dict:
+    """name -> ``generate`` arguments of the rollouts measured on ``device``: per row; prompt
+    once as on ``device`` (``prompt_kv`` by device: on CPU each prompt's K/V copied into its
+    rows' caches after the one prefill, elsewhere one shared copy); prompt once with the other
+    ``prompt_kv`` (``prompt_once_shared`` on CPU), so that a run shows whether the device's
+    default is the faster one."""
+    from scalerlt_mcore.rl.rollout import PROMPT_KV, default_prompt_kv
+
+    other = next(kv for kv in PROMPT_KV if kv != default_prompt_kv(device))
+    return {"per_row": dict(prompt_once=False), "prompt_once": dict(prompt_once=True),
+            f"prompt_once_{other}": dict(prompt_once=True, prompt_kv=other)}
+
+
 def _rollout(model, batch: list, steps: int, mode: dict, group: int = None, **kwargs):
-    """A greedy rollout of ``batch``; ``mode``: one of ``MODES``."""
+    """A greedy rollout of ``batch``; ``mode``: one of ``decode_modes``."""
     from scalerlt_mcore.rl.rollout import generate
 
     return generate(model, batch, group or GROUP, steps, eos_id=VOCAB, pad_id=0,
@@ -98,16 +105,22 @@ def syncs_per_token(model, mode: dict, **kwargs) -> float:
 
 def tokens_per_s(runs: dict, tokens: int) -> dict:
     """name -> response tokens/s of each rollout function (``tokens`` response tokens a run),
-    the best of ``REPEATS`` after a warm-up, the functions interleaved (a shared host's load
+    the best of ``REPEATS`` in wall time (``best_seconds``)."""
+    return {name: tokens / s for name, s in best_seconds(runs, REPEATS).items()}
+
+
+def best_seconds(runs: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """name -> the fewest seconds of ``clock`` one call of each function took, the best of
+    ``repeats`` after a warm-up round, the functions interleaved (a shared host's load
     drifts)."""
     best = dict.fromkeys(runs, float("inf"))
-    for rep in range(REPEATS + 1):
+    for rep in range(repeats + 1):
         for name, fn in runs.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             if rep:  # the first round is the warm-up
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: tokens / s for name, s in best.items()}
+                best[name] = min(best[name], clock() - t0)
+    return best
 
 
 def hf_rollout(hf, n_prompts: int = None, group: int = None, prompt: int = None,
@@ -130,7 +143,8 @@ def hf_rollout(hf, n_prompts: int = None, group: int = None, prompt: int = None,
 
 def greedy_agrees(model, hf) -> bool:
     """The project's greedy tokens equal transformers' on these weights (per row)."""
-    ours = _rollout(model, prompts(), SHORT, MODES["per_row"]).responses.reshape(-1, SHORT)
+    ours = _rollout(model, prompts(), SHORT, dict(prompt_once=False)).responses.reshape(
+        -1, SHORT)
     rows = torch.tensor(prompts()).repeat_interleave(GROUP, dim=0)
     with torch.no_grad():
         theirs = hf.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=SHORT,
@@ -182,9 +196,9 @@ def shape_speeds(model, hf, modes: dict, n_prompts: int, group: int, prompt: int
 
 
 def cpu_times(model, hf, repeats: int) -> dict:
-    """shape -> {"transformers", each of ``MODES``: ms}: process CPU time on one thread of one
-    rollout (sliced cache), the best of ``repeats`` after a warm-up, all interleaved (steadier
-    than wall time on a shared host; ``--cpu-time``)."""
+    """shape -> {"transformers", each of ``decode_modes("cpu")``: ms}: process CPU time on
+    one thread of one rollout (sliced cache), the best of ``repeats`` (``best_seconds``;
+    steadier than wall time on a shared host; ``--cpu-time``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -193,16 +207,10 @@ def cpu_times(model, hf, repeats: int) -> dict:
             batch = prompts(sh["n_prompts"], sh["prompt"])
             runs = {"transformers": hf_rollout(hf, sh["n_prompts"], sh["group"], sh["prompt"],
                                                sh["response"])}
-            for mode, kwargs in MODES.items():
+            for mode, kwargs in decode_modes("cpu").items():
                 runs[mode] = partial(_rollout, model, batch, sh["response"], kwargs, sh["group"],
                                      static_cache=False)
-            best = dict.fromkeys(runs, float("inf"))
-            for rep in range(repeats + 1):
-                for key, fn in runs.items():
-                    t0 = time.process_time()
-                    fn()
-                    if rep:
-                        best[key] = min(best[key], time.process_time() - t0)
+            best = best_seconds(runs, repeats, time.process_time)
             out[name] = {key: round(s * 1e3, 1) for key, s in best.items()}
     finally:
         torch.set_num_threads(threads)
@@ -259,7 +267,7 @@ def run_decode_bench() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model, hf = _models(tmp)
-    modes = MODES
+    modes = decode_modes("cpu")
     out = {
         "decode_per_token": {m: syncs_per_token(model, kw) for m, kw in modes.items()},
         "stop_check_per_token": {d: 1 / default_stop_check_interval(d) for d in ("cpu", "cuda")},

@@ -271,21 +271,16 @@ def write_markdown(path: str, results: dict, meta: dict, decode=None) -> str:
 
 # ---- the rollout decode micro-benchmark ------------------------------------------------------
 
-DECODE_MODES = {"per_row": dict(prompt_once=False),
-                "prompt_once": dict(prompt_once=True),
-                "prompt_once_copied": dict(prompt_once=True, prompt_kv="copied")}
-"""The rollouts of the decode micro-benchmark: per row, prompt once as on the device
-(``prompt_kv`` by device: ``shared`` on CUDA) and prompt once with the prompts' K/V copied
-into every row (the CPU default), so a GPU run shows which reads it should default to."""
-
-
 def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: int = 64,
                      reps: int = 3) -> dict:
     """Rollouts from ``wl``'s model (bf16 on CUDA, fp32 on CPU) of ``prompts`` random prompts
     of ``wl.prompt_length`` tokens, G = ``wl.group_size`` samples each, ``new_tokens`` tokens
-    (no stop token), per row and prompt once: median wall time, response tokens/s, and the
-    time per decoding step (the difference to a one-token rollout, over the other steps)."""
+    (no stop token), per row and prompt once (``decode.decode_modes``: the device's
+    ``prompt_kv`` and the other one): median wall time, response tokens/s, and the time per
+    decoding step (the difference to a one-token rollout, over the other steps)."""
     from scalerlt_mcore.rl.rollout import generate
+
+    from .decode import decode_modes
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -294,6 +289,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
     rows = [torch.randint(1, wl.vocab, (wl.prompt_length,), generator=gen).tolist()
             for _ in range(prompts)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    modes = decode_modes(device)
 
     def wall(mode: str, tokens: int, graph: bool = False) -> list:
         out = []
@@ -303,7 +299,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             start = time.perf_counter()
             generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, banned=(0,),
                      generator=sampler, vocab_size=wl.vocab, cuda_graph=graph,
-                     **DECODE_MODES[mode])
+                     **modes[mode])
             sync()
             out.append(time.perf_counter() - start)
         return out[1:]
@@ -312,9 +308,10 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
 
     result = {"prompts": prompts, "group_size": wl.group_size, "prompt_length": wl.prompt_length,
               "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", ""),
-              "hidden": wl.hidden, "heads": wl.heads, "num_loops": wl.num_loops}
+              "hidden": wl.hidden, "heads": wl.heads, "num_loops": wl.num_loops,
+              "modes": list(modes)}
     samples = prompts * wl.group_size
-    for mode in DECODE_MODES:
+    for mode in modes:
         full, first = wall(mode, new_tokens), wall(mode, 1)
         step = (median(full) - median(first)) / max(new_tokens - 1, 1)
         result[mode] = {"wall_s": median(full), "wall_all_s": full, "one_token_s": median(first),
@@ -338,7 +335,7 @@ def decode_table(d: dict) -> str:
              "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s "
              "| CUDA-graph response tokens/s |",
              "|---|---|---|---|---|---|"]
-    for mode in DECODE_MODES:
+    for mode in d["modes"]:
         m = d[mode]
         lines.append(f"| {mode} | {1e3 * m['wall_s']:.1f} | {m['tokens_per_s']:.0f} "
                      f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} "
