@@ -28,12 +28,17 @@ def data(seed: int = 0) -> tuple:
     return prompts, conts
 
 
-def decode_prompt_once(model, prompts, conts) -> tuple:
+def decode_prompt_once(model, prompts, conts, prompt_kv: str = "shared") -> tuple:
     """Prefill the 3 prompts once, then STEPS teacher-forced steps of the 3 * G rows ->
-    ([STEPS + 1] x [R, 3G, V], prefix cache, continuation cache)."""
+    ([STEPS + 1] x [R, 3G, V], prefix cache, continuation cache). ``prompt_kv`` copied: the
+    rows decode in a per-row cache that holds their prompt's K/V (``copy_rows_of``)."""
     prefix = model.new_kv_cache(3, int(LENGTHS.max()))
     first = model.prefill(prefix, prompts, LENGTHS)  # [R, 3, V]
-    cache = model.new_kv_cache(3 * G, STEPS + 1, prefix=prefix)
+    if prompt_kv == "copied":
+        cache = model.new_kv_cache(3 * G, prefix.max_length + STEPS + 1)
+        cache.copy_rows_of(prefix)
+    else:
+        cache = model.new_kv_cache(3 * G, STEPS + 1, prefix=prefix)
     outs = [first.repeat_interleave(G, dim=1)]
     for j in range(STEPS):
         outs.append(model.decode_step(cache, conts[:, j]))
@@ -43,16 +48,21 @@ def decode_prompt_once(model, prompts, conts) -> tuple:
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)],
                          ids=["fp64", "fp32"])
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
-def test_prompt_once_decode_matches_reference(mcore_single, pe, dtype, tol):
+@pytest.mark.parametrize("prompt_kv", ["shared", "copied"])
+def test_prompt_once_decode_matches_reference(mcore_single, pe, dtype, tol, prompt_kv):
     model, ref, weights = build(pe, dtype)
     prompts, conts = data()
     with torch.no_grad():
-        outs, prefix, cache = decode_prompt_once(model, prompts, conts)
-    # the prompt is cached once per prompt, the continuations G times
+        outs, prefix, cache = decode_prompt_once(model, prompts, conts, prompt_kv)
     assert (prefix.max_length, prefix.batch) == (int(LENGTHS.max()), 3)
-    assert (cache.max_length, cache.batch) == (STEPS + 1, 3 * G)
-    assert cache.keys.shape[1] == 3 * G and cache.keys.shape[3] == STEPS + 1  # [D, B, ng, T, hn]
-    assert cache.lengths.tolist() == [STEPS] * (3 * G)
+    if prompt_kv == "shared":  # the prompt is cached once per prompt, the continuations G times
+        assert (cache.max_length, cache.batch) == (STEPS + 1, 3 * G)
+        # [D, B, ng, T, hn]
+        assert cache.keys.shape[1] == 3 * G and cache.keys.shape[3] == STEPS + 1
+        assert cache.lengths.tolist() == [STEPS] * (3 * G)
+    else:  # every row holds its prompt and its continuation
+        assert cache.prefix is None and cache.batch == 3 * G
+        assert cache.lengths.tolist() == (LENGTHS.repeat_interleave(G) + STEPS).tolist()
     err = 0.0
     for b in range(3 * G):
         n = b // G
