@@ -67,7 +67,8 @@ bench: $(STAMP)
 # machine's python3 and CUDA torch, megatron-core $(MCORE) and missing pure-Python packages from
 # .wheelhouse/; never creates .venv; everything it writes goes under $(OUT). GPU_CHECK_ARGS:
 # more options of tools/gpu_check.py (e.g. --only A).
-# GPU_CHECK_DRY_RUN=1: the same stages on CPU in the existing .venv.
+# GPU_CHECK_DRY_RUN=1: the same stages on CPU under the interpreter holding megatron-core $(MCORE)
+# (.venv, or .venv-mcore$(MCORE) from `make test-mcore`; refused, naming that, when neither).
 GPU_CHECK_DRY := $(filter-out 0,$(GPU_CHECK_DRY_RUN))
 GPU_CHECK_PY := $(if $(GPU_CHECK_DRY),$(PY),python3)
 MCORE ?= 0.19.2

@@ -34,20 +34,26 @@ def _json(path: Path):
     return json.loads(path.read_text())
 
 
+MCORE_HERE = importlib.metadata.version("megatron-core")
+MCORE_ELSEWHERE = next(v for v in gpu_check.MCORE_VERSIONS if v != MCORE_HERE)
+
+
 def test_dry_run_through_make_writes_every_file(tmp_path):
-    """GPU_CHECK_DRY_RUN=1 make gpu-check OUT=dir: the four stages pass, the eight files (and
-    nothing else) are written; every kernel case ran within its bound, on CPU, with its CUDA
-    kernel on meta; the CUDA tests were collected and skipped; the benchmark and decode ran."""
-    out = tmp_path / "out"
-    cmd = ["make", "-s", "gpu-check", "GPU_CHECK_DRY_RUN=1", f"OUT={out}",
+    """GPU_CHECK_DRY_RUN=1 make gpu-check OUT=dir: the four stages pass within two minutes, the
+    seven files (and nothing else) are written; every kernel case ran within its bound, on CPU,
+    with its CUDA kernel on meta; the CUDA tests were collected and skipped; the benchmark and
+    decode ran; the requested megatron-core was the one imported."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = ["make", "-s", "gpu-check", "GPU_CHECK_DRY_RUN=1", f"OUT={out}", f"MCORE={MCORE_HERE}",
            f"GPU_CHECK_PY={sys.executable}",
-           f"GPU_CHECK_ARGS=--only A --work {tmp_path / 'work'} "
-           f"--wheelhouse {tmp_path / 'no-wheelhouse'}"]
+           f"GPU_CHECK_ARGS=--work {work} --wheelhouse {tmp_path / 'no-wheelhouse'}"]
+    start = time.monotonic()
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560, env=ENV)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert time.monotonic() - start < 120, "the dry run took over two minutes"
     assert "gpu-check (dry run): all stages passed" in run.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.OUT_FILES)
-    assert len(gpu_check.OUT_FILES) <= 8 and all(p.is_file() for p in out.iterdir())
+    assert len(gpu_check.OUT_FILES) <= 7 and all(p.is_file() for p in out.iterdir())
 
     summary = _json(out / "summary.json")
     assert summary["ok"] is True and summary["dry_run"] is True
@@ -67,9 +73,10 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
     env = _json(out / "env.json")
     assert env["megatron_core"]["version"] and env["megatron_core"]["path"]
     assert "default" in env["sdpa_op_schemas"]["_scaled_dot_product_flash_attention_backward"]
-    assert "flash_sdp_enabled" in env["sdpa_backends"] and env["mcore_requested"] == "0.19.2"
+    assert "flash_sdp_enabled" in env["sdpa_backends"] and env["mcore_requested"] == MCORE_HERE
+    assert env["megatron_core"]["version"] == MCORE_HERE
 
-    suites = {s.get("name"): s for s in ET.parse(out / "junit.xml").getroot().iter("testsuite")}
+    suites = {s.get("name"): s for s in ET.parse(work / "junit.xml").getroot().iter("testsuite")}
     assert len(suites["gpu-kernel-cases"].findall("testcase")) == 48
     assert "pytest" in suites  # pytest's own suite beside it
     assert "gpu_check_pytest" in (out / "tests.log").read_text()  # the peak-memory plugin
@@ -80,6 +87,31 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
     md = (out / "gpu.md").read_text()
     assert "## Targets" in md and "## Rollout decode" in md
     assert summary["bench"]["status"] == "complete"
+
+
+def test_the_dry_run_imports_the_requested_megatron_core_or_refuses(tmp_path, monkeypatch):
+    """The dry run runs under the interpreter holding the requested version (this one, else
+    .venv-mcore<version>); with neither it stops naming the fix, and an interpreter that imports
+    another version is refused by name, not run."""
+    assert gpu_check.dry_run_python(MCORE_HERE) == sys.executable
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=f"make test-mcore MCORE={MCORE_ELSEWHERE}"):
+        gpu_check.dry_run_python(MCORE_ELSEWHERE)
+    venv = tmp_path / f".venv-mcore{MCORE_ELSEWHERE}" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    assert gpu_check.dry_run_python(MCORE_ELSEWHERE) == str(venv / "python")
+
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dry-run", "--mcore", MCORE_ELSEWHERE, "--python", sys.executable,
+                         "--out", str(out), "--work", str(tmp_path / "work"),
+                         "--wheelhouse", str(tmp_path / "none")])
+    summary = _json(out / "summary.json")
+    assert rc == 1 and summary["ok"] is False and [s["name"] for s in summary["stages"]] == [
+        "setup", "env"]
+    assert (f"megatron-core {MCORE_ELSEWHERE} was requested but the stages import {MCORE_HERE}"
+            in summary["error"])
 
 
 def test_missing_wheelhouse_fails_at_once_with_the_fix(tmp_path):
@@ -209,9 +241,10 @@ def test_dry_run_checks_a_present_wheelhouse_and_installs_nothing(tmp_path):
     wheel = tmp_path / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"
     wheel.touch()
     args = argparse.Namespace(mcore="0.19.2", dry_run=True, wheelhouse=tmp_path,
-                              work=tmp_path / "work")
+                              work=tmp_path / "work", python=sys.executable)
     summary = gpu_check.Summary(tmp_path / "summary.json", True, "0.19.2", 10)
-    env = gpu_check.setup(args, summary)
+    py, env = gpu_check.setup(args, summary)
+    assert py == sys.executable
     installed = importlib.metadata.version("megatron-core")
     note = summary.doc["setup"]["note"]
     assert summary.doc["setup"]["installed"] == [] and not (tmp_path / "work").exists()

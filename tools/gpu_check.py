@@ -3,8 +3,9 @@ the wheelhouse it installs from).
 
 One command on a machine with one CUDA GPU and no network whose ``python3`` holds a CUDA build
 of torch; it never creates the CPU virtual environment, and writes everything under ``--out``
-(at most 8 files, no folders): ``env.json``, one log per stage (``kernels.log``, ``tests.log``,
-``bench.log``), ``junit.xml``, ``gpu.json`` / ``gpu.md`` and ``summary.json``.
+(seven files, no folders, so that a ``tee`` log fits a machine that returns eight):
+``env.json``, one log per stage (``kernels.log``, ``tests.log``, ``bench.log``), ``gpu.json`` /
+``gpu.md`` and ``summary.json``; pytest's JUnit XML stays in ``--work``.
 
 0. setup: megatron-core ``--mcore`` (0.19.2 by default, or 0.16.1) and any missing pure-Python
    package (the test runner among them) from the git-ignored wheelhouse ``.wheelhouse/``
@@ -16,15 +17,17 @@ of torch; it never creates the CPU virtual environment, and writes everything un
    alone with ``CUDA_LAUNCH_BLOCKING=1``;
 2. tests: ``pytest -m cuda`` (per-test timeout, ``-rA``, durations, JUnit, each test's peak
    GPU memory through ``tools/gpu_check_pytest.py``);
-3. bench: ``benchmarks/gpu.py`` (workloads A and B, hidden 1024, bf16, within the time left,
-   and the rollout decode micro-benchmark).
+3. bench: ``benchmarks/gpu.py`` (workload A by default, hidden 1024, bf16, within the time
+   left, and the rollout decode micro-benchmark).
 
 ``summary.json`` (each stage's return code and duration, each case's and test's outcome and
-margin) is rewritten after every stage; the whole run keeps within ``--budget-s`` (540 s; the
-dry run 1800 s).
+margin) is rewritten after every stage; the whole run keeps within ``--budget-s`` (330 s: with
+a machine's start, two runs fit 15 minutes of GPU time; the dry run 600 s).
 
-``GPU_CHECK_DRY_RUN=1`` (or ``--dry-run``): the same stages on a CPU machine in the project's
-.venv: nothing installed (the wheelhouse, where present, is checked), the kernel cases at
+``GPU_CHECK_DRY_RUN=1`` (or ``--dry-run``): the same stages on a CPU machine under the
+interpreter that holds the requested megatron-core (this one, or ``.venv-mcore<version>``, which
+``make test-mcore MCORE=<version>`` builds): nothing installed (the wheelhouse, where present,
+is checked), the kernel cases at
 smaller sizes on the CPU fused kernel against the same reference with the CUDA kernels on
 ``meta``, the CUDA tests collected and skipped, the benchmark's ``--dry-run``.
 
@@ -57,15 +60,17 @@ MCORE_VERSIONS = ("0.19.2", "0.16.1")
 """The megatron-core versions the wheelhouse holds; the first is the default."""
 PLATFORM = ("--python-version", "3.12", "--implementation", "cp", "--platform",
             "manylinux_2_28_x86_64")
-OUT_FILES = ("env.json", "kernels.log", "tests.log", "bench.log", "junit.xml", "gpu.json",
-             "gpu.md", "summary.json")
-"""Everything the check writes under --out (the machine returns at most 8 files)."""
-BUDGET_S, DRY_RUN_BUDGET_S = 540, 1800
-"""The whole run's time: the GPU machine's 10-minute command less a margin; the dry run's
-(a CPU shared with other jobs, no such limit)."""
+OUT_FILES = ("env.json", "kernels.log", "tests.log", "bench.log", "gpu.json", "gpu.md",
+             "summary.json")
+"""Everything the check writes under --out: seven, so that a ``tee`` log beside them fits the
+eight files a GPU machine returns."""
+BUDGET_S, DRY_RUN_BUDGET_S = 330, 600
+"""The whole run's time: 5.5 minutes, so that with a machine's 1-2 minute start a rerun fits
+the 15 minutes of GPU time a session gets (the first H200 run took 144 s); the dry run's (a CPU
+shared with other jobs)."""
 KERNELS_SHARE, TESTS_SHARE, BENCH_MIN_SHARE = 1 / 6, 1 / 2, 2 / 9
-"""Of the budget: at most 90 s of 540 for the kernel cases, 270 s for the tests, at least
-120 s kept for the benchmark."""
+"""Of the budget: at most 55 s of 330 for the kernel cases, 165 s for the tests, at least
+73 s kept for the benchmark."""
 TEST_TIMEOUT_S = 120
 FIX = ("run `make wheelhouse` (python3 tools/gpu_check.py wheelhouse) on a machine with package "
        "access, and bring .wheelhouse/ with the working tree (it is git-ignored: name it among "
@@ -494,19 +499,21 @@ class Summary:
         self.path.write_text(json.dumps(self.doc, indent=1, default=str))
 
 
-def setup(args, summary: Summary) -> dict:
-    """Resolve and install the packages; the stages' environment."""
+def setup(args, summary: Summary) -> tuple:
+    """Resolve and install the packages; (the stages' interpreter, their environment)."""
     start = time.monotonic()
     todo = needed(wheels(args.mcore))
     if not args.dry_run:  # fail at once, before any work, when a wheel is missing
         for w in todo:
             wheel_file(w, args.wheelhouse)
     check_machine(args.dry_run)
-    if args.dry_run:  # nothing installed: the venv's own megatron-core runs
+    py = args.python or (dry_run_python(args.mcore) if args.dry_run else sys.executable)
+    if args.dry_run:  # nothing installed: the requested version's venv runs
         files = {w.dist: str(wheel_file(w, args.wheelhouse)) for w in todo
                  if args.wheelhouse.is_dir()}
-        note = (f"dry run: nothing installed; the wheelhouse holds {files}" if files else
-                f"dry run: nothing installed (the GPU machine needs {args.wheelhouse}: {FIX})")
+        note = (f"dry run under {py}: nothing installed; the wheelhouse holds {files}" if files
+                else f"dry run under {py}: nothing installed (the GPU machine needs "
+                     f"{args.wheelhouse}: {FIX})")
         paths, installed = [], []
     else:
         paths = install(todo, args.wheelhouse, args.work / "prefix")
@@ -516,12 +523,39 @@ def setup(args, summary: Summary) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [*map(str, paths), str(ROOT), str(TOOLS),
          *filter(None, [os.environ.get("PYTHONPATH")])])}
-    summary.doc["setup"] = {"installed": installed, "note": note}
+    summary.doc["setup"] = {"installed": installed, "note": note, "python": py}
     summary.stage("setup", 0, time.monotonic() - start)
-    return env
+    return py, env
 
 
-def write_env(py: str, env: dict, out: Path, summary: Summary, mcore: str) -> None:
+def dry_run_python(mcore: str) -> str:
+    """The interpreter holding megatron-core ``mcore``: this one, else ``.venv-mcore<mcore>``
+    (``make test-mcore MCORE=<mcore>`` builds it); never silently another version."""
+    try:
+        have = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        have = None
+    if have is not None and version_tuple(have) == version_tuple(mcore):
+        return sys.executable
+    venv = ROOT / f".venv-mcore{mcore}" / "bin" / "python"
+    if venv.is_file():
+        return str(venv)
+    raise SystemExit(f"gpu-check: the dry run asks for megatron-core {mcore}, but "
+                     f"{sys.executable} has {have} and {venv.parents[1].name} does not exist: "
+                     f"build it with `make test-mcore MCORE={mcore}`, or pass --mcore {have}")
+
+
+def imported_mcore_error(doc: dict, mcore: str):
+    """A one-line error when the stages' interpreter imports another megatron-core than the
+    one requested (None when it is the requested one)."""
+    got = (doc.get("megatron_core") or {}).get("version")
+    if got is not None and version_tuple(got) == version_tuple(mcore):
+        return None
+    where = (doc.get("megatron_core") or {}).get("path") or doc.get("error", "")[-300:]
+    return f"gpu-check: megatron-core {mcore} was requested but the stages import {got} ({where})"
+
+
+def write_env(py: str, env: dict, out: Path, summary: Summary, mcore: str) -> dict:
     rc, stdout, err = capture([py, str(TOOLS / "gpu_check.py"), "env"], env, 120)
     try:
         doc = json.loads(stdout.strip().splitlines()[-1])
@@ -535,6 +569,7 @@ def write_env(py: str, env: dict, out: Path, summary: Summary, mcore: str) -> No
     print(f"gpu-check: torch {doc.get('torch')}, CUDA {doc.get('torch_cuda')}, GPU "
           f"{(doc.get('gpu') or {}).get('name', 'none')}, megatron-core "
           f"{(doc.get('megatron_core') or {}).get('version')}", flush=True)
+    return doc
 
 
 def _stage_done(name: str, rc, seconds: float, log_path: Path, summary: Summary) -> None:
@@ -562,17 +597,13 @@ def run(args) -> int:
     clock = Clock(args.budget_s)
     summary = Summary(out / "summary.json", args.dry_run, args.mcore, args.budget_s)
     try:
-        env = setup(args, summary)
+        py, env = setup(args, summary)
     except (SystemExit, subprocess.CalledProcessError) as err:
-        summary.doc.update(ok=False, error=str(err.code if isinstance(err, SystemExit) else err))
-        summary.stage("setup", 1, clock.elapsed())
-        print(summary.doc["error"], file=sys.stderr)
-        return 1
-    py = sys.executable
-    try:
-        write_env(py, env, out, summary, args.mcore)
-    except Exception as err:  # noqa: BLE001 - recorded; the stages still run
-        (out / "env.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+        return _stop(summary, "setup", str(err.code if isinstance(err, SystemExit) else err),
+                     clock)
+    mismatch = imported_mcore_error(write_env(py, env, out, summary, args.mcore), args.mcore)
+    if mismatch:
+        return _stop(summary, "env", mismatch, clock)
     failed = []
 
     def stage(name, log_name, fn, timeout):
@@ -593,9 +624,10 @@ def run(args) -> int:
         start = time.monotonic()
         rc, cases = kernel_stage(py, env, log, args.dry_run, timeout)
         summary.doc["kernel_cases"] = cases
-        write_junit(out / "junit.xml", Path("/nonexistent"), cases)
+        write_junit(junit, Path("/nonexistent"), cases)
         return rc, time.monotonic() - start, {}
 
+    junit = args.work / "junit.xml"  # pytest's suites and the kernel cases' (not returned)
     pytest_junit = args.work / "pytest-junit.xml"
     pytest_junit.parent.mkdir(parents=True, exist_ok=True)
     pytest_junit.unlink(missing_ok=True)
@@ -603,7 +635,7 @@ def run(args) -> int:
     def tests(log, timeout):
         rc, seconds = run_logged(tests_cmd(py, pytest_junit), log, env, timeout)
         summary.doc["tests"] = pytest_results(pytest_junit)
-        write_junit(out / "junit.xml", pytest_junit, summary.doc["kernel_cases"])
+        write_junit(junit, pytest_junit, summary.doc["kernel_cases"])
         return rc, seconds, {}
 
     def bench(log, timeout):
@@ -624,14 +656,22 @@ def run(args) -> int:
           min(KERNELS_SHARE * budget, clock.left() - 2 * bench_min))
     stage("tests", "tests.log", tests, min(TESTS_SHARE * budget, clock.left() - bench_min))
     stage("bench", "bench.log", bench, clock.left() - 5)
-    if not (out / "junit.xml").is_file():
-        write_junit(out / "junit.xml", pytest_junit, summary.doc["kernel_cases"])
+    if not junit.is_file():
+        write_junit(junit, pytest_junit, summary.doc["kernel_cases"])
     summary.doc.update(ok=not failed, failed=failed, total_s=round(clock.elapsed(), 1))
     summary.write()
     print(f"\ngpu-check{' (dry run)' if args.dry_run else ''}: "
           f"{'FAILED: ' + ', '.join(failed) if failed else 'all stages passed'} in "
           f"{clock.elapsed():.0f} s; results in {out}", flush=True)
     return 1 if failed else 0
+
+
+def _stop(summary: Summary, stage: str, error: str, clock: Clock) -> int:
+    """Record ``stage`` as failed with ``error`` before any test stage ran; exit status 1."""
+    summary.doc.update(ok=False, error=error)
+    summary.stage(stage, 1, clock.elapsed())
+    print(error, file=sys.stderr)
+    return 1
 
 
 def bench_summary(path: Path):
@@ -673,7 +713,10 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    default=os.environ.get("GPU_CHECK_DRY_RUN", "") not in ("", "0"),
                    help="CPU dry run (default from GPU_CHECK_DRY_RUN)")
-    p.add_argument("--only", default="A,B", help="benchmark workloads (default A,B)")
+    p.add_argument("--only", default="A", help="benchmark workloads (default A; A,B for both)")
+    p.add_argument("--python", default=None,
+                   help="the stages' interpreter (default: this one on a GPU; in the dry run "
+                        "the one holding --mcore's version)")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"the whole run's time (default {BUDGET_S} s; dry run "
                         f"{DRY_RUN_BUDGET_S} s)")
