@@ -29,6 +29,8 @@ NOT_RUN = {
     "make wheelhouse": "downloads wheels (needs the network)",
     "make gpu-check": "needs a CUDA GPU (tests/test_gpu_check.py runs its dry run)",
     "GPU_CHECK_DRY_RUN=1 make gpu-check": "run by tests/test_gpu_check.py",
+    "python3 tools/gpu_check.py --out": "needs a CUDA GPU (tests/test_gpu_check.py runs its dry "
+                                        "run through the same script)",
     "pip install -e '.[gpu]'": "Transformer Engine compiles against CUDA (no GPU here)",
     "examples/launch_h20_8gpu.sh": "8 GPUs (not run)",
     "torchrun --nnodes 2": "two nodes: tests/app/test_train_signals.py launches a job this way, "
