@@ -38,13 +38,17 @@ def batch_major(x: Tensor) -> Tensor:
 def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float):
     """Softmax attention that also returns the log-sum-exp of every query's scores.
 
-    q [..., M, d], k/v [..., N, d], allowed broadcastable to [..., M, N] (True = attend).
+    q [..., M, d], k/v [..., N, d], allowed broadcastable to [..., M, N]: True = attend, or an
+    additive mask (``additive_mask``). The scores are computed in fp32 or wider (half inputs
+    widened for the product: scores rounded to bf16 would put ~1e-2 into the output).
     Returns out [..., M, d] and lse [..., M] (fp32 for half inputs, else the input dtype).
     """
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # [..., M, N]
-    if allowed is not None:
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [..., M, N]
+    if allowed is not None and allowed.dtype == torch.bool:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    elif allowed is not None:
+        scores = scores + allowed
     lse = torch.logsumexp(scores, dim=-1)  # [..., M]
     probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
     return torch.matmul(probs, v), lse
@@ -273,7 +277,7 @@ def cascade_prefix_attention(q, k, v, pk, pv, scale: float, kernel="auto") -> Te
     groups, bp = k.shape[2], pk.shape[1]
     layout = _PrefixLayout(bp, B // bp, groups, heads // groups, S)
     qs = _bhsd(q)  # [B, np, S, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(layout.rep, dim=1) for t in (k, v))  # [B, np, S, hn]
+    ks, vs = (_repeat_heads(_bhsd(t), layout.rep) for t in (k, v))  # [B, np, S, hn]
     qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [Bp, ng, M, hn], [Bp, ng, P, hn]
     fused = resolve_cascade_kernel(kernel, q)
     if fused != "matmul":
@@ -338,13 +342,20 @@ def _prefix_backward(kernel, dout, qp, pk, pv, out, lse, scale, state):
     bf16 model) it runs in their dtype where the kernel supports it, so dK/dV are not rounded
     to the queries' dtype; the queries' grad comes back in their own dtype."""
     wide = pk.dtype
-    if wide != qp.dtype and kernel.unsupported(qp.to(wide)) is None:
+    probe = qp.new_empty((0, qp.shape[-1]), dtype=wide)  # qp's device and head dim, no copy
+    if wide != qp.dtype and kernel.unsupported(probe) is None:
         dqp, dpk, dpv = kernel.backward(dout.to(wide), qp.to(wide), pk, pv, out.to(wide), lse,
                                         False, scale, state)
         return dqp.to(qp.dtype), dpk, dpv
     dqp, dpk, dpv = kernel.backward(dout, qp, pk.to(qp.dtype), pv.to(qp.dtype), out, lse,
                                     False, scale, state)
     return dqp, dpk.to(wide), dpv.to(wide)
+
+
+def _repeat_heads(x: Tensor, rep: int) -> Tensor:
+    """[B, ng, L, hn] -> [B, ng * rep, L, hn], each K/V head repeated for its rep query heads
+    (a copy; ``x`` itself at rep = 1)."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
 def concat_prefix_attention(q, k, v, pk, pv, scale: float) -> Tensor:
@@ -364,24 +375,45 @@ def _cpu_without_graph(q: Tensor) -> bool:
     ``enable_gqa``, the same output, no copy of the cache per step), and the prompt-once parts
     run on the CPU flash op (``_cpu_flash_lse``). Not with a graph: the pair's backward sums
     the heads' K/V gradients in another order than the repeat's; elsewhere (CUDA, meta) the
-    parts run on ``attend_with_lse``."""
+    parts run on the memory-efficient op (``_chain_part``)."""
     return q.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 def sdpa(q, k, v, allowed: Optional[Tensor], scale: float, causal: bool = False) -> Tensor:
-    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend. Returns [b, np, sq, hn].
+    """PyTorch SDPA on MCore layouts; ``allowed`` True = attend, broadcastable to
+    [b, 1, sq, sk] (one mask for every head). Returns [b, np, sq, hn].
 
-    GQA without a mask goes through ``enable_gqa`` (CUDA: flash); with a mask the K/V heads
-    are repeated instead: CUDA's memory-efficient kernel takes a mask but not ``enable_gqa``,
-    and the pair would fall back to the math kernel, materialising the scores (on CPU without
-    a recorded graph, ``_cpu_without_graph``, they are not)."""
+    Grouped-query attention goes through ``enable_gqa`` where a fused kernel takes it (CUDA:
+    flash, fp16/bf16 without a mask; CPU); elsewhere (``_gqa_pair_unfused``) the pair would
+    run the math kernel and materialise the scores, so a masked call with one query per row
+    (a decode step) folds each group's rep query heads into its query length (no copy: the
+    mask is the same for all heads), and any other call repeats the K/V heads."""
     rep = q.shape[2] // k.shape[2]
-    if allowed is not None and rep > 1 and not _cpu_without_graph(q):
+    if rep > 1 and _gqa_pair_unfused(q, allowed):
+        if allowed is not None and q.shape[0] == 1 and not causal:
+            b, heads, hn = q.shape[1:]
+            qg = _bhsd(q).reshape(b, k.shape[2], rep, hn)  # [b, ng, rep, hn], a view
+            out = F.scaled_dot_product_attention(qg, _bhsd(k), _bhsd(v), attn_mask=allowed,
+                                                 scale=scale)
+            return out.reshape(b, heads, 1, hn)  # [b, ng, rep, hn] -> [b, np, 1, hn]
         k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))  # [sk, b, np, hn]
     return F.scaled_dot_product_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=allowed, is_causal=causal, scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _gqa_pair_unfused(q: Tensor, allowed: Optional[Tensor]) -> bool:
+    """Whether SDPA with ``enable_gqa`` would run the math kernel: with a mask (CUDA's
+    memory-efficient kernel takes one but not ``enable_gqa``), or off CPU in a dtype flash,
+    the one fused CUDA kernel with ``enable_gqa``, has not (fp32). Never on CPU without a
+    recorded graph (``_cpu_without_graph``): PyTorch's CPU kernel takes the masked pair."""
+    if _cpu_without_graph(q):
+        return False
+    return allowed is not None or (q.device.type != "cpu" and q.dtype not in HALF)
 
 
 def prompt_once_attention(q, k, v, allowed, pk, pv, prompt_allowed, scale: float) -> Tensor:
@@ -407,18 +439,51 @@ def _cpu_flash_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) 
         q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
-def additive_mask(allowed: Tensor, dtype: torch.dtype, memo: Optional[dict] = None,
-                  key=None) -> Tensor:
-    """``allowed`` (True = attend) as an additive mask in ``dtype`` (0 / -inf). ``memo``: a
-    dict kept for one forward (``CacheStep.memo``) in which it is made once under ``key``,
-    not once per layer application."""
-    if memo is not None and (key, dtype) in memo:
-        return memo[key, dtype]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    bias.masked_fill_(~allowed, float("-inf"))
-    if memo is not None:
-        memo[key, dtype] = bias
-    return bias
+def _efficient_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple:
+    """``attend_with_lse`` on PyTorch's CUDA memory-efficient op (scores in fp32, none
+    materialised); ``bias`` an additive mask with rows aligned to ``BIAS_ALIGN`` keys,
+    broadcastable to [b, h, M, N] (the op takes that shape exactly: an expanded view). Its
+    log-sum-exp has no gradient: for decoding only."""
+    bias = bias.expand(*q.shape[:-1], k.shape[-2])  # [b, h, M, N]
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, bias, True, 0.0, False, scale=scale)
+    return out, lse[..., : q.shape[2]]  # lse [b, h, M] of [b, h, M_pad]
+
+
+BIAS_ALIGN = 16
+"""Keys per row of an additive mask's storage for the memory-efficient op (it reads the mask
+in aligned rows; PyTorch's SDPA pads its masks the same way)."""
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype, align: int = 1) -> Tensor:
+    """``allowed`` (True = attend) as an additive mask in ``dtype`` (0 / -inf), its rows
+    stored padded to a multiple of ``align`` keys."""
+    keys = allowed.shape[-1]
+    padded = -(-keys // align) * align
+    bias = torch.zeros((*allowed.shape[:-1], padded), dtype=dtype, device=allowed.device)
+    bias = bias[..., :keys]
+    return bias.masked_fill_(~allowed, float("-inf"))
+
+
+def _chain_part(q: Tensor, k: Tensor) -> tuple:
+    """The op computing each part of ``chain_prefix_attention`` and its masks' row alignment:
+    PyTorch's CPU flash op on CPU without a recorded graph, its CUDA memory-efficient op where
+    it takes the inputs and no gradient is recorded, else ``attend_with_lse``."""
+    if _cpu_without_graph(q):
+        return _cpu_flash_lse, 1
+    efficient = LSE_KERNELS["efficient"].unsupported(q) is None
+    if efficient and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return _efficient_lse, BIAS_ALIGN
+    return attend_with_lse, 1
+
+
+def _own_bias(allowed: Tensor, rep: int, dtype: torch.dtype, align: int) -> Tensor:
+    """The own part's additive mask for queries grouped by KV head, [B, 1, rep * s, T] of
+    ``allowed`` [B, s, T]: one row per query and a view of a [B, 1, 1, 1, T] mask at s = 1."""
+    B, s, T = allowed.shape
+    grouped = allowed[:, None, None].expand(B, 1, rep if s > 1 else 1, s, T)
+    bias = additive_mask(grouped, dtype, align)  # [B, 1, rep or 1, s, T]
+    return bias.expand(B, 1, rep, s, T).reshape(B, 1, rep * s, T)  # a view
 
 
 def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float,
@@ -431,27 +496,41 @@ def chain_prefix_attention(q, k, v, allowed, prefixes: list, scale: float,
     q [s, B, np, hn]; k, v [T, B, ng, hn] the rows' own K/V, ``allowed`` [B, s, T] (True =
     attend). ``prefixes``: one (pk, pv, seen) per segment level, pk/pv [P_j, N_j, ng, hn] with
     B a multiple of N_j (rows b continue segment row b // (B / N_j)), ``seen`` [N_j, P_j]
-    (False on padding). Every query must see at least one key of each part. Merged in fp32
-    or wider, rounded once. Returns [B, np, s, hn]. On CPU without a recorded graph the parts
-    run on PyTorch's CPU flash op (``_chain_on_cpu``).
+    (False on padding). Every query must see at least one key of each part. Returns
+    [B, np, s, hn].
+
+    The queries stay grouped by KV head, [B, ng, rep * s, hn] (a row's mask is the same for
+    all its heads, so one call per part needs no repeated K/V); each part runs on a fused op
+    where one takes it (``_chain_part``); each part's additive mask is made once per ``memo``
+    (one per forward: ``CacheStep.memo``); the parts are merged in fp32 or wider as
+    out <- lerp(out, out_j, sigmoid(lse_j - lse)), the softmax weight of part j, and rounded
+    once.
     """
-    if _cpu_without_graph(q):
-        return _chain_on_cpu(q, k, v, allowed, prefixes, scale, {} if memo is None else memo)
+    memo = {} if memo is None else memo
+    part, align = _chain_part(q, k)
     s, B, heads, hn = q.shape
     groups = k.shape[2]
     rep = heads // groups
-    qs = _bhsd(q)  # [B, np, s, hn]
-    ks, vs = (_bhsd(t).repeat_interleave(rep, dim=1) for t in (k, v))  # [B, np, T, hn]
-    out, lse = attend_with_lse(qs, ks, vs, allowed[:, None], scale)  # [B, np, s(, hn)]
+    qg = _bhsd(q).reshape(B, groups, rep * s, hn)  # [B, ng, rep * s, hn]
+    if ("own", q.dtype, align) not in memo:
+        memo["own", q.dtype, align] = _own_bias(allowed, rep, q.dtype, align)
+    out, lse = part(qg, _bhsd(k), _bhsd(v), memo["own", q.dtype, align], scale)
     acc = torch.promote_types(out.dtype, torch.float32)
     out = out.to(acc)
-    for pk, pv, seen in reversed(prefixes):  # the nearest first
-        layout = _PrefixLayout(pk.shape[1], B // pk.shape[1], groups, rep, s)
-        qp, pk, pv = layout.to_prefix(qs), _bhsd(pk), _bhsd(pv)  # [N_j, ng, M / P_j, hn]
-        out_p, lse_p = attend_with_lse(qp, pk, pv, seen[:, None, None, :], scale)
-        out, lse = merge_with_lse(layout.from_prefix(out_p).to(acc), layout.from_prefix(lse_p),
-                                  out, lse)
-    return out.to(q.dtype)
+    for j in range(len(prefixes) - 1, -1, -1):  # the nearest segment first
+        pk, pv, seen = prefixes[j]
+        n = pk.shape[1]
+        qp = qg.reshape(n, B // n, groups, rep * s, hn).transpose(1, 2).reshape(
+            n, groups, -1, hn)  # [N_j, ng, (B / N_j) * rep * s, hn]
+        if (j, q.dtype, align) not in memo:
+            memo[j, q.dtype, align] = additive_mask(seen[:, None, None, :], q.dtype, align)
+        out_p, lse_p = part(qp, _bhsd(pk), _bhsd(pv), memo[j, q.dtype, align], scale)
+        lse_p = _grouped_per_row(lse_p, B)
+        out = torch.lerp(out, _grouped_per_row(out_p, B).to(acc),
+                         torch.sigmoid(lse_p - lse)[..., None])
+        if j:
+            lse = torch.logaddexp(lse, lse_p)
+    return out.to(q.dtype).reshape(B, heads, s, hn)
 
 
 def _grouped_per_row(x: Tensor, B: int) -> Tensor:
@@ -460,38 +539,6 @@ def _grouped_per_row(x: Tensor, B: int) -> Tensor:
     n, groups = x.shape[:2]
     x = x.reshape(n, groups, B // n, -1, *x.shape[3:]).transpose(1, 2)
     return x.reshape(B, groups, *x.shape[3:])
-
-
-def _chain_on_cpu(q, k, v, allowed, prefixes: list, scale: float, memo: dict) -> Tensor:
-    """``chain_prefix_attention`` on PyTorch's CPU flash op, where decoding's host time per op
-    is what counts: the queries stay grouped by KV head, [B, ng, rep * s, hn] (a row's mask is
-    the same for all its heads, so one call per part needs no repeated K/V); each part's
-    additive mask is made once per ``memo`` (one per forward: ``CacheStep.memo``); the parts
-    are merged as out <- lerp(out, out_j, sigmoid(lse_j - lse)), the softmax weight of part
-    j. Same inputs and output as ``chain_prefix_attention``."""
-    s, B, heads, hn = q.shape
-    groups = k.shape[2]
-    rep = heads // groups
-    qg = _bhsd(q).reshape(B, groups, rep * s, hn)  # [B, ng, rep * s, hn]
-    if ("own", q.dtype) not in memo:
-        grouped = allowed[:, None, None].expand(B, 1, rep, s, allowed.shape[-1])
-        additive_mask(grouped.reshape(B, 1, rep * s, -1), q.dtype, memo, "own")
-    out, lse = _cpu_flash_lse(qg, _bhsd(k), _bhsd(v), memo["own", q.dtype], scale)
-    acc = torch.promote_types(out.dtype, torch.float32)
-    out = out.to(acc)
-    for j in range(len(prefixes) - 1, -1, -1):  # the nearest segment first
-        pk, pv, seen = prefixes[j]
-        n = pk.shape[1]
-        qp = qg.reshape(n, B // n, groups, rep * s, hn).transpose(1, 2).reshape(
-            n, groups, -1, hn)  # [N_j, ng, (B / N_j) * rep * s, hn]
-        bias = additive_mask(seen[:, None, None, :], q.dtype, memo, j)
-        out_p, lse_p = _cpu_flash_lse(qp, _bhsd(pk), _bhsd(pv), bias, scale)
-        lse_p = _grouped_per_row(lse_p, B)
-        out = torch.lerp(out, _grouped_per_row(out_p, B).to(acc),
-                         torch.sigmoid(lse_p - lse)[..., None])
-        if j:
-            lse = torch.logaddexp(lse, lse_p)
-    return out.to(q.dtype).reshape(B, heads, s, hn)
 
 
 # ---- saved bytes: what each attention path keeps for backward (the planner's memory model) ----

@@ -319,9 +319,10 @@ class CacheStep:
     ``prefix_lengths`` one [N_j] per prefix cache of the chain (root first; empty without a
     prefix); host ints: ``span`` keys of the own cache attended, ``prefix_spans`` keys of each
     prefix cache, ``rope_span`` rows of the RoPE table. ``with_masks`` derives (on the device)
-    ``rows`` [B, s], ``allowed`` [B, s, span] (True = attend: slot <= the query's),
-    ``masked`` its negation (MCore's convention) and ``prefix_allowed``, one [N_j, P_j] per
-    prefix cache (True on its rows' cached tokens)."""
+    ``rows`` [B, s] and ``prefix_allowed``, one [N_j, P_j] per prefix cache (True on its rows'
+    cached tokens); ``allowed`` [B, s, span] (True = attend: slot <= the query's) and
+    ``masked``, its negation [B, 1, s, span] (MCore's convention), are derived when first read
+    (a fresh prefill reads neither: with a static cache they would be [B, s, max_length])."""
 
     positions: Tensor
     slots: Tensor
@@ -330,23 +331,36 @@ class CacheStep:
     prefix_spans: tuple
     rope_span: int
     rows: Optional[Tensor] = None
-    allowed: Optional[Tensor] = None
-    masked: Optional[Tensor] = None
     prefix_allowed: tuple = ()
     memo: dict = field(default_factory=dict)
-    """What the layer applications of the forward derive once from the masks (e.g. their
-    additive forms, ``kernels.additive_mask``)."""
+    """What the layer applications of the forward derive once from the step (its masks, their
+    additive forms: ``kernels.additive_mask``)."""
 
     def with_masks(self) -> "CacheStep":
         device, slots = self.slots.device, self.slots
         self.rows = torch.arange(slots.shape[0], device=device)[:, None].expand_as(slots)
-        keys = torch.arange(self.span, device=device)
-        self.allowed = keys[None, None, :] <= slots[:, :, None]  # [B, s, T]
-        self.masked = ~self.allowed[:, None]  # [B, 1, s, T]
         self.prefix_allowed = tuple(
             torch.arange(span, device=device)[None, :] < lengths[:, None]  # [N_j, P_j]
             for lengths, span in zip(self.prefix_lengths, self.prefix_spans))
         return self
+
+    @property
+    def allowed(self) -> Tensor:
+        """[B, s, span], True = attend (slot <= the query's), made on first read."""
+        if "allowed" not in self.memo:
+            self.memo["allowed"] = self._keys()[None, None, :] <= self.slots[:, :, None]
+        return self.memo["allowed"]  # [B, s, T]
+
+    @property
+    def masked(self) -> Tensor:
+        """[B, 1, s, span], True = masked (slot > the query's: MCore's convention), made on
+        first read."""
+        if "masked" not in self.memo:
+            self.memo["masked"] = self._keys() > self.slots[:, None, :, None]
+        return self.memo["masked"]  # [B, 1, s, T]
+
+    def _keys(self) -> Tensor:
+        return torch.arange(self.span, device=self.slots.device)  # [T]
 
 
 def _check_prefix_cache(prefix: DepthKVCache, cache: DepthKVCache) -> None:
