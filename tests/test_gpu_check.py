@@ -59,7 +59,8 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
         ("setup", 0), ("kernels", 0), ("tests", 0), ("bench", 0)]
     assert all(s["seconds"] >= 0 for s in summary["stages"])
     cases = summary["kernel_cases"]
-    assert len(cases) == 48 and {c.split("-")[0] for c in cases} == {"flash", "efficient"}
+    assert len(cases) == 54 and {c.split("-")[0] for c in cases} == {"flash", "efficient",
+                                                                      "chain"}
     for cid, c in cases.items():
         assert c["outcome"] == "passed" and c["margin"] > 1, (cid, c)
         assert c["first_run"]["problems"] == [], cid  # incl. the CUDA kernel's run on meta
@@ -75,7 +76,7 @@ def test_dry_run_through_make_writes_every_file(tmp_path):
     assert env["megatron_core"]["version"] == MCORE_HERE
 
     suites = {s.get("name"): s for s in ET.parse(work / "junit.xml").getroot().iter("testsuite")}
-    assert len(suites["gpu-kernel-cases"].findall("testcase")) == 48
+    assert len(suites["gpu-kernel-cases"].findall("testcase")) == 54
     assert "pytest" in suites  # pytest's own suite beside it
     assert "gpu_check_pytest" in (out / "tests.log").read_text()  # the peak-memory plugin
 

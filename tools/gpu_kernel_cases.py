@@ -1,5 +1,6 @@
-"""The CUDA cascade kernels case by case, each against an fp64 matmul reference written here:
-stage 1 of ``make gpu-check`` (``tools/gpu_check.py`` runs this file in subprocesses).
+"""The CUDA prefix attention kernels case by case, each against an fp64 matmul reference
+written here: stage 1 of ``make gpu-check`` (``tools/gpu_check.py`` runs this file in
+subprocesses).
 
 A case is one of {flash, efficient} x {bf16, fp16} x {one K/V group per head, GQA, one group}
 x {Bp = 1, Bp = B} x {prefix leaves in the queries' dtype, fp32}: the cascade prefix
@@ -7,9 +8,13 @@ attention (``scalerlt_mcore.model.attention.cascade_prefix_attention``) forward 
 on that kernel, the output and the gradients w.r.t. q, k, v and the prefix K/V compared with
 softmax attention over the concatenated keys computed in fp64 from the same (rounded) inputs,
 relative to the reference's max, within 4 unit roundoffs of the dtype (2^-6 bf16, 2^-9
-fp16). Stock PyTorch SDPA over the concatenated keys in the case's dtype is measured beside it
-for the record. One JSON line per case on stdout; a case that raises ends the process (a
-CUDA error can poison the context for every case after it: the caller reruns those alone).
+fp16). A ``chain`` case, {bf16, fp16} x {one K/V group per head, GQA, one group}, is a decode
+step of tree decoding (``scalerlt_mcore.model.kernels.chain_prefix_attention``: the rows' own
+K/V and two prefix segments, each part on the memory-efficient op with its mask, merged by the
+parts' log-sum-exps), its output held to the same bound. Stock PyTorch SDPA over the
+concatenated keys in the case's dtype is measured beside it for the record. One JSON line per
+case on stdout; a case that raises ends the process (a CUDA error can poison the context for
+every case after it: the caller reruns those alone).
 
 ``--device cpu`` (the dry run): the same cases with the CPU fused kernel in the case's dtype
 against the same reference (checks the reference and the bounds), and the case's CUDA kernel
@@ -80,9 +85,26 @@ class Case:
         return torch.float32 if self.prefix_fp32 else self.dtype
 
 
+@dataclass(frozen=True)
+class ChainCase:
+    """One decode step against two prefix segments (``chain_prefix_attention``)."""
+
+    dtype: torch.dtype
+    layout: str
+
+    @property
+    def id(self) -> str:
+        return f"chain-{'bf16' if self.dtype == torch.bfloat16 else 'fp16'}-{self.layout}"
+
+    @property
+    def groups(self) -> int:
+        return LAYOUTS[self.layout]
+
+
 CASES = tuple(Case(*c) for c in itertools.product(
     ("flash", "efficient"), (torch.bfloat16, torch.float16), tuple(LAYOUTS), (True, False),
-    (False, True)))
+    (False, True))) + tuple(ChainCase(*c) for c in itertools.product(
+        (torch.bfloat16, torch.float16), tuple(LAYOUTS)))
 BY_ID = {c.id: c for c in CASES}
 
 
@@ -114,6 +136,77 @@ def stock_sdpa(q, k, v, pk, pv, scale: float):
     bhsd = [t.permute(1, 2, 0, 3) for t in (q, keys, vals)]  # [B, np, T, hn]
     return torch.nn.functional.scaled_dot_product_attention(*bhsd, attn_mask=allowed,
                                                             scale=scale)
+
+
+def reference_chain(q, k, v, allowed, prefixes):
+    """Softmax attention of q [s, B, np, hn] over each row's segment keys (segment j: pk/pv
+    [P_j, N_j, ng, hn], row b reading row b // (B / N_j), ``seen`` [N_j, P_j]) and its own k/v
+    [T, B, ng, hn] under ``allowed`` [B, s, T], as dense matmuls: out [B, np, s, hn]."""
+    s, B, heads, hn = q.shape
+    rep = heads // k.shape[2]
+    keys, vals, seen = [], [], []
+    for pk, pv, mask in prefixes:
+        per = B // pk.shape[1]
+        keys.append(pk.repeat_interleave(per, 1))
+        vals.append(pv.repeat_interleave(per, 1))
+        seen.append(mask.repeat_interleave(per, 0)[:, None].expand(B, s, -1))
+    keys = torch.cat([*keys, k]).repeat_interleave(rep, 2)  # [K, B, np, hn]
+    vals = torch.cat([*vals, v]).repeat_interleave(rep, 2)
+    seen = torch.cat([*seen, allowed], 2)[:, None]  # [B, 1, s, K]
+    scores = torch.einsum("sbhd,kbhd->bhsk", q, keys) * hn ** -0.5
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("bhsk,kbhd->bhsd", probs, vals), (keys, vals, seen)
+
+
+def chain_inputs(case: ChainCase, z: Sizes, device: str, seed: int = 0) -> tuple:
+    """A decode step (one query per row) of B = 2 * z.B rows: q, own k/v (z.S cached slots,
+    uneven), the mask, and two segments: one prompt of z.P keys, then z.B rows of z.S keys."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    B, ng, hn = 2 * z.B, case.groups, z.hn
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(device, case.dtype)
+
+    def seen(n, P):
+        lengths = torch.randint(1, P + 1, (n,), generator=gen)
+        return (torch.arange(P)[None] < lengths[:, None]).to(device)  # [n, P]
+
+    prefixes = [(rnd(P, n, ng, hn), rnd(P, n, ng, hn), seen(n, P))
+                for P, n in ((z.P, 1), (z.S, z.B))]
+    return (rnd(1, B, HEADS, hn), rnd(z.S, B, ng, hn), rnd(z.S, B, ng, hn),
+            seen(B, z.S)[:, None], prefixes)
+
+
+def run_chain_case(case: ChainCase, device: str, z: Sizes = FULL) -> dict:
+    """The chain case's result (as ``run_case``'s): its output against the fp64 reference."""
+    from scalerlt_mcore.model.kernels import chain_prefix_attention
+
+    start = time.perf_counter()
+    q, k, v, allowed, prefixes = chain_inputs(case, z, device)
+    wide = [(pk.double(), pv.double(), m) for pk, pv, m in prefixes]
+    ref, (keys, vals, seen) = reference_chain(q.double(), k.double(), v.double(), allowed, wide)
+    with torch.no_grad():
+        got = chain_prefix_attention(q, k, v, allowed, prefixes, z.hn ** -0.5)
+        stock = torch.nn.functional.scaled_dot_product_attention(
+            *(t.to(case.dtype).permute(1, 2, 0, 3) for t in (q, keys, vals)), attn_mask=seen)
+        problems = [] if (got.shape, got.dtype) == (ref.shape, case.dtype) else [
+            f"out: {tuple(got.shape)} {got.dtype}, expected {tuple(ref.shape)} {case.dtype}"]
+        if device != "cuda":  # the CUDA path (the memory-efficient op) on meta
+            on_meta = chain_prefix_attention(
+                q.to("meta"), k.to("meta"), v.to("meta"), allowed.to("meta"),
+                [tuple(t.to("meta") for t in p) for p in prefixes], z.hn ** -0.5)
+            if (on_meta.shape, on_meta.dtype) != (ref.shape, case.dtype):
+                problems.append(f"on meta: out {tuple(on_meta.shape)} {on_meta.dtype}")
+    errors, bound = rel_errors([got], [ref]), BOUNDS[case.dtype]
+    worst = errors["out"]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"case": case.id, "device": device,
+            "kernel": "efficient" if device == "cuda" else "cpu_flash", "sizes": z.__dict__,
+            "ok": worst <= bound and not problems, "bound": bound, "worst": worst,
+            "margin": bound / worst if worst > 0 else float("inf"), "errors": errors,
+            "stock_sdpa_errors": rel_errors([stock], [ref]), "problems": problems,
+            "seconds": time.perf_counter() - start}
 
 
 # ---- one case --------------------------------------------------------------------------------
@@ -217,7 +310,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp64 reference is unaffected anyway
     for cid in ids:
         try:
-            result = run_case(BY_ID[cid], args.device, SMALL if args.small else FULL)
+            case = BY_ID[cid]
+            run = run_chain_case if isinstance(case, ChainCase) else run_case
+            result = run(case, args.device, SMALL if args.small else FULL)
         except Exception as err:  # noqa: BLE001 - the case's failure is its result
             print(json.dumps({"case": cid, "ok": False, "raised": f"{type(err).__name__}: {err}",
                               "traceback": traceback.format_exc()[-4000:]}), flush=True)
