@@ -498,7 +498,8 @@ def main(argv=None) -> int:
             "budget_s": args.budget_s, "cascade_kernel": {},
             "notes": ["tokens/s counts trained response tokens (G * S per step)",
                       "memory ratios use the peak above the memory held when the step began",
-                      "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square); "
+                      "FLOPs: FlopCounterMode (PyTorch's SDPA convention: full score square; "
+                      "flops_causal counts the causal triangle of is_causal calls); "
                       "with TE, counted on a local-spec twin of the same model",
                       "agreement: fp32, loss within the tolerance, gradient within it relative "
                       "to its largest entry over the whole gradient"]}

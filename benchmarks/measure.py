@@ -5,7 +5,11 @@ import statistics
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from scalerlt_mcore.app.runtime import gc_paused
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
@@ -35,32 +39,50 @@ def _attention_pairs(s_q: int, s_k: int, is_causal: bool) -> int:
     return tri * (tri + 1) // 2 + full * s_k
 
 
-def _sdpa_flops(q, k, is_causal: bool, causal_aware: bool) -> int:
+def _cpu_forward(q, k, v) -> int:
     b, h, s_q, d = q
-    pairs = _attention_pairs(s_q, k[2], is_causal and causal_aware)
-    return 2 * 2 * b * h * d * pairs  # QK^T and PV
+    return 2 * 2 * b * h * d * s_q * k[2]  # QK^T and PV over the full score square
+
+
+def _cpu_backward(grad_out, q, k, v) -> int:
+    return 2 * _cpu_forward(q, k, v)  # four products of the forward's two's size
 
 
 class _SdpaFormulas:
-    """FlopCounterMode formulas for the CPU SDPA kernel, which PyTorch's counter lacks (it
-    would count that attention as zero). The total follows PyTorch's convention for its other
-    SDPA kernels (the full score square, causal or not); the causal triangle the kernel
-    actually computes is tallied on the side (``causal_saving``)."""
+    """FlopCounterMode formulas for the SDPA kernels that count the full score square: the
+    CPU kernel, which PyTorch's counter lacks (it would count that attention as zero), and the
+    CUDA flash / memory-efficient / cuDNN ops, whose PyTorch formulas ignore ``is_causal``.
+    Each total follows PyTorch's convention (the full square, causal or not); the share a
+    causal call skips is tallied on the side (``causal_saving``)."""
+
+    DENSE = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_forward,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_backward,
+             aten._scaled_dot_product_flash_attention: sdpa_flop_count,
+             aten._scaled_dot_product_flash_attention_backward: sdpa_backward_flop_count,
+             aten._scaled_dot_product_efficient_attention: sdpa_flop_count,
+             aten._scaled_dot_product_efficient_attention_backward: sdpa_backward_flop_count,
+             aten._scaled_dot_product_cudnn_attention: sdpa_flop_count,
+             aten._scaled_dot_product_cudnn_attention_backward: sdpa_backward_flop_count}
 
     def __init__(self):
         self.causal_saving = 0
+        self.mapping = {op: self._formula(op, dense) for op, dense in self.DENSE.items()}
 
-    def _count(self, q, k, is_causal, products: int) -> int:
-        dense = products * _sdpa_flops(q, k, is_causal, causal_aware=False)
-        self.causal_saving += dense - products * _sdpa_flops(q, k, is_causal, causal_aware=True)
-        return dense
+    def _formula(self, op, dense):
+        """``op``'s formula: ``dense`` of its tensors' shapes, which leads with the query's
+        (the backward's with grad_out's); ``is_causal`` is read where ``op``'s schema puts it."""
+        names = [a.name for a in op.default._schema.arguments]
+        q_at, causal_at = names.index("query"), names.index("is_causal")
 
-    def forward(self, q, k, v, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kw):
-        return self._count(q, k, is_causal, 1)
+        def count(*args, out_shape=None, **kwargs) -> int:
+            flops = dense(*args[: q_at + 3])
+            causal = causal_at < len(args) and args[causal_at]  # dispatch drops a False default
+            s_q, s_k = args[q_at][2], args[q_at + 1][2]
+            # every count is a multiple of the score square s_q * s_k
+            self.causal_saving += flops - flops * _attention_pairs(s_q, s_k, causal) // (s_q * s_k)
+            return flops
 
-    def backward(self, grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args,
-                 out_shape=None, **kw):
-        return self._count(q, k, is_causal, 2)  # four products of the forward's two's size
+        return count
 
 
 def count_flops(step) -> dict:
@@ -68,9 +90,7 @@ def count_flops(step) -> dict:
     FlopCounterMode convention (SDPA counts the full score square), ``causal`` counting only
     the (query, key) pairs a causal kernel computes."""
     sdpa = _SdpaFormulas()
-    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa.forward,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa.backward}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+    with FlopCounterMode(display=False, custom_mapping=sdpa.mapping) as counter:
         step()
     total = int(counter.get_total_flops())
     return {"dense": total, "causal": total - sdpa.causal_saving}

@@ -126,6 +126,29 @@ def test_cpu_sdpa_flops_dense_and_causal():
     assert flops["causal"] == 3 * per_pair * 10  # the causal triangle: 1 + 2 + 3 + 4 pairs
 
 
+@pytest.mark.parametrize("kernel, dtype", [("flash", torch.bfloat16),
+                                           ("efficient", torch.float32)])
+def test_cuda_sdpa_flops_count_the_causal_triangle_on_meta(kernel, dtype):
+    """The cascade on the CUDA ops (meta): the prefix part is dense, the own part causal; the
+    dense total is PyTorch's own count, the causal one skips the own part's upper triangle."""
+    from scalerlt_mcore.model import kernels
+
+    S, B, H, G, P, D = 5, 3, 4, 2, 6, 64
+    shapes = [(S, B, H, D), (S, B, G, D), (S, B, G, D), (P, 1, G, D), (P, 1, G, D)]
+    inputs = [torch.empty(s, dtype=dtype, device="meta", requires_grad=True) for s in shapes]
+
+    def step():
+        kernels.cascade_prefix_attention(*inputs, 0.125, kernel=kernel).sum().backward()
+
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as pytorch:
+        step()
+    flops = count_flops(step)
+    per_pair = 2 * B * H * D  # one product's multiply-adds per (query, key) pair
+    skipped = S * S - S * (S + 1) // 2  # the own part's keys after each query
+    assert flops["dense"] == pytorch.get_total_flops()
+    assert flops["dense"] - flops["causal"] == (2 + 5) * per_pair * skipped  # fwd 2, bwd 5
+
+
 def test_writers_produce_required_keys(mcore_single, tmp_path):
     sweep = dataclasses.replace(TINY, name="sweep_G4_r2", group_size=4, prompt_length=12,
                                 full_length=True)

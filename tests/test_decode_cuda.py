@@ -1,13 +1,14 @@
 """Decoding on CUDA (``make gpu-check`` runs these; skipped without a GPU): the static cache
-(the CUDA default: fixed shapes every step) samples the sliced cache's greedy tokens, and a
-rollout's decoded tokens make the host wait for the device 0 times in steady state."""
+(the CUDA default: fixed shapes every step) samples the sliced cache's greedy tokens, a
+rollout's decoded tokens make the host wait for the device 0 times in steady state, and 8
+decode steps queued behind a sleeping GPU return to the host before the GPU finishes them."""
 
 import pytest
 import torch
 from helpers.decode import VOCAB, build
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, _Record, ban_mask, decode_tokens, generate
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,3 +58,33 @@ def test_graphed_step_rejects_a_sliced_cache(mcore_single):
     model = build("learned_absolute", torch.float32)[0].cuda().eval()
     with pytest.raises(ValueError, match="needs a static cache"):
         DecodeGraph(model, model.new_kv_cache(2, 8, static=False))
+
+
+def test_eight_decode_steps_run_ahead_of_the_gpu(mcore_single):
+    """Sampling 9 tokens and feeding 8 (the ban mask uploaded, the static cache) behind a GPU
+    busy for about a second: the host is back while the GPU still sleeps, so nothing in the
+    steps waits for the device (a sync would block until the sleep ends)."""
+    model = build("rope", torch.float32)[0].cuda().eval()
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.cuda()
+    prompts = torch.tensor([[1, 2, 3, 4]] * 6, device="cuda")  # [B, Tp]
+    lengths = torch.full((6,), 4, dtype=torch.long)
+
+    @torch.no_grad()
+    def decode(steps: int = 9):  # 9 tokens sampled, 8 fed through decode steps
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        cache = model.new_kv_cache(6, 4 + steps, static=True)
+        logits, exit_lp = model.prefill(cache, prompts, lengths, with_exit=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # cycles: about a second
+        sampling = Sampling(1.0, 1.0, gen, ban_mask((0,), None, logits.shape[-1], "cuda"))
+        rec = _Record(logits.shape[0], 6, steps, 0, VOCAB + 1, logits.device, False)
+        step = lambda t: model.decode_step(cache, t, with_exit=True)  # noqa: E731
+        decode_tokens(step, logits, exit_lp, rec, steps, sampling, every=100)
+        done = torch.cuda.Event()
+        done.record()
+        ahead = not done.query()
+        torch.cuda.synchronize()
+        return ahead
+
+    decode()  # warm-up: kernels loaded, the allocators' blocks cached
+    assert decode(), "the host waited for the GPU inside the decode steps"

@@ -11,6 +11,10 @@ on CPU it counts what *would* be a sync on CUDA, which is what the CPU tests and
   ``aten.is_nonzero``, ``aten.equal``);
 - ``d2h``: a copy from a device to the host (``_to_copy`` / ``copy_`` / ``to`` landing on the
   CPU from another device);
+- ``blocking_h2d``: a copy from the host to a device that the host waits for: ``non_blocking``
+  False (PyTorch synchronises the stream after it), or on CUDA from pageable memory; and
+  ``torch.tensor`` / ``torch.as_tensor`` of Python data with a device (built on the host,
+  copied blocking, unseen by dispatch);
 - ``host_read``: ``Tensor.tolist`` / ``Tensor.numpy`` (on CUDA, a ``.cpu().numpy()`` then
   counts twice: an upper bound);
 - ``data_dependent``: ops whose output shape or validity check needs a device value on the
@@ -18,7 +22,8 @@ on CPU it counts what *would* be a sync on CUDA, which is what the CPU tests and
   ``output_size``, ``multinomial`` (its input check reads ``.item()``), indexing with a
   boolean mask).
 
-A host-to-device copy is not a sync (counted apart as ``h2d``, not in ``total``).
+A non-blocking host-to-device copy (``upload``: from pinned memory on CUDA) is not a sync
+(counted apart as ``h2d``, not in ``total``).
 
 Tensors that live on the host on every device (a decoding cache's ``lengths``, the positions
 computed from them) are marked with ``mark_host``: ops whose tensor inputs are all marked run
@@ -42,7 +47,7 @@ DATA_DEPENDENT_OPS = frozenset({
 })
 COPY_OPS = frozenset({aten._to_copy.default, aten.copy_.default, aten.copy.default})
 INDEX_OPS = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default})
-SYNC_KINDS = ("scalar", "d2h", "host_read", "data_dependent")
+SYNC_KINDS = ("scalar", "d2h", "host_read", "data_dependent", "blocking_h2d")
 """The kinds that ``total`` adds up."""
 
 
@@ -69,19 +74,20 @@ def _device(x):
 
 
 def _copy_direction(func, args, kwargs):
-    """'d2h', 'h2d' or None for a copy op (read before it runs: a copy out of ``meta``
-    raises)."""
+    """'d2h', 'h2d', 'blocking_h2d' or None for a copy op (read before it runs: a copy out of
+    ``meta`` raises)."""
     if func is aten._to_copy.default:
-        src, dst = _device(args[0]), kwargs.get("device")
-        dst = None if dst is None else torch.device(dst)
-    else:  # copy_(dst, src) / copy(self, src)
-        dst, src = _device(args[0]), _device(args[1])
-    if src is None or dst is None or src == dst:
+        src, dst = args[0], kwargs.get("device")
+        dst, non_blocking = None if dst is None else torch.device(dst), kwargs.get("non_blocking")
+    else:  # copy_(dst, src, non_blocking) / copy(self, src, non_blocking)
+        dst, src, non_blocking = _device(args[0]), args[1], args[2] if len(args) > 2 else False
+    if not isinstance(src, torch.Tensor) or dst is None or src.device == dst:
         return None
-    if dst.type == "cpu" and src.type != "cpu":
+    if dst.type == "cpu" and src.device.type != "cpu":
         return "d2h"
-    if src.type == "cpu" and dst.type != "cpu":
-        return "h2d"
+    if src.device.type == "cpu" and dst.type != "cpu":
+        pageable = dst.type == "cuda" and not src.is_pinned()
+        return "blocking_h2d" if not non_blocking or pageable else "h2d"
     return None
 
 
@@ -136,6 +142,8 @@ class HostSyncCounter(TorchDispatchMode):
         self._patched.__enter__()
         for name in ("tolist", "numpy"):
             self._patched.enter_context(_counting_method(self, name))
+        for name in ("tensor", "as_tensor"):
+            self._patched.enter_context(_counting_factory(self, name))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -160,6 +168,40 @@ def _counting_method(counter: HostSyncCounter, name: str):
         yield
     finally:
         setattr(torch.Tensor, name, real)
+
+
+@contextlib.contextmanager
+def _counting_factory(counter: HostSyncCounter, name: str):
+    """``torch.<name>`` of Python data onto a device counted as a ``blocking_h2d`` while the
+    counter is active (a tensor or array argument's copy is dispatched, so counted there)."""
+    real = getattr(torch, name)
+
+    def counted(data, *args, **kwargs):
+        device = kwargs.get("device", args[1] if name == "as_tensor" and len(args) > 1 else None)
+        python = not isinstance(data, torch.Tensor) and not hasattr(data, "__array__")
+        if python and device is not None and torch.device(device).type != "cpu":
+            counter.counts["blocking_h2d"] += 1
+        return real(data, *args, **kwargs)
+
+    setattr(torch, name, counted)
+    try:
+        yield
+    finally:
+        setattr(torch, name, real)
+
+
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """``host`` on ``device`` without making the host wait: copied non-blocking, from pinned
+    memory when ``device`` is CUDA (a copy from pageable memory may wait for the stream)."""
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def upload_indices(lists: list, device) -> list:
+    """Index lists as long tensors on ``device``: one ``upload``, split into views."""
+    flat = torch.tensor([i for rows in lists for i in rows], dtype=torch.long, device="cpu")
+    return list(upload(flat, device).split([len(rows) for rows in lists]))
 
 
 def count_host_syncs(fn, *args, **kwargs) -> tuple:

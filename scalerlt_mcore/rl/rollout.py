@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..model.decode_graph import DecodeGraph
-from ..model.host_syncs import mark_host
+from ..model.host_syncs import mark_host, upload
 
 
 @dataclass
@@ -118,7 +118,7 @@ def ban_mask(banned, vocab_size, width: int, device) -> Optional[Tensor]:
     mask[list(banned)] = True
     if padded:
         mask[vocab_size:] = True
-    return mask.to(device)
+    return upload(mask, device)
 
 
 def _banned(logits: Tensor, banned, vocab_size) -> Tensor:
@@ -233,7 +233,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
         tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp] host
         cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
                                    static=static_cache, num_loops=num_loops)
-        logits, exit_lp = model.prefill(cache, tokens.to(device), lengths, with_exit=True,
+        logits, exit_lp = model.prefill(cache, upload(tokens, device), lengths, with_exit=True,
                                         num_loops=num_loops)  # [R, B, V]
     if exit_mode != "none" and exit_lp is None:
         raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
@@ -343,7 +343,7 @@ def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: i
     tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp] host
     prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static,
                                 num_loops=num_loops)
-    logits, exit_lp = model.prefill(prefix, tokens.to(device), lengths, with_exit=True,
+    logits, exit_lp = model.prefill(prefix, upload(tokens, device), lengths, with_exit=True,
                                     num_loops=num_loops)  # [R, N, V], [R, N]
     if prompt_kv == "copied":
         cache = model.new_kv_cache(len(prompts) * group_size, prefix.max_length + max_new_tokens,

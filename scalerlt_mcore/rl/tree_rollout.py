@@ -34,7 +34,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ..model.host_syncs import mark_host
+from ..model.host_syncs import mark_host, upload
 from ..shared_prefix import TreeSegment
 from .rollout import (
     EXIT_MODES,
@@ -233,7 +233,7 @@ class _TreeGrower:
         tokens, lengths = _right_pad([list(p) for p in prompts], self.pad_id)  # [N, Tp] host
         self.cache = model.new_kv_cache(len(prompts), tokens.shape[1], static=self.static,
                                         num_loops=self.num_loops)
-        logits, exit_lp = model.prefill(self.cache, tokens.to(self.device), lengths,
+        logits, exit_lp = model.prefill(self.cache, upload(tokens, self.device), lengths,
                                         with_exit=True, num_loops=self.num_loops)
         R = logits.shape[0]
         gated = exit_lp is not None
@@ -261,7 +261,7 @@ class _TreeGrower:
         rec = _Record(logits.shape[0], B, M, self.pad_id, self.eos_id, self.device,
                       exit_lp is not None)
         dropped = [p is None for p in parents]
-        rec.done = torch.tensor(dropped, dtype=torch.bool, device="cpu").to(self.device)
+        rec.done = upload(torch.tensor(dropped, dtype=torch.bool, device="cpu"), self.device)
         step = lambda t: model.decode_step(cache, t, with_exit=True,  # noqa: E731
                                            num_loops=self.num_loops)
         fed = decode_tokens(step, logits, exit_lp, rec, M, sampling, every)
@@ -315,7 +315,8 @@ class _TreeGrower:
             return None, None
         tokens, _ = _right_pad([r or [self.pad_id] for r in pending], self.pad_id)
         cache.reserve(int(cache.lengths.max()) + width)
-        logits, exit_lp, _ = self.model.extend(cache, tokens[:, :width].to(self.device), counts,
+        logits, exit_lp, _ = self.model.extend(cache, upload(tokens[:, :width], self.device),
+                                               counts,
                                                num_loops=self.num_loops)
         return logits, exit_lp
 
@@ -392,21 +393,22 @@ def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
     tokens, lengths = _right_pad(prompts, 0)
     cache = model.new_kv_cache(len(prompts), tokens.shape[1], static=static_cache,
                                num_loops=num_loops)
-    logits = model.prefill(cache, tokens.to(device), lengths, num_loops=num_loops)
+    logits = model.prefill(cache, upload(tokens, device), lengths, num_loops=num_loops)
     R = logits.shape[0]
     out = [[torch.zeros(R, len(_ids(s.tokens)), device="cpu") for s in tree] for tree in trees]
     for above, level in zip(levels, levels[1:]):
         G = len(level) // len(above)
         rows = [[0] if e is None else list(_ids(trees[e[0]][e[1]].tokens)) for e in level]
         padded, counts = _right_pad(rows, 0)  # [B, s] host
+        on_device = upload(padded, device)  # [B, s]
         wide = torch.promote_types(logits.dtype, torch.float32)
         first = torch.log_softmax(logits.to(wide), -1).repeat_interleave(G, dim=1)  # [R, B, V]
-        first = first.gather(-1, padded[:, :1].to(device)[None].expand(R, -1, -1))  # [R, B, 1]
-        labels = torch.cat([padded[:, 1:], padded[:, :1]], dim=1)  # label j = token j + 1
+        first = first.gather(-1, on_device[:, :1][None].expand(R, -1, -1))  # [R, B, 1]
+        labels = torch.cat([on_device[:, 1:], on_device[:, :1]], dim=1)  # label j = token j + 1
         cache = model.new_kv_cache(len(rows), padded.shape[1], prefix=cache,
                                    static=static_cache, num_loops=num_loops)
-        logits, _, rest = model.extend(cache, padded.to(device), mark_host(counts),
-                                       labels=labels.to(device), num_loops=num_loops)
+        logits, _, rest = model.extend(cache, on_device, mark_host(counts), labels=labels,
+                                       num_loops=num_loops)
         scored = torch.cat([first.to(rest.dtype), rest[..., :-1]], dim=-1).cpu()  # [R, B, s]
         for b, entry in enumerate(level):
             if entry is not None:

@@ -441,7 +441,7 @@ def _merge(per_wave: dict, **extra) -> object:
         ref = next((v for v in merged.values()
                     if isinstance(v, Tensor) and v.is_floating_point()), None)
         dtype, device = (ref.dtype, ref.device) if ref is not None else (None, None)
-        merged.update({k: torch.tensor(float(v), dtype=dtype, device=device)
+        merged.update({k: torch.full((), float(v), dtype=dtype, device=device)  # no upload
                        for k, v in extra.items()})
     return merged
 

@@ -40,8 +40,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..model.host_syncs import upload_indices
 from ..model.kv import PrefixState, trained_depths
 from .group import WaveBatch
+
+
+def leaf_waves(tree, n: int, size: int) -> list:
+    """Node n's leaf children in waves of ``size``."""
+    leaves = [c for c in tree.children(n) if tree.is_leaf(c)]
+    return [leaves[k : k + size] for k in range(0, len(leaves), size)]
+
+
+def row_indices(tree, has_loss, size: int, device) -> dict:
+    """The group rows of every node's own-token loss (key n) and of its k-th leaf wave of
+    ``size`` (key (n, k)) on ``device``, uploaded in one copy (no host sync per wave)."""
+    row = {leaf: g for g, leaf in enumerate(tree.leaf_of_row)}
+    lists = {n: tree.rows_below(n) for n in range(tree.num_nodes) if has_loss[n]}
+    lists.update({(n, k): [row[c] for c in wave] for n in range(tree.num_nodes)
+                  for k, wave in enumerate(leaf_waves(tree, n, size))})
+    return dict(zip(lists, upload_indices(list(lists.values()), device)))
 
 
 @dataclass
@@ -95,6 +112,8 @@ class TreeReplay:
         _check_chains(self.tree, self.retained)
         self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
         self.has_loss = nodes_with_loss(self.group)
+        self.rows = row_indices(self.tree, self.has_loss, run.plan.wave_size,
+                                self.group.tokens.device)
         self.calls = 0  # loss calls so far: each one's number in the group's results
         self.num_waves = 0
 
@@ -145,12 +164,8 @@ class TreeReplay:
         """Node n's internal children, then its leaf children in waves of the plan's size."""
         children = self.tree.children(n)
         units = [_Node(c) for c in children if not self.tree.is_leaf(c)]
-        leaves = [c for c in children if self.tree.is_leaf(c)]
-        rows = {leaf: g for g, leaf in enumerate(self.tree.leaf_of_row)}
-        size = self.run.plan.wave_size
-        for k in range(0, len(leaves), size):
-            wave = leaves[k : k + size]
-            index = torch.tensor([rows[c] for c in wave], device=self.group.tokens.device)
+        for k, wave in enumerate(leaf_waves(self.tree, n, self.run.plan.wave_size)):
+            index = self.rows[(n, k)]
             end = max(self.tree.ends[c] for c in wave)
             span = slice(self.tree.ends[n] - 1, end - 1)  # the labels of the wave's tokens
             units.append(_Wave(WaveBatch(self.group, index, span)))
@@ -242,7 +257,7 @@ class TreeReplay:
         below -> (its WaveBatch, the ``FixedReadouts`` the loss receives)."""
         run = self.run
         first = run.inner.boundary_readouts(prefix, tokens[:, 0], num_loops=run.num_loops)
-        rows = torch.tensor(self.tree.rows_below(n), device=tokens.device)
+        rows = self.rows[n]
         readouts = {"logprobs": _own_span(first.logprobs, out.logprobs, len(rows))}
         if out.exit_logprobs is not None:
             readouts["exit_logprobs"] = _own_span(first.exit_logprobs, out.exit_logprobs,

@@ -2,6 +2,8 @@
 
 - A decode step (per row and prompt once, RoPE, GQA, the drawn initial state) runs end to end
   on ``meta``: no value is read on the host inside it (``meta`` cannot be read).
+- A rollout's uploads (flat, prompt once, tree, teacher-forced tree) are non-blocking, up to
+  its first read on ``meta``.
 - ``HostSyncCounter`` counts 0 syncs per decoded token of a rollout in steady state on CPU
   (greedy and sampled, per row and prompt once, with banned ids and vocabulary padding), and
   one per ``stop_check_interval`` tokens for the stop check.
@@ -9,13 +11,17 @@
   needs) gives the independent reference's logits, per row and prompt once.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
-from scalerlt_mcore.model.host_syncs import count_host_syncs
+from scalerlt_mcore.model.host_syncs import HostSyncCounter, count_host_syncs
 from scalerlt_mcore.rl.rollout import draw, generate
+from scalerlt_mcore.rl.tree_rollout import generate_tree, tree_logprobs
+from scalerlt_mcore.shared_prefix import TreeSegment
 
 META = torch.device("meta")
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts right-padded to 7
@@ -74,6 +80,35 @@ def test_decode_step_with_the_drawn_initial_state_runs_on_meta(mcore_single):
     cache = model.new_kv_cache(3, 12)
     cache.lengths.copy_(LENGTHS)
     model.decode_step(cache, torch.zeros(3, dtype=torch.long, device=META))
+
+
+def _counts_to_the_first_read(fn) -> dict:
+    """The counter's counts of ``fn`` on meta up to its first read of a device value (a copy
+    out of meta raises)."""
+    with HostSyncCounter() as counter:
+        with pytest.raises(NotImplementedError, match="Cannot copy out of meta"):
+            fn()
+    return dict(counter.counts)
+
+
+def test_rollouts_upload_without_blocking_on_meta(mcore_single):
+    """Every host-to-device copy of a rollout is non-blocking (on CUDA a blocking one ends in
+    a stream synchronize): the prompts and the ban mask, and a tree level's dropped rows; the
+    teacher-forced tree's prompts and its level's tokens, uploaded once for the tokens and the
+    labels. Each runs to its first read: the flat rollout's one read of its results, the
+    tree's of its first level's answers and scores."""
+    model = _meta_model("rope")
+    flat = partial(generate, model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, banned=(0,),
+                   stop_check_interval=100)
+    for kw in ({}, dict(prompt_once=True, prompt_kv="shared"),
+               dict(prompt_once=True, prompt_kv="copied")):
+        assert _counts_to_the_first_read(partial(flat, **kw)) == {"h2d": 2, "d2h": 1}, kw
+    tree = partial(generate_tree, model, PROMPTS, [2, 2], [2, 2], eos_id=VOCAB + 1, pad_id=0,
+                   banned=(0,), stop_check_interval=100)
+    assert _counts_to_the_first_read(tree) == {"h2d": 3, "d2h": 1}
+    segments = [TreeSegment([1, 2, 3], None), TreeSegment([4, 5], 0), TreeSegment([6], 0)]
+    assert _counts_to_the_first_read(partial(tree_logprobs, model, [segments])) == {
+        "h2d": 2, "d2h": 1}
 
 
 def _syncs(model, steps: int, **kwargs) -> int:

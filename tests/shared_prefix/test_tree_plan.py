@@ -2,7 +2,9 @@
 plan is exact against naive stock MCore rows (fp64, 1e-12 relative per tensor), each retained
 node's state is computed once and each recomputed one twice; the planner's tree memory model
 (``planner.tree_memory``) against ``SavedTensorProbe`` (10%, as for one-level groups), and the
-nodes it retains under a memory budget (none, some, all) and its error below the minimum."""
+nodes it retains under a memory budget (none, some, all) and its error below the minimum.
+A group's row indices (every node's rows, every leaf wave's) are one non-blocking upload,
+and a one-level microbatch result's count tensors are filled on the device."""
 
 import pytest
 import torch
@@ -10,9 +12,11 @@ from helpers.replay_exact import _assert_close_rel
 from helpers.sp import LossSpec, build_model, grads, joint_step, naive_step, rel_errors
 from helpers.tree import DEPTH3, tree_group
 
+from scalerlt_mcore.model.host_syncs import HostSyncCounter
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.planner import GroupPlan, ModelShape, Planner, tree_memory
-from scalerlt_mcore.shared_prefix.tree_schedule import chain_parent, nodes_with_loss
+from scalerlt_mcore.shared_prefix.schedule import _merge
+from scalerlt_mcore.shared_prefix.tree_schedule import chain_parent, nodes_with_loss, row_indices
 
 PREDICTION_RTOL = 0.10
 SPEC = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="progressive")
@@ -206,3 +210,33 @@ def test_budget_below_recomputing_every_node_names_group_and_sizes(mcore_single)
                        r"\(every node recomputed, wave size 2\) needs .* MiB"):
         Planner(2, "auto", need - 1, loss_per_position=LOSS_BYTES)(group, model)
     assert Planner(2, "auto", need, loss_per_position=LOSS_BYTES)(group, model).retain_nodes
+
+
+def test_a_groups_row_indices_are_one_upload_on_meta():
+    """Every node's rows below (where it trains a token) and every leaf wave's rows, in one
+    non-blocking copy, not one blocking copy per wave and node (each a stream synchronize on
+    CUDA); the values against the tree read directly."""
+    group = tree_group(DEPTH3, R, seed=0)
+    tree, has_loss = group.tree, nodes_with_loss(group)
+    with HostSyncCounter() as c:
+        on_meta = row_indices(tree, has_loss, 2, "meta")
+    assert dict(c.counts) == {"h2d": 1}
+    rows = {k: v.tolist() for k, v in row_indices(tree, has_loss, 2, "cpu").items()}
+    assert rows.keys() == on_meta.keys()
+    for n in range(tree.num_nodes):
+        assert rows.get(n) == (list(tree.rows_below(n)) if has_loss[n] else None), n
+        leaves = [c for c in tree.children(n) if tree.is_leaf(c)]
+        want = [[tree.leaf_of_row.index(c) for c in leaves[k : k + 2]]
+                for k in range(0, len(leaves), 2)]
+        assert [rows[(n, k)] for k in range(len(want))] == want, n
+        assert (n, len(want)) not in rows
+
+
+def test_a_microbatch_results_counts_are_filled_on_the_device():
+    """num_waves and wave_size join the loss dict as 0-dim tensors built on the device, not
+    uploaded blocking per microbatch."""
+    loss = {"loss": torch.empty((), device="meta")}
+    with HostSyncCounter() as c:
+        merged = _merge({0: loss, 1: loss}, num_waves=2, wave_size=3)
+    assert c.total == 0 and merged["num_waves"].device.type == "meta"
+    assert _merge({0: {"loss": torch.zeros(())}}, num_waves=2)["num_waves"].item() == 2.0
