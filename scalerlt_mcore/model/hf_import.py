@@ -215,7 +215,13 @@ def load_hf_state_dict(path, arch: PretrainedArchitecture) -> dict:
         out["output_layer.weight"] = reader.get("lm_head.weight")
     for i in range(arch.num_layers):
         out.update(_layer(reader, arch, i))
+    reader.refuse_unread("the Llama / Qwen2 importer", buffers=ROPE_BUFFERS)
     return out
+
+
+ROPE_BUFFERS = ("rotary_emb.inv_freq",)
+"""Name endings of RoPE tables that older HF checkpoints save beside the weights (recomputed
+from config.json, so not read)."""
 
 
 def _layer(reader, arch: PretrainedArchitecture, i: int) -> dict:
@@ -270,7 +276,7 @@ class SafetensorsReader:
         if not files:
             raise FileNotFoundError(f"no *.safetensors file in {root} (only safetensors weights "
                                     f"are read; re-save with save_pretrained)")
-        self.files, self.where = files, {}
+        self.files, self.where, self.read = files, {}, set()
         for file in files:
             try:
                 with safe_open(str(file), "pt") as f:
@@ -285,10 +291,21 @@ class SafetensorsReader:
             raise ValueError(f"tensor {name!r} is missing from {files} in {self.files[0].parent}")
         with self._open(str(self.where[name]), "pt") as f:
             tensor = f.get_tensor(name)
+        self.read.add(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} in {self.where[name]} has shape "
                              f"{tuple(tensor.shape)}, config.json implies {tuple(shape)}")
         return tensor
+
+    def refuse_unread(self, importer: str, buffers: tuple = ()) -> None:
+        """Refuse a tensor no ``get`` has read (a weight the mapping would drop), naming it;
+        ``buffers``: name endings of non-weight buffers that may be present unread."""
+        unread = sorted(n for n in self.where if n not in self.read and not n.endswith(buffers))
+        if unread:
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise ValueError(f"tensor {unread[0]!r} in {self.where[unread[0]]}{more} is not read "
+                             f"by {importer}: a checkpoint of another layout (its weights "
+                             f"would be dropped)")
 
 
 # ---- one call ------------------------------------------------------------------------------

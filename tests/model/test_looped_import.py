@@ -185,12 +185,13 @@ def test_ouro_joint_replay_exit_pdf_matches_naive(mcore_single, ouro_dir):
 # ---- 4. bad input -------------------------------------------------------------------------
 
 
-def _edited(src, dst, config=None, drop=None, reshape=None):
+def _edited(src, dst, config=None, drop=None, reshape=None, extra=None):
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(config or {})
     (dst / "config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(src / "model.safetensors"))
+    tensors.update(extra or {})
     if drop:
         del tensors[drop]
     if reshape:
@@ -212,6 +213,9 @@ BAD = [
      r"RoPE scaling type 'yarn' is not supported"),
     (dict(config={"early_exit_step": 2}), r"early_exit_step=2: a fixed exit step"),
     (dict(config={"total_ut_steps": 0}), r"total_ut_steps must be a positive integer, got 0"),
+    (dict(extra={"model.layers.0.self_attn.q_norm.weight": torch.ones(32)}),
+     r"tensor 'model.layers.0.self_attn.q_norm.weight' in \S+ is not read by the Ouro "
+     r"importer"),
 ]
 
 
@@ -400,6 +404,17 @@ def test_huginn_bad_input_is_named(mcore_single, huginn_dir, tmp_path, edit, mes
     assert "\n" not in str(err.value)
 
 
+def test_huginn_tensor_not_read_is_named(mcore_single, huginn_dir, tmp_path):
+    """A weight outside Huginn's block (here a q norm) is refused, not dropped; the public
+    RoPE buffer ``freqs_cis`` is not a weight and may be present."""
+    extra = {"transformer.core_block.1.attn.q_norm.weight": torch.ones(32),
+             "freqs_cis": torch.zeros(1, 64, 1, 4, 2)}
+    path = _edited(huginn_dir, tmp_path / "bad", extra=extra)
+    with pytest.raises(ValueError, match=r"tensor 'transformer.core_block.1.attn.q_norm.weight' "
+                                         r"in \S+ is not read by the Huginn importer"):
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
+
+
 def test_huginn_export_round_trip_is_bitwise(mcore_single, huginn_dir, tmp_path):
     first = looped_gpt_from_pretrained(huginn_dir, use_cpu_initialization=True,
                                        max_sequence_length=64)
@@ -435,6 +450,34 @@ def test_retrofitted_recurrence_per_loop_logits(mcore_single, tmp_path, R):
         got = torch.stack(model.double().eval()(tokens).logits)
     assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
                f"retrofitted recurrence R={R} logits") <= TOL
+
+
+def _olmo2_retrofit(src, dst, modeling):
+    """A Retrofitted Recurrence checkpoint as the upstream OLMo-2 converter writes it: the Llama
+    layout's names plus per-block ``attn.q_norm`` / ``attn.k_norm`` (full q / k width), with
+    ``modeling`` as its modeling file."""
+    norms = {f"transformer.{stack}.{i}.attn.{n}_norm.weight": torch.ones(width)
+             for stack, count in (("prelude", 1), ("core_block", 2), ("coda", 1))
+             for i in range(count) for n, width in (("q", 32), ("k", 16))}
+    auto = {"AutoConfig": "raven_config_minimal.RavenConfig",
+            "AutoModelForCausalLM": f"{modeling}.RavenForCausalLM"}
+    return _edited(src, dst, config={"auto_map": auto}, extra=norms)
+
+
+def test_retrofitted_recurrence_olmo2_layout_is_refused(mcore_single, tmp_path):
+    """The OLMo-2 layout (post-norm blocks, q/k norms) is refused by its modeling file, and by
+    its q/k norm tensors where config.json names the Llama one: never imported as Llama."""
+    retro = write_retrofit_checkpoint(tmp_path / "retro", seed=9)
+    olmo = _olmo2_retrofit(retro, tmp_path / "olmo", "raven_modeling_minimal_olmo")
+    with pytest.raises(ValueError, match=r"auto_map.AutoModelForCausalLM='raven_modeling_minimal_"
+                                         r"olmo.RavenForCausalLM': the Retrofitted Recurrence "
+                                         r"OLMo-2 layout .* is not supported"):
+        looped_gpt_from_pretrained(olmo, use_cpu_initialization=True)
+    unnamed = _olmo2_retrofit(retro, tmp_path / "unnamed", "raven_modeling_minimal_llama")
+    with pytest.raises(ValueError, match=r"tensor 'transformer.coda.0.attn.k_norm.weight' in "
+                                         r"\S+ \(and 7 more\) is not read by the Retrofitted "
+                                         r"Recurrence importer"):
+        looped_gpt_from_pretrained(unnamed, use_cpu_initialization=True)
 
 
 def test_huginn_greedy_rollout_matches_reference(mcore_single, huginn_dir):
