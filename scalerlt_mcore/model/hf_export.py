@@ -240,7 +240,7 @@ def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
         out.update(_retrofitted_fields(model, a, out.get("init_values") or {}))
     out.update(architectures=[HUGINN_ARCHITECTURE], model_type="huginn_raven",
                n_embd=a.hidden_size, n_heads=a.num_attention_heads, n_layers=a.num_layers,
-               block_size=model.max_sequence_length, vocab_size=a.vocab_size,
+               block_size=_block_size(model, out, kind), vocab_size=a.vocab_size,
                tie_embeddings=not a.untie_embeddings_and_output_weights,
                intermediate_size=a.ffn_hidden_size, bias=False, norm_eps=a.norm_epsilon,
                n_layers_in_prelude=c.looped_num_prelude_layers,
@@ -258,6 +258,14 @@ def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
         out["mean_backprop_depth"] = c.looped_backprop_loops or c.looped_num_loops
     out["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     return out
+
+
+def _block_size(model, base: dict, kind: str) -> int:
+    """Huginn's ``block_size`` is its RoPE table's length (the model's positions); Retrofitted
+    Recurrence reads ``max_position_embeddings`` instead and keeps the source's block_size."""
+    if kind == "retrofitted" and "block_size" in base:
+        return base["block_size"]
+    return model.max_sequence_length
 
 
 def _retrofitted_fields(model, a: PretrainedArchitecture, init: dict) -> dict:

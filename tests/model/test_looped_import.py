@@ -321,6 +321,18 @@ def test_retrofit_exports_in_the_retrofitted_recurrence_layout(mcore_single, hf_
                                                      again(tokens).logits))
 
 
+def test_retrofitted_recurrence_export_keeps_the_source_block_size(mcore_single, tmp_path):
+    """The upstream conversions keep Huginn's ``block_size`` (4096) beside the Llama's
+    ``max_position_embeddings``: export writes the source's block_size back, and the model's
+    positions as max_position_embeddings."""
+    path = _edited(write_retrofit_checkpoint(tmp_path / "retro", seed=9), tmp_path / "src",
+                   config={"block_size": 4096})
+    model = looped_gpt_from_pretrained(path, use_cpu_initialization=True)
+    config = json.loads((save_hf(model, tmp_path / "out", source=path) / "config.json")
+                        .read_text())
+    assert (config["block_size"], config["max_position_embeddings"]) == (4096, 64)
+
+
 # ---- 6. Huginn (huginn_raven) ---------------------------------------------------------------
 
 
