@@ -134,13 +134,24 @@ def llama_like_architecture(cfg: dict, where: Path, qkv_bias: bool) -> Pretraine
     return PretrainedArchitecture(
         num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
         ffn_hidden_size=required_int(cfg, "intermediate_size", where),
-        num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
+        num_attention_heads=heads, num_query_groups=query_groups(cfg, heads, where),
         kv_channels=cfg.get("head_dim") or hidden // heads,
         vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
         use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
+
+
+def query_groups(cfg: dict, heads: int, where: Path, heads_key="num_attention_heads") -> int:
+    """``num_key_value_heads`` (absent or null: ``heads``), which must divide the query heads
+    (each K/V head serves a group of them)."""
+    groups = heads if cfg.get("num_key_value_heads") is None else required_int(
+        cfg, "num_key_value_heads", where)
+    if heads % groups:
+        raise ValueError(f"{where}: {heads_key}={heads} is not a multiple of "
+                         f"num_key_value_heads={groups}")
+    return groups
 
 
 def _architecture_name(cfg: dict, where: Path) -> str:

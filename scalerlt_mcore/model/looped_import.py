@@ -78,6 +78,7 @@ from .hf_import import (
     SafetensorsReader,
     llama_like_architecture,
     pack_qkv,
+    query_groups,
     read_hf_config,
     required_int,
     rope_parameters,
@@ -461,7 +462,7 @@ def _read_retrofitted(cfg: dict, where: Path) -> LoopedSource:
     arch = PretrainedArchitecture(
         num_layers=prelude + core + coda, hidden_size=hidden,
         ffn_hidden_size=required_int(cfg, "intermediate_size", where), num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        num_query_groups=query_groups(cfg, heads, where, "n_heads"),
         kv_channels=cfg.get("head_dim") or hidden // heads,
         vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("norm_eps", 1e-5)),

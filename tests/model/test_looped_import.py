@@ -213,6 +213,8 @@ BAD = [
      r"RoPE scaling type 'yarn' is not supported"),
     (dict(config={"early_exit_step": 2}), r"early_exit_step=2: a fixed exit step"),
     (dict(config={"total_ut_steps": 0}), r"total_ut_steps must be a positive integer, got 0"),
+    (dict(config={"num_key_value_heads": 3}),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     (dict(extra={"model.layers.0.self_attn.q_norm.weight": torch.ones(32)}),
      r"tensor 'model.layers.0.self_attn.q_norm.weight' in \S+ is not read by the Ouro "
      r"importer"),
@@ -474,6 +476,15 @@ def _olmo2_retrofit(src, dst, modeling):
     auto = {"AutoConfig": "raven_config_minimal.RavenConfig",
             "AutoModelForCausalLM": f"{modeling}.RavenForCausalLM"}
     return _edited(src, dst, config={"auto_map": auto}, extra=norms)
+
+
+def test_retrofitted_recurrence_kv_heads_must_divide_heads(mcore_single, tmp_path):
+    path = _edited(write_retrofit_checkpoint(tmp_path / "retro", seed=9), tmp_path / "bad",
+                   config={"num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=r"n_heads=4 is not a multiple of "
+                                         r"num_key_value_heads=3") as err:
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True)
+    assert "\n" not in str(err.value)
 
 
 def test_retrofitted_recurrence_olmo2_layout_is_refused(mcore_single, tmp_path):

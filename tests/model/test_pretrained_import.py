@@ -293,7 +293,9 @@ def test_malformed_config_json_is_named(tmp_path):
      "llama3 RoPE scaling with high_freq_factor=2.0 is not supported"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu': only 'silu'"),
     (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers must be a positive integer"),
-], ids=["architecture", "rope-type", "llama3-factors", "activation", "no-layers"])
+    (lambda c: c.update(num_key_value_heads=3),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+], ids=["architecture", "rope-type", "llama3-factors", "activation", "no-layers", "kv-heads"])
 def test_unsupported_config_is_named(tmp_path, hf_dirs, edit, message):
     path = _copy_dir(hf_dirs["llama"], tmp_path, config_edit=edit)
     with pytest.raises(ValueError, match=message):
