@@ -339,6 +339,7 @@ def looped_gpt_from_hf(path, mapping: Optional[str] = None, num_loops: int = 1,
         **arch.config_kwargs(), **config)
     model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg),
                            max_sequence_length=max_sequence_length, **arch.model_kwargs())
+    model.to(dtype=cfg.params_dtype)  # every tensor, norms too (as app.runtime.build_model)
     weights = retrofit_state_dict(load_hf_state_dict(path, arch), layers)
     load_converted_state_dict(model, weights)
     return model

@@ -536,5 +536,6 @@ def looped_gpt_from_pretrained(path, num_loops: Optional[int] = None,
     length = max_sequence_length or source.max_sequence_length or 4096
     model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg), max_sequence_length=length,
                            **source.arch.model_kwargs())
+    model.to(dtype=cfg.params_dtype)  # every tensor, norms too (as app.runtime.build_model)
     load_converted_state_dict(model, load_looped_state_dict(path, source))
     return model

@@ -335,6 +335,39 @@ def test_retrofitted_recurrence_export_keeps_the_source_block_size(mcore_single,
     assert (config["block_size"], config["max_position_embeddings"]) == (4096, 64)
 
 
+def _fp64_copy(src, dst):
+    """``src`` with every tensor in fp64 carrying bits below fp32's resolution."""
+    gen = torch.Generator().manual_seed(4)
+    extra = {k: v.double() * (1 + 1e-12 * torch.randn(v.shape, generator=gen, dtype=torch.float64))
+             for k, v in load_file(str(src / "model.safetensors")).items()}
+    return _edited(src, dst, extra=extra)
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "retrofitted", "llama"])
+def test_import_and_export_have_one_dtype(mcore_single, ouro_dir, hf_dirs, tmp_path, kind):
+    """params_dtype holds for every imported tensor (an fp64 checkpoint's norms stay fp64, bit
+    for bit), and an export writes every tensor in the dtype its config.json names, also from
+    a model whose norms were left in fp32 beside bf16 weights."""
+    src = {"ouro": lambda: ouro_dir, "llama": lambda: hf_dirs["llama"],
+           "huginn": lambda: write_huginn_checkpoint(tmp_path / "h", seed=6),
+           "retrofitted": lambda: write_retrofit_checkpoint(tmp_path / "r", seed=9)}[kind]()
+    path = _fp64_copy(src, tmp_path / "fp64")
+    load = looped_gpt_from_hf if kind == "llama" else looped_gpt_from_pretrained
+    model = load(path, use_cpu_initialization=True, params_dtype=torch.float64)
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert {v.dtype for v in sd.values()} == {torch.float64}
+    norm = next(k for k in sd if k.endswith("layernorm.weight"))
+    assert not torch.equal(sd[norm], sd[norm].float().double())  # fp64 bits kept
+    bf16 = load(path, use_cpu_initialization=True, params_dtype=torch.bfloat16)
+    for module in bf16.modules():
+        if type(module).__name__.endswith("Norm"):
+            module.float()  # norms in fp32 beside bf16 weights
+    out = save_hf(bf16, tmp_path / "bf16", source=path)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert {v.dtype for v in _files(out).values()} == {torch.bfloat16}
+
+
 # ---- 6. Huginn (huginn_raven) ---------------------------------------------------------------
 
 
