@@ -185,6 +185,16 @@ class SharedPrefixGroup:
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"{tag}: {name} contains NaN or inf")
 
+    def check_for(self, model, num_loops: int,
+                  max_response_length: Optional[int] = None) -> None:
+        """``check_device`` and ``check`` against ``model`` (the bare looped GPT): its device,
+        its vocabulary and, with learned absolute positions, its position table -- the checks
+        every step (joint replay and ``naive_step``) runs on each group before any compute."""
+        learned = getattr(model, "position_embedding_type", None) == "learned_absolute"
+        self.check_device(next(model.parameters()).device)
+        self.check(num_loops, max_response_length, vocab_size=getattr(model, "vocab_size", None),
+                   max_positions=model.max_sequence_length if learned else None)
+
     def _check_shapes(self, tag: str, num_loops: int) -> None:
         if self.tokens.dim() != 2:
             raise ValueError(f"{tag}: tokens must be [G, T], got {tuple(self.tokens.shape)}")
@@ -275,7 +285,8 @@ class SharedPrefixGroup:
         per_response = (self.loss_mask[:, P - 1 :] != 0).sum(dim=1)
         if (per_response == 0).any():
             i = int((per_response == 0).nonzero()[0])
-            raise ValueError(f"{tag}: response {i} is empty (no loss_mask token)")
+            raise ValueError(f"{tag}: response {i} has no trained token (its loss_mask is 0 "
+                             f"everywhere)")
         if (self.loss_mask[:, -1] != 0).any():
             raise ValueError(f"{tag}: loss_mask is non-zero on the last position (its label "
                              f"lies past the sequence)")
