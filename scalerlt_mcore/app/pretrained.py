@@ -88,6 +88,13 @@ def resolve_pretrained(cfg) -> list[str]:
             raise ConfigError(f"use_checkpoint_args needs a Hugging Face directory "
                               f"(config.json); {path} has none")
         looped = read_looped_source(path) if is_looped_source(path) else None
+        if looped is not None and m.looped_retrofit:
+            raise ConfigError(
+                f"looped_retrofit {m.looped_retrofit!r} conflicts with --use-checkpoint-args: "
+                f"{path} is a looped {looped.model_type} checkpoint, whose loop layout "
+                f"--use-checkpoint-args takes from its config.json (its layers map one to one; "
+                f"looped_retrofit maps a plain stack's); set looped_retrofit null "
+                f"(--looped-retrofit null)")
         arch = read_hf_architecture(path) if looped is None else looped.arch
         for key in ARCHITECTURE_KEYS:
             setattr(m, key, getattr(arch, key))

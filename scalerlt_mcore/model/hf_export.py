@@ -13,7 +13,8 @@ Formats (``export_format`` picks one, or refuses saying why):
 
 A retrofitted model (prelude / core / coda, injection, R > 1) is refused: it is not the
 function of any plain Llama / Qwen2, and the Retrofitted Recurrence ``huginn_raven`` layout
-is not written. Tensors keep the model's dtype, so import -> export -> import is bitwise.
+is not written. Every tensor is written in one dtype, the model's weights' (config.json's
+``torch_dtype``), so import -> export -> import is bitwise.
 """
 
 import json
@@ -146,7 +147,19 @@ def hf_state_dict(model, kind: str) -> dict:
     if left:
         raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: tensors with no place in "
                           f"the format: {', '.join(left[:4])}")
-    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+    dtype = export_dtype(model)
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
+
+
+def export_dtype(model) -> torch.dtype:
+    """The one dtype of every exported tensor and of config.json's ``torch_dtype``: the
+    model's weights' (its first parameter's; a norm kept in fp32 beside bf16 weights is
+    written in bf16, as the config says)."""
+    return next(model.parameters()).dtype
+
+
+def _dtype_name(model) -> str:
+    return str(export_dtype(model)).removeprefix("torch.")
 
 
 class _ReadTracker(dict):
@@ -219,8 +232,7 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
                rms_norm_eps=arch.norm_epsilon,
                tie_word_embeddings=not arch.untie_embeddings_and_output_weights)
     out.update(_rope_fields(arch, out))
-    out["torch_dtype" if "dtype" not in out else "dtype"] = str(
-        next(model.parameters()).dtype).removeprefix("torch.")
+    out["torch_dtype" if "dtype" not in out else "dtype"] = _dtype_name(model)
     if kind == "ouro":
         out.update(total_ut_steps=c.looped_num_loops, use_sliding_window=False)
         if "layer_types" in out:
@@ -240,7 +252,7 @@ def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
         out.update(_retrofitted_fields(model, a, out.get("init_values") or {}))
     out.update(architectures=[HUGINN_ARCHITECTURE], model_type="huginn_raven",
                n_embd=a.hidden_size, n_heads=a.num_attention_heads, n_layers=a.num_layers,
-               block_size=model.max_sequence_length, vocab_size=a.vocab_size,
+               block_size=_block_size(model, out, kind), vocab_size=a.vocab_size,
                tie_embeddings=not a.untie_embeddings_and_output_weights,
                intermediate_size=a.ffn_hidden_size, bias=False, norm_eps=a.norm_epsilon,
                n_layers_in_prelude=c.looped_num_prelude_layers,
@@ -256,8 +268,16 @@ def _huginn_config(model, base: Optional[dict], kind: str) -> dict:
                                   "embed_scale": c.looped_embedding_scale}
     if c.looped_backprop_loops or "mean_backprop_depth" not in out:
         out["mean_backprop_depth"] = c.looped_backprop_loops or c.looped_num_loops
-    out["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    out["torch_dtype"] = _dtype_name(model)
     return out
+
+
+def _block_size(model, base: dict, kind: str) -> int:
+    """Huginn's ``block_size`` is its RoPE table's length (the model's positions); Retrofitted
+    Recurrence reads ``max_position_embeddings`` instead and keeps the source's block_size."""
+    if kind == "retrofitted" and "block_size" in base:
+        return base["block_size"]
+    return model.max_sequence_length
 
 
 def _retrofitted_fields(model, a: PretrainedArchitecture, init: dict) -> dict:

@@ -134,13 +134,24 @@ def llama_like_architecture(cfg: dict, where: Path, qkv_bias: bool) -> Pretraine
     return PretrainedArchitecture(
         num_layers=required_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
         ffn_hidden_size=required_int(cfg, "intermediate_size", where),
-        num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
+        num_attention_heads=heads, num_query_groups=query_groups(cfg, heads, where),
         kv_channels=cfg.get("head_dim") or hidden // heads,
         vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=float(rope_parameters(cfg).get("rope_theta", 10000.0)),
         use_rope_scaling=scaling, rope_scaling_factor=factor, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
+
+
+def query_groups(cfg: dict, heads: int, where: Path, heads_key="num_attention_heads") -> int:
+    """``num_key_value_heads`` (absent or null: ``heads``), which must divide the query heads
+    (each K/V head serves a group of them)."""
+    groups = heads if cfg.get("num_key_value_heads") is None else required_int(
+        cfg, "num_key_value_heads", where)
+    if heads % groups:
+        raise ValueError(f"{where}: {heads_key}={heads} is not a multiple of "
+                         f"num_key_value_heads={groups}")
+    return groups
 
 
 def _architecture_name(cfg: dict, where: Path) -> str:
@@ -215,7 +226,13 @@ def load_hf_state_dict(path, arch: PretrainedArchitecture) -> dict:
         out["output_layer.weight"] = reader.get("lm_head.weight")
     for i in range(arch.num_layers):
         out.update(_layer(reader, arch, i))
+    reader.refuse_unread("the Llama / Qwen2 importer", buffers=ROPE_BUFFERS)
     return out
+
+
+ROPE_BUFFERS = ("rotary_emb.inv_freq",)
+"""Name endings of RoPE tables that older HF checkpoints save beside the weights (recomputed
+from config.json, so not read)."""
 
 
 def _layer(reader, arch: PretrainedArchitecture, i: int) -> dict:
@@ -270,7 +287,7 @@ class SafetensorsReader:
         if not files:
             raise FileNotFoundError(f"no *.safetensors file in {root} (only safetensors weights "
                                     f"are read; re-save with save_pretrained)")
-        self.files, self.where = files, {}
+        self.files, self.where, self.read = files, {}, set()
         for file in files:
             try:
                 with safe_open(str(file), "pt") as f:
@@ -285,10 +302,21 @@ class SafetensorsReader:
             raise ValueError(f"tensor {name!r} is missing from {files} in {self.files[0].parent}")
         with self._open(str(self.where[name]), "pt") as f:
             tensor = f.get_tensor(name)
+        self.read.add(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} in {self.where[name]} has shape "
                              f"{tuple(tensor.shape)}, config.json implies {tuple(shape)}")
         return tensor
+
+    def refuse_unread(self, importer: str, buffers: tuple = ()) -> None:
+        """Refuse a tensor no ``get`` has read (a weight the mapping would drop), naming it;
+        ``buffers``: name endings of non-weight buffers that may be present unread."""
+        unread = sorted(n for n in self.where if n not in self.read and not n.endswith(buffers))
+        if unread:
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise ValueError(f"tensor {unread[0]!r} in {self.where[unread[0]]}{more} is not read "
+                             f"by {importer}: a checkpoint of another layout (its weights "
+                             f"would be dropped)")
 
 
 # ---- one call ------------------------------------------------------------------------------
@@ -311,6 +339,7 @@ def looped_gpt_from_hf(path, mapping: Optional[str] = None, num_loops: int = 1,
         **arch.config_kwargs(), **config)
     model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg),
                            max_sequence_length=max_sequence_length, **arch.model_kwargs())
+    model.to(dtype=cfg.params_dtype)  # every tensor, norms too (as app.runtime.build_model)
     weights = retrofit_state_dict(load_hf_state_dict(path, arch), layers)
     load_converted_state_dict(model, weights)
     return model

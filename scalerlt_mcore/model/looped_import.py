@@ -60,7 +60,9 @@ draws it at random on every forward; here a documented deterministic draw of (se
 Refused, naming the field: other activations, sliding-window layers, RoPE scaling other than
 llama3 with MCore's fixed factors, a fixed ``early_exit_step``, a partial rotary factor; for
 Huginn: an adapter bias, no qk bias, test-time noise, fewer K/V heads than query heads, a block,
-MLP, norm or injection class other than the public one, inconsistent layer counts.
+MLP, norm or injection class other than the public one, inconsistent layer counts; a
+Retrofitted Recurrence checkpoint of the OLMo-2 layout (``raven_modeling_minimal_olmo``). Every
+importer refuses a checkpoint tensor it does not read, naming it (a weight it would drop).
 """
 
 import math
@@ -76,6 +78,7 @@ from .hf_import import (
     SafetensorsReader,
     llama_like_architecture,
     pack_qkv,
+    query_groups,
     read_hf_config,
     required_int,
     rope_parameters,
@@ -220,13 +223,22 @@ def load_looped_state_dict(path, source: LoopedSource) -> dict:
     one whose shape config.json does not imply is refused, naming it."""
     reader = SafetensorsReader(Path(path))
     if source.layout == "retrofitted":
-        hf = {name: reader.get(name, shape) for name, shape in retrofitted_shapes(source).items()}
+        hf = _read_all(reader, retrofitted_shapes(source), "the Retrofitted Recurrence importer "
+                       "(Llama layout: pre-norm blocks, no q/k norms)")
         return retrofitted_to_looped(hf, source)
     if source.model_type == "huginn_raven":
-        hf = {name: reader.get(name, shape) for name, shape in huginn_shapes(source).items()}
+        hf = _read_all(reader, huginn_shapes(source), "the Huginn importer", ("freqs_cis",))
         return huginn_to_looped(hf, source)
-    hf = {name: reader.get(name, shape) for name, shape in ouro_shapes(source.arch).items()}
+    hf = _read_all(reader, ouro_shapes(source.arch), "the Ouro importer")
     return ouro_to_looped(hf, source.arch)
+
+
+def _read_all(reader: SafetensorsReader, shapes: dict, importer: str, buffers=()) -> dict:
+    """Every tensor of ``shapes`` (name -> shape); a tensor of the checkpoint outside it (but
+    for the ``buffers`` name endings) is refused, naming it and ``importer``."""
+    hf = {name: reader.get(name, shape) for name, shape in shapes.items()}
+    reader.refuse_unread(importer, buffers)
+    return hf
 
 
 def ouro_to_looped(hf: dict, arch: PretrainedArchitecture) -> dict:
@@ -298,6 +310,11 @@ def is_retrofitted_recurrence(cfg: dict) -> bool:
 
 
 def _read_huginn(cfg: dict, where: Path) -> LoopedSource:
+    modeling = (cfg.get("auto_map") or {}).get("AutoModelForCausalLM", "")
+    if "olmo" in str(modeling).lower():
+        raise ValueError(f"{where}: auto_map.AutoModelForCausalLM={modeling!r}: the Retrofitted "
+                         f"Recurrence OLMo-2 layout (post-norm blocks, attn.q_norm / "
+                         f"attn.k_norm) is not supported; only its Llama layout is")
     if is_retrofitted_recurrence(cfg):
         return _read_retrofitted(cfg, where)
     scale = (cfg.get("init_values") or {}).get("embed_scale")
@@ -445,7 +462,7 @@ def _read_retrofitted(cfg: dict, where: Path) -> LoopedSource:
     arch = PretrainedArchitecture(
         num_layers=prelude + core + coda, hidden_size=hidden,
         ffn_hidden_size=required_int(cfg, "intermediate_size", where), num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        num_query_groups=query_groups(cfg, heads, where, "n_heads"),
         kv_channels=cfg.get("head_dim") or hidden // heads,
         vocab_size=required_int(cfg, "vocab_size", where),
         norm_epsilon=float(cfg.get("norm_eps", 1e-5)),
@@ -519,5 +536,6 @@ def looped_gpt_from_pretrained(path, num_loops: Optional[int] = None,
     length = max_sequence_length or source.max_sequence_length or 4096
     model = LoopedGPTModel(cfg, get_looped_gpt_block_spec(cfg), max_sequence_length=length,
                            **source.arch.model_kwargs())
+    model.to(dtype=cfg.params_dtype)  # every tensor, norms too (as app.runtime.build_model)
     load_converted_state_dict(model, load_looped_state_dict(path, source))
     return model

@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .tree import PrefixTree, build_tree, check_rows, tree_rows
+from .tree import PrefixTree, TreeError, build_tree, check_rows, tree_rows
 
 GUARDED = ("tokens", "labels", "loss_mask")
 """The group's own tensor fields the replay reads (a subclass adds its ``EXTRAS``)."""
@@ -85,9 +85,8 @@ class SharedPrefixGroup:
         span = torch.arange(P + S, device=device)[None, :]  # [1, T]
         ends = (P - 1 + lens).to(device)[:, None]  # [G, 1]
         mask = ((span >= P - 1) & (span < ends)).to(mask_dtype)  # [G, T]
-        moved = {n: None if t is None else t.to(device) for n, t in extras.items()}
         return cls(tokens=tokens, labels=labels, loss_mask=mask, prompt_length=P,
-                   group_id=group_id, **moved)
+                   group_id=group_id, **_moved(extras, device, group_id))
 
     @classmethod
     def from_tree(cls, segments: list, pad_id: int, *, device=None,
@@ -102,12 +101,15 @@ class SharedPrefixGroup:
         are per row, as for ``from_rollout``.
         """
         _check_extras(cls, extras)
-        tree, tokens, masks = build_tree(segments)
+        try:
+            tree, tokens, masks = build_tree(segments)
+        except TreeError as e:
+            raise TreeError(f"group {group_id}: {e}") from None
         rows, labels, mask = tree_rows(tree, tokens, masks, pad_id)  # [G, T] each
-        moved = {n: None if t is None else t.to(device) for n, t in extras.items()}
         return cls(tokens=rows.to(device), labels=labels.to(device),
                    loss_mask=mask.to(device=device, dtype=mask_dtype),
-                   prompt_length=tree.ends[0], group_id=group_id, tree=tree, **moved)
+                   prompt_length=tree.ends[0], group_id=group_id, tree=tree,
+                   **_moved(extras, device, group_id))
 
     @classmethod
     def guarded_fields(cls) -> tuple:
@@ -182,6 +184,16 @@ class SharedPrefixGroup:
         for name, t in self.guarded().items():
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"{tag}: {name} contains NaN or inf")
+
+    def check_for(self, model, num_loops: int,
+                  max_response_length: Optional[int] = None) -> None:
+        """``check_device`` and ``check`` against ``model`` (the bare looped GPT): its device,
+        its vocabulary and, with learned absolute positions, its position table -- the checks
+        every step (joint replay and ``naive_step``) runs on each group before any compute."""
+        learned = getattr(model, "position_embedding_type", None) == "learned_absolute"
+        self.check_device(next(model.parameters()).device)
+        self.check(num_loops, max_response_length, vocab_size=getattr(model, "vocab_size", None),
+                   max_positions=model.max_sequence_length if learned else None)
 
     def _check_shapes(self, tag: str, num_loops: int) -> None:
         if self.tokens.dim() != 2:
@@ -273,7 +285,8 @@ class SharedPrefixGroup:
         per_response = (self.loss_mask[:, P - 1 :] != 0).sum(dim=1)
         if (per_response == 0).any():
             i = int((per_response == 0).nonzero()[0])
-            raise ValueError(f"{tag}: response {i} is empty (no loss_mask token)")
+            raise ValueError(f"{tag}: response {i} has no trained token (its loss_mask is 0 "
+                             f"everywhere)")
         if (self.loss_mask[:, -1] != 0).any():
             raise ValueError(f"{tag}: loss_mask is non-zero on the last position (its label "
                              f"lies past the sequence)")
@@ -287,6 +300,16 @@ def _check_extras(cls, extras: dict) -> None:
     if unknown:
         raise TypeError(f"{cls.__name__} has no extra tensor {unknown[0]!r} (its EXTRAS: "
                         f"{sorted(cls.EXTRAS)})")
+
+
+def _moved(extras: dict, device, group_id: int) -> dict:
+    """The extras on ``device`` (None stays None); one that is not a tensor is refused, naming
+    it and its type (its dtype would be a guess)."""
+    for name, t in extras.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"group {group_id}: {name} must be a tensor (None: absent), got "
+                            f"{type(t).__name__}; pass torch.tensor(..., dtype=...)")
+    return {n: None if t is None else t.to(device) for n, t in extras.items()}
 
 
 def _host_lengths(lengths, responses: Tensor, tag: str) -> Tensor:

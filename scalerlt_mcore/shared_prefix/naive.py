@@ -61,13 +61,18 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
                num_loops: Optional[int] = None) -> list:
     """One step of the groups' full sequences through the stock MCore schedule; one result
     per microbatch. ``forward_step_func`` is the per-wave one joint replay takes; ``num_loops``:
-    R of the step (None: the config's ``looped_num_loops``)."""
+    R of the step (None: the config's ``looped_num_loops``). Every group is checked first as
+    joint replay checks it (a row with no trained token would give 0 / 0 = NaN)."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
+    inner = unwrap_model(model)
+    R = inner.config.with_loops(num_loops).looped_num_loops
     check_group = getattr(forward_step_func, "check_group", None)  # the loss's own needs
     loss_runs = not (forward_only and collect_non_loss_data)
-    for g in groups if check_group is not None and loss_runs else ():
-        check_group(g)
+    for g in groups:  # joint replay's checks: a response with no trained token is refused
+        g.check_for(inner, R)
+        if check_group is not None and loss_runs:
+            check_group(g)
     batches = naive_microbatches(groups, micro_batch_size)
     # MCore divides every microbatch loss by their number; the step loss is the mean over
     # groups, as in joint replay.

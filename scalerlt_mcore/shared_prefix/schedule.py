@@ -226,21 +226,16 @@ class SharedPrefixSchedule:
 
     def _check_groups(self, groups, inner, forward_only, config, check_group,
                       num_loops: int) -> None:
-        device = next(inner.parameters()).device
         if getattr(config, "calculate_per_token_loss", False):
             raise NotImplementedError("shared-prefix joint replay normalises per group; "
                                       "calculate_per_token_loss is not supported")
         if not forward_only or inner.training:
             _check_deterministic(inner)
-        learned = getattr(inner, "position_embedding_type", None) == "learned_absolute"
-        limits = dict(vocab_size=getattr(inner, "vocab_size", None),
-                      max_positions=inner.max_sequence_length if learned else None)
         for g in groups:
             if not isinstance(g, SharedPrefixGroup):
                 raise TypeError("a shared-prefix step must contain only SharedPrefixGroup "
                                 f"microbatches, got {type(g).__name__}")
-            g.check_device(device)
-            g.check(num_loops, self.max_response_length, **limits)
+            g.check_for(inner, num_loops, self.max_response_length)
             if check_group is not None:
                 check_group(g)
 

@@ -7,6 +7,7 @@ A rollout gives the nodes as ``TreeSegment``s (tokens, parent, per-token loss ma
 per-node tokens and masks from which ``SharedPrefixGroup.from_tree`` lays out the rows.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,7 +101,7 @@ def build_tree(segments: list) -> tuple:
     loss masks [N] x [L_n] float64). Errors name the node."""
     if not segments:
         raise TreeError("tree: no segments (a tree needs a root)")
-    parents = tuple(-1 if s.parent is None else s.parent for s in segments)
+    parents = tuple(_parent(n, s) for n, s in enumerate(segments))
     tokens = [_segment_tokens(n, s) for n, s in enumerate(segments)]
     _check_parents(parents)
     starts, ends = _layout(segments, parents, [len(t) for t in tokens])
@@ -108,6 +109,20 @@ def build_tree(segments: list) -> tuple:
     tree = PrefixTree(parents, starts, ends, leaves)
     masks = [_segment_mask(n, s, len(tokens[n]), tree.is_leaf(n)) for n, s in enumerate(segments)]
     return tree, tokens, masks
+
+
+def _parent(n: int, segment: TreeSegment) -> int:
+    """The segment's parent as an int, -1 for None (the root); an integer-like (a numpy integer,
+    a one-element integer tensor) is taken, another type refused."""
+    if segment.parent is None:
+        return -1
+    try:
+        if isinstance(segment.parent, bool):
+            raise TypeError
+        return operator.index(segment.parent)
+    except TypeError:
+        raise TreeError(f"tree node {n}: parent must be an integer node index, got "
+                        f"{type(segment.parent).__name__} {segment.parent!r}") from None
 
 
 def _segment_tokens(n: int, segment: TreeSegment) -> Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers.hf import patch_hf_rms_norm, randomize
 from helpers.pretrained_app import _adam_moments, _flat, _step, build
+from helpers.reference_huginn import write_huginn_checkpoint
 from helpers.tokenizer_files import train_char_bpe
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
@@ -128,6 +129,25 @@ def test_mismatched_architecture_names_what_differs(tiny_llama):
                  "run 2", "norm_epsilon: checkpoint 1e-06 != run 1e-05", "--use-checkpoint-args"):
         assert part in message, message
     assert "ffn_hidden_size" not in message
+
+
+def test_use_checkpoint_args_names_the_retrofit_it_conflicts_with(tmp_path):
+    """The config file's looped_retrofit with --use-checkpoint-args of a looped checkpoint: the
+    refusal says which setting wins and how to drop the other (not "pass
+    --use-checkpoint-args"), and the run builds with looped_retrofit null."""
+    path = write_huginn_checkpoint(tmp_path / "huginn", seed=6)
+    argv = ["--config", str(CONFIG), "--pretrained-checkpoint", str(path),
+            "--use-checkpoint-args", "--train-iters", "1"]
+    with model_parallel_context(3), pytest.raises(ConfigError) as err:
+        build(argv)
+    message = str(err.value)
+    assert message.startswith("looped_retrofit '2,4,2' conflicts with --use-checkpoint-args: ")
+    assert "set looped_retrofit null (--looped-retrofit null)" in message
+    assert "pass --use-checkpoint-args" not in message
+    with model_parallel_context(3):
+        trainer, _, _ = build(argv + ["--looped-retrofit", "null"])
+        c = trainer.model.config
+        assert (c.looped_num_prelude_layers, c.num_layers, c.looped_num_coda_layers) == (1, 2, 1)
 
 
 def test_layer_count_mismatch_without_retrofit_is_named(tiny_llama):

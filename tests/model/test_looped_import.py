@@ -185,12 +185,13 @@ def test_ouro_joint_replay_exit_pdf_matches_naive(mcore_single, ouro_dir):
 # ---- 4. bad input -------------------------------------------------------------------------
 
 
-def _edited(src, dst, config=None, drop=None, reshape=None):
+def _edited(src, dst, config=None, drop=None, reshape=None, extra=None):
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(config or {})
     (dst / "config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(src / "model.safetensors"))
+    tensors.update(extra or {})
     if drop:
         del tensors[drop]
     if reshape:
@@ -212,6 +213,11 @@ BAD = [
      r"RoPE scaling type 'yarn' is not supported"),
     (dict(config={"early_exit_step": 2}), r"early_exit_step=2: a fixed exit step"),
     (dict(config={"total_ut_steps": 0}), r"total_ut_steps must be a positive integer, got 0"),
+    (dict(config={"num_key_value_heads": 3}),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (dict(extra={"model.layers.0.self_attn.q_norm.weight": torch.ones(32)}),
+     r"tensor 'model.layers.0.self_attn.q_norm.weight' in \S+ is not read by the Ouro "
+     r"importer"),
 ]
 
 
@@ -317,6 +323,51 @@ def test_retrofit_exports_in_the_retrofitted_recurrence_layout(mcore_single, hf_
                                                      again(tokens).logits))
 
 
+def test_retrofitted_recurrence_export_keeps_the_source_block_size(mcore_single, tmp_path):
+    """The upstream conversions keep Huginn's ``block_size`` (4096) beside the Llama's
+    ``max_position_embeddings``: export writes the source's block_size back, and the model's
+    positions as max_position_embeddings."""
+    path = _edited(write_retrofit_checkpoint(tmp_path / "retro", seed=9), tmp_path / "src",
+                   config={"block_size": 4096})
+    model = looped_gpt_from_pretrained(path, use_cpu_initialization=True)
+    config = json.loads((save_hf(model, tmp_path / "out", source=path) / "config.json")
+                        .read_text())
+    assert (config["block_size"], config["max_position_embeddings"]) == (4096, 64)
+
+
+def _fp64_copy(src, dst):
+    """``src`` with every tensor in fp64 carrying bits below fp32's resolution."""
+    gen = torch.Generator().manual_seed(4)
+    extra = {k: v.double() * (1 + 1e-12 * torch.randn(v.shape, generator=gen, dtype=torch.float64))
+             for k, v in load_file(str(src / "model.safetensors")).items()}
+    return _edited(src, dst, extra=extra)
+
+
+@pytest.mark.parametrize("kind", ["ouro", "huginn", "retrofitted", "llama"])
+def test_import_and_export_have_one_dtype(mcore_single, ouro_dir, hf_dirs, tmp_path, kind):
+    """params_dtype holds for every imported tensor (an fp64 checkpoint's norms stay fp64, bit
+    for bit), and an export writes every tensor in the dtype its config.json names, also from
+    a model whose norms were left in fp32 beside bf16 weights."""
+    src = {"ouro": lambda: ouro_dir, "llama": lambda: hf_dirs["llama"],
+           "huginn": lambda: write_huginn_checkpoint(tmp_path / "h", seed=6),
+           "retrofitted": lambda: write_retrofit_checkpoint(tmp_path / "r", seed=9)}[kind]()
+    path = _fp64_copy(src, tmp_path / "fp64")
+    load = looped_gpt_from_hf if kind == "llama" else looped_gpt_from_pretrained
+    model = load(path, use_cpu_initialization=True, params_dtype=torch.float64)
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert {v.dtype for v in sd.values()} == {torch.float64}
+    norm = next(k for k in sd if k.endswith("layernorm.weight"))
+    assert not torch.equal(sd[norm], sd[norm].float().double())  # fp64 bits kept
+    bf16 = load(path, use_cpu_initialization=True, params_dtype=torch.bfloat16)
+    for module in bf16.modules():
+        if type(module).__name__.endswith("Norm"):
+            module.float()  # norms in fp32 beside bf16 weights
+    out = save_hf(bf16, tmp_path / "bf16", source=path)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert {v.dtype for v in _files(out).values()} == {torch.bfloat16}
+
+
 # ---- 6. Huginn (huginn_raven) ---------------------------------------------------------------
 
 
@@ -400,6 +451,17 @@ def test_huginn_bad_input_is_named(mcore_single, huginn_dir, tmp_path, edit, mes
     assert "\n" not in str(err.value)
 
 
+def test_huginn_tensor_not_read_is_named(mcore_single, huginn_dir, tmp_path):
+    """A weight outside Huginn's block (here a q norm) is refused, not dropped; the public
+    RoPE buffer ``freqs_cis`` is not a weight and may be present."""
+    extra = {"transformer.core_block.1.attn.q_norm.weight": torch.ones(32),
+             "freqs_cis": torch.zeros(1, 64, 1, 4, 2)}
+    path = _edited(huginn_dir, tmp_path / "bad", extra=extra)
+    with pytest.raises(ValueError, match=r"tensor 'transformer.core_block.1.attn.q_norm.weight' "
+                                         r"in \S+ is not read by the Huginn importer"):
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True, max_sequence_length=64)
+
+
 def test_huginn_export_round_trip_is_bitwise(mcore_single, huginn_dir, tmp_path):
     first = looped_gpt_from_pretrained(huginn_dir, use_cpu_initialization=True,
                                        max_sequence_length=64)
@@ -435,6 +497,43 @@ def test_retrofitted_recurrence_per_loop_logits(mcore_single, tmp_path, R):
         got = torch.stack(model.double().eval()(tokens).logits)
     assert rel(got.permute(0, 3, 1, 2), want.permute(0, 3, 1, 2), mask.bool(),
                f"retrofitted recurrence R={R} logits") <= TOL
+
+
+def _olmo2_retrofit(src, dst, modeling):
+    """A Retrofitted Recurrence checkpoint as the upstream OLMo-2 converter writes it: the Llama
+    layout's names plus per-block ``attn.q_norm`` / ``attn.k_norm`` (full q / k width), with
+    ``modeling`` as its modeling file."""
+    norms = {f"transformer.{stack}.{i}.attn.{n}_norm.weight": torch.ones(width)
+             for stack, count in (("prelude", 1), ("core_block", 2), ("coda", 1))
+             for i in range(count) for n, width in (("q", 32), ("k", 16))}
+    auto = {"AutoConfig": "raven_config_minimal.RavenConfig",
+            "AutoModelForCausalLM": f"{modeling}.RavenForCausalLM"}
+    return _edited(src, dst, config={"auto_map": auto}, extra=norms)
+
+
+def test_retrofitted_recurrence_kv_heads_must_divide_heads(mcore_single, tmp_path):
+    path = _edited(write_retrofit_checkpoint(tmp_path / "retro", seed=9), tmp_path / "bad",
+                   config={"num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=r"n_heads=4 is not a multiple of "
+                                         r"num_key_value_heads=3") as err:
+        looped_gpt_from_pretrained(path, use_cpu_initialization=True)
+    assert "\n" not in str(err.value)
+
+
+def test_retrofitted_recurrence_olmo2_layout_is_refused(mcore_single, tmp_path):
+    """The OLMo-2 layout (post-norm blocks, q/k norms) is refused by its modeling file, and by
+    its q/k norm tensors where config.json names the Llama one: never imported as Llama."""
+    retro = write_retrofit_checkpoint(tmp_path / "retro", seed=9)
+    olmo = _olmo2_retrofit(retro, tmp_path / "olmo", "raven_modeling_minimal_olmo")
+    with pytest.raises(ValueError, match=r"auto_map.AutoModelForCausalLM='raven_modeling_minimal_"
+                                         r"olmo.RavenForCausalLM': the Retrofitted Recurrence "
+                                         r"OLMo-2 layout .* is not supported"):
+        looped_gpt_from_pretrained(olmo, use_cpu_initialization=True)
+    unnamed = _olmo2_retrofit(retro, tmp_path / "unnamed", "raven_modeling_minimal_llama")
+    with pytest.raises(ValueError, match=r"tensor 'transformer.coda.0.attn.k_norm.weight' in "
+                                         r"\S+ \(and 7 more\) is not read by the Retrofitted "
+                                         r"Recurrence importer"):
+        looped_gpt_from_pretrained(unnamed, use_cpu_initialization=True)
 
 
 def test_huginn_greedy_rollout_matches_reference(mcore_single, huginn_dir):

@@ -260,12 +260,13 @@ def test_retrofit_drops_the_layers_between_core_and_coda():
         "embedding.word_embeddings.weight": 0.0}
 
 
-def _copy_dir(src, dst, config_edit=None, drop_prefix=None):
+def _copy_dir(src, dst, config_edit=None, drop_prefix=None, extra=None):
+    dst.mkdir(exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     if config_edit:
         config_edit(cfg)
     (dst / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(src / "model.safetensors")
+    tensors = {**load_file(src / "model.safetensors"), **(extra or {})}
     save_file({k: v for k, v in tensors.items()
                if not (drop_prefix and k.startswith(drop_prefix))}, dst / "model.safetensors")
     return dst
@@ -292,7 +293,9 @@ def test_malformed_config_json_is_named(tmp_path):
      "llama3 RoPE scaling with high_freq_factor=2.0 is not supported"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu': only 'silu'"),
     (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers must be a positive integer"),
-], ids=["architecture", "rope-type", "llama3-factors", "activation", "no-layers"])
+    (lambda c: c.update(num_key_value_heads=3),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+], ids=["architecture", "rope-type", "llama3-factors", "activation", "no-layers", "kv-heads"])
 def test_unsupported_config_is_named(tmp_path, hf_dirs, edit, message):
     path = _copy_dir(hf_dirs["llama"], tmp_path, config_edit=edit)
     with pytest.raises(ValueError, match=message):
@@ -305,6 +308,20 @@ def test_safetensors_without_a_layer_is_named(tmp_path, hf_dirs):
     with pytest.raises(ValueError, match=r"tensor 'model.layers.2.\S+' is missing from "
                                          r"model.safetensors"):
         load_hf_state_dict(path, arch)
+
+
+def test_tensor_not_read_is_named(tmp_path, hf_dirs):
+    """A weight the Llama mapping has no place for (here OLMo-2's q norm) is refused, not
+    dropped; an older checkpoint's RoPE table ``rotary_emb.inv_freq`` is not a weight."""
+    table = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    kept = _copy_dir(hf_dirs["llama"], tmp_path / "kept", extra=table)
+    assert "decoder.layers.0.input_layernorm.weight" in load_hf_state_dict(
+        kept, read_hf_architecture(kept))
+    extra = {"model.layers.1.self_attn.q_norm.weight": torch.ones(64)}
+    path = _copy_dir(hf_dirs["llama"], tmp_path / "bad", extra=extra)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.self_attn.q_norm.weight' in "
+                                         r"\S+ is not read by the Llama / Qwen2 importer"):
+        load_hf_state_dict(path, read_hf_architecture(path))
 
 
 def test_no_safetensors_is_named(tmp_path, hf_dirs):

@@ -247,7 +247,7 @@ def _no_advantages(g):
 
 
 BAD = {
-    "empty_response": (_empty_response, r"response 3 is empty"),
+    "empty_response": (_empty_response, r"response 3 has no trained token"),
     "labels_shape": (_wrong("labels", lambda s: (s[0], s[1] - 1)), r"labels has shape"),
     "loss_mask_shape": (_wrong("loss_mask", lambda s: (s[0] - 1, s[1])),
                         r"loss_mask has shape"),
@@ -503,6 +503,25 @@ def test_refused_step_says_its_partial_grads_must_be_discarded(model):
     assert "refused after compute began" in msg and "discard them" in msg, msg
     assert "do not step the optimizer" in msg, msg
     assert any(p.grad is not None and p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("normalization, rows", [("token_mean", slice(None)),
+                                                  ("seq_mean", slice(3, 4))])
+def test_naive_step_refuses_rows_with_no_trained_token(model, normalization, rows):
+    """The exported naive step runs joint replay's group checks: a group with no trained token
+    (token mean: 0 / 0) or a row with none (sequence mean) is refused, not a NaN step."""
+    from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
+
+    group = _group()
+    group.loss_mask[rows] = 0
+    first = 0 if rows.start is None else rows.start
+    step = rl_forward_step(LossSpec(normalization=normalization, kl_coef=0.1).objective())
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(ValueError, match=rf"^group {GID}: response {first} has no trained "
+                                         rf"token \(its loss_mask is 0 everywhere\)$"):
+        library_naive_step(model, [group], step, 2)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_naive_step_checks_the_loss_needs_up_front(model):

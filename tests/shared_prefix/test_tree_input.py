@@ -1,6 +1,7 @@
 """Prefix trees as data: the layout of the naive rows and the bad-input errors (each names the
 node), before any compute."""
 
+import numpy as np
 import pytest
 import torch
 from helpers.tree import DEPTH2, tree_group
@@ -69,6 +70,33 @@ def test_depth_one_tree_is_the_one_level_group():
 def test_bad_segments_name_the_node(segs, match):
     with pytest.raises(TreeError, match=match):
         SharedPrefixGroup.from_tree(segs, 0)
+
+
+def test_integer_like_parents_are_node_indices():
+    """A parent given as a numpy integer or an integer tensor is that node."""
+    segs = _segs()
+    segs[1].parent, segs[2].parent, segs[3].parent = np.int64(0), torch.tensor(1), np.int32(1)
+    assert SharedPrefixGroup.from_tree(segs, 0).tree.parents == (-1, 0, 1, 1, 0)
+
+
+@pytest.mark.parametrize("parent", [1.0, torch.tensor(1.0), "1", True])
+def test_parent_of_another_type_names_it_and_the_group(parent):
+    segs = _segs()
+    segs[2].parent = parent
+    with pytest.raises(TreeError, match=rf"^group 7: tree node 2: parent must be an integer node "
+                                        rf"index, got {type(parent).__name__} "):
+        SharedPrefixGroup.from_tree(segs, 0, group_id=7)
+
+
+@pytest.mark.parametrize("build", ["tree", "rollout"])
+def test_extras_not_tensors_name_the_field_and_the_group(build):
+    with pytest.raises(TypeError, match=r"^group 4: advantages must be a tensor \(None: absent\), "
+                                        r"got list"):
+        if build == "tree":
+            RLGroup.from_tree(_segs(), 0, group_id=4, advantages=[0.0, 1.0, 2.0])
+        else:
+            RLGroup.from_rollout([1, 2], torch.tensor([[3, 4], [5, 0]]), [2, 1], 0,
+                                 group_id=4, advantages=[0.0, 1.0])
 
 
 @pytest.mark.parametrize("parents,starts,ends,leaves,match", [
