@@ -6,10 +6,11 @@ looped model on CPU without a download.
                                                                              total_ut_steps 3)
     python examples/make_tiny_looped_model.py /tmp/tiny-huginn --format huginn (prelude 1, core
                                                                              2, coda 1, R 3)
+    python examples/make_tiny_looped_model.py /tmp/tiny-nanbeige --format nanbeige --loops 2
 
 The weights are the looped GPT's random init (``looped_family`` ouro with the exit gate, its bias
-set so the exit distribution is spread over the loops; or ``huginn``), written by the project's
-exporter (``scalerlt_mcore.model.hf_export.save_hf``).
+set so the exit distribution is spread over the loops; ``huginn``; or ``nanbeige``), written by
+the project's exporter (``scalerlt_mcore.model.hf_export.save_hf``).
 """
 
 import argparse
@@ -27,6 +28,7 @@ FAMILIES = {
     "huginn": dict(looped_family="huginn", looped_num_prelude_layers=1, looped_num_coda_layers=1,
                    looped_injection="linear_concat", looped_initial_state="random",
                    num_query_groups=4),
+    "nanbeige": dict(looped_family="nanbeige", num_query_groups=2),
 }
 """--format -> the loop layout (Huginn: one K/V head per query head, for its qk bias)."""
 
@@ -46,7 +48,7 @@ def tiny_looped(kind: str, layers: int, loops: int, seed: int) -> LoopedGPTModel
     with torch.no_grad():
         if kind == "ouro":
             model.decoder.exit_gate.linear.bias.fill_(-1.0)  # lambda ~0.27: mass on every loop
-        else:
+        elif kind == "huginn":
             model.decoder.injection.weight.add_(0.1 * torch.randn_like(
                 model.decoder.injection.weight))  # off [I | 0]: the prelude output counts
     return model
@@ -57,7 +59,8 @@ def main() -> None:
     parser.add_argument("out", help="directory to write")
     parser.add_argument("--format", choices=tuple(FAMILIES), default="ouro")
     parser.add_argument("--layers", type=int, default=2, help="(core) layers")
-    parser.add_argument("--loops", type=int, default=3, help="total_ut_steps / mean_recurrence")
+    parser.add_argument("--loops", type=int, default=3,
+                        help="total_ut_steps / mean_recurrence / num_loops")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     with model_parallel_context(seed=args.seed):

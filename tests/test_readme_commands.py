@@ -38,6 +38,11 @@ NOT_RUN = {
     "python -m scalerlt_mcore.train --config configs/retrofit_tiny_llama.yaml "
     "--pretrained-checkpoint /path/to/gpt_checkpoint": "a placeholder for the user's stock "
     "GPTModel checkpoint (tests/app/test_pretrained_app.py runs that path)",
+    **dict.fromkeys(
+        [f"torchrun --nproc-per-node 8 -m scalerlt_mcore.train --config configs/{name}"
+         for name in ("ouro_1.4b_h20.yaml", "huginn_0125_h20.yaml", "nanbeige_4.2_3b_h20.yaml")],
+        "8 GPUs and a placeholder for the public checkpoint (a download); "
+        "tests/app/test_h20_configs.py validates each at 8 ranks and runs an RL step on meta"),
     "python -m scalerlt_mcore.train --pretrained-checkpoint /path/to/Ouro-1.4B": "a "
     "placeholder for the user's Ouro checkpoint (a download; tests/app/test_looped_app.py runs "
     "that path on a tiny Ouro written here)",

@@ -14,7 +14,7 @@ Injection = Literal["none", "linear_concat"]
 InitialState = Literal["embed", "zeros", "random"]
 PrefixAttention = Literal["concat", "cascade"]
 CascadeKernel = Literal["auto", "flash", "efficient", "cpu_flash", "matmul"]
-Family = Literal["gpt", "ouro", "huginn"]
+Family = Literal["gpt", "ouro", "huginn", "nanbeige"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 """Position embeddings of ``LoopedGPTModel`` (its ``position_embedding_type`` argument)."""
 Normalization = TransformerConfig.__annotations__["normalization"]
@@ -88,7 +88,9 @@ class LoopedTransformerConfig(TransformerConfig):
     state feeds the next loop, the readout and the exit gate; no prelude or coda) or
     ``huginn`` (Huginn-0125: every layer normalises after each residual add, per-head query and
     key biases, interleaved RoPE, the embedding scaled by sqrt(H); the final norm is applied to
-    each loop's state before the coda and again before the readout; needs ``linear_concat``)."""
+    each loop's state before the coda and again before the readout; needs ``linear_concat``)
+    or ``nanbeige`` (Nanbeige4.2: MCore's pre-norm layers with Ouro's loop layout, the final
+    norm closing every loop and the normed state feeding the next; no prelude or coda)."""
 
     looped_learned_loop_weights: bool = False
     """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
@@ -128,9 +130,9 @@ class LoopedTransformerConfig(TransformerConfig):
 
     @property
     def looped_normed_state(self) -> bool:
-        """The final norm closes every loop (``looped_family`` ``ouro``): the block returns
-        normed states and the readout applies no norm of its own."""
-        return self.looped_family == "ouro"
+        """The final norm closes every loop (``looped_family`` ``ouro``, ``nanbeige``): the
+        block returns normed states and the readout applies no norm of its own."""
+        return self.looped_family in ("ouro", "nanbeige")
 
     @property
     def looped_norm_before_coda(self) -> bool:
@@ -168,8 +170,8 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
             if value not in allowed:
                 raise ValueError(f"{f.name} must be one of {allowed}, got {value!r}")
     if cfg.looped_normed_state and (cfg.looped_num_prelude_layers or cfg.looped_num_coda_layers):
-        raise ValueError(f"looped_family 'ouro' loops the whole stack: looped_num_prelude_layers "
-                         f"and looped_num_coda_layers must be 0, got "
+        raise ValueError(f"looped_family {cfg.looped_family!r} loops the whole stack: "
+                         f"looped_num_prelude_layers and looped_num_coda_layers must be 0, got "
                          f"{cfg.looped_num_prelude_layers} and {cfg.looped_num_coda_layers}")
     if not cfg.looped_initial_state_std >= 0:
         raise ValueError(f"looped_initial_state_std must be >= 0, got "

@@ -7,6 +7,8 @@ Formats (``export_format`` picks one, or refuses saying why):
   ``total_ut_steps``; names from ``looped_import`` (its tables read backwards);
 - ``huginn_raven`` (``RavenForCausalLM``): a ``looped_family`` ``huginn`` model, R written as
   ``mean_recurrence``, with the public model's ``freqs_cis`` buffer;
+- ``nanbeige`` (``NanbeigeForCausalLM``): a ``looped_family`` ``nanbeige`` model, R written as
+  ``num_loops``; names from ``nanbeige`` (its tables read backwards);
 - ``llama`` / ``qwen2``: a plain model -- R = 1, no prelude, coda, injection or exit gate --
   is the same function as the Llama / Qwen2 it would be imported from (``hf_import``), Qwen2
   when it has QKV biases (or its source says so).
@@ -33,10 +35,11 @@ from .looped_import import (
     looped_to_ouro,
     looped_to_retrofitted,
 )
+from .nanbeige import NANBEIGE_ARCHITECTURE, looped_to_nanbeige, nanbeige_config_fields
 
 ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "huginn_raven": HUGINN_ARCHITECTURE,
                  "retrofitted": HUGINN_ARCHITECTURE, "llama": "LlamaForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "nanbeige": NANBEIGE_ARCHITECTURE}
 """Export format -> the ``architectures`` name written."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -67,12 +70,14 @@ def architecture_of(model) -> PretrainedArchitecture:
 
 
 def export_format(model, source_config: Optional[dict] = None) -> str:
-    """``ouro``, ``llama`` or ``qwen2`` for ``model`` (``source_config``: the config.json it was
-    imported from, which decides between Llama and Qwen2); otherwise ``ExportError``."""
+    """``ouro``, ``huginn_raven``, ``nanbeige``, ``llama`` or ``qwen2`` for ``model``
+    (``source_config``: the config.json it was imported from, which decides between Llama and
+    Qwen2); otherwise ``ExportError``."""
     c = model.config
     _check_layers(model)
     if c.looped_family != "gpt":
-        return {"ouro": "ouro", "huginn": "huginn_raven"}[c.looped_family]
+        return {"ouro": "ouro", "huginn": "huginn_raven",
+                "nanbeige": "nanbeige"}[c.looped_family]
     if c.looped_injection == "linear_concat" and not c.looped_exit_gate:
         return _retrofitted_format(c)
     looped = [f"{name}={value!r}" for name, value, plain in (
@@ -137,6 +142,8 @@ def hf_state_dict(model, kind: str) -> dict:
     arch = architecture_of(model)
     if kind == "ouro":
         out = looped_to_ouro(sd, arch)
+    elif kind == "nanbeige":
+        out = looped_to_nanbeige(sd, arch)
     elif kind == "huginn_raven":
         out = looped_to_huginn(sd, huginn_source(model))
     elif kind == "retrofitted":
@@ -239,6 +246,8 @@ def hf_config(model, kind: str, base: Optional[dict] = None,
             out["layer_types"] = ["full_attention"] * arch.num_layers
         if exit_threshold is not None:
             out["early_exit_threshold"] = exit_threshold
+    if kind == "nanbeige":
+        out.update(nanbeige_config_fields(model))
     if kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     return out

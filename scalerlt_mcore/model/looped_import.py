@@ -1,7 +1,8 @@
 """Import public looped checkpoints in their own format (``config.json`` + ``*.safetensors``).
 
-Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote code) and
-``huginn_raven`` (Huginn-0125, ``RavenForCausalLM``). The names below are those of the public
+Supported ``model_type``: ``ouro`` (Ouro / LoopLM, ``OuroForCausalLM`` remote code),
+``huginn_raven`` (Huginn-0125, ``RavenForCausalLM``) and ``nanbeige`` (Nanbeige4.2,
+``NanbeigeForCausalLM``; its mapping in ``nanbeige.py``). The names below are those of the public
 modeling code (``modeling_ouro.py`` / ``configuration_ouro.py``; ``raven_modeling_minimal.py``
 / ``raven_config_minimal.py``); the mapping is written once as tables and read in both
 directions (import here, export in ``hf_export.py``), so import -> export -> import is the
@@ -86,10 +87,11 @@ from .hf_import import (
     unpack_qkv,
 )
 from .looped_gpt import LoopedGPTModel
+from .nanbeige import nanbeige_source_fields, nanbeige_to_looped, read_nanbeige_tensors
 from .retrofit import load_converted_state_dict
 from .specs import get_looped_gpt_block_spec
 
-LOOPED_MODEL_TYPES = ("ouro", "huginn_raven")
+LOOPED_MODEL_TYPES = ("ouro", "huginn_raven", "nanbeige")
 """``model_type`` values this importer reads."""
 
 OURO_ARCHITECTURE = "OuroForCausalLM"
@@ -162,6 +164,8 @@ def read_looped_source(path) -> LoopedSource:
                          f"{', '.join(LOOPED_MODEL_TYPES)}")
     if kind == "huginn_raven":
         return _read_huginn(cfg, where)
+    if kind == "nanbeige":  # model/nanbeige.py
+        return LoopedSource(**nanbeige_source_fields(cfg, where))
     return _read_ouro(cfg, where)
 
 
@@ -229,6 +233,8 @@ def load_looped_state_dict(path, source: LoopedSource) -> dict:
     if source.model_type == "huginn_raven":
         hf = _read_all(reader, huginn_shapes(source), "the Huginn importer", ("freqs_cis",))
         return huginn_to_looped(hf, source)
+    if source.model_type == "nanbeige":
+        return nanbeige_to_looped(read_nanbeige_tensors(reader, source.arch), source.arch)
     hf = _read_all(reader, ouro_shapes(source.arch), "the Ouro importer")
     return ouro_to_looped(hf, source.arch)
 

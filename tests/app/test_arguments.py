@@ -235,9 +235,15 @@ def test_resolved_config_round_trip(tmp_path):
 
 SHIPPED_CONFIGS = sorted(p for d in ("configs", "scalerlt_mcore/configs", "tests/configs")
                          for p in (REPO / d).glob("*.yaml"))
-CONFIG_WORLD_SIZES = {"cpu_2rank.yaml": 2, "cpu_tp2.yaml": 2, "h20_8gpu.yaml": 8}
+H20_CHECKPOINT_CONFIGS = ("ouro_1.4b_h20.yaml", "huginn_0125_h20.yaml",
+                          "nanbeige_4.2_3b_h20.yaml")
+"""Launch configs of public checkpoints: their tokenizer is the checkpoint's (a byte-level one
+stands in here; tests/app/test_h20_configs.py validates them beside a checkpoint's shape)."""
+CONFIG_WORLD_SIZES = {"cpu_2rank.yaml": 2, "cpu_tp2.yaml": 2, "h20_8gpu.yaml": 8,
+                      **dict.fromkeys(H20_CHECKPOINT_CONFIGS, 8)}
 """The world size a shipped config is written for (1 if not listed)."""
-CONFIG_NEEDS = {"retrofit_tiny_llama.yaml": ["--pretrained-checkpoint", "tiny-llama"]}
+CONFIG_NEEDS = {"retrofit_tiny_llama.yaml": ["--pretrained-checkpoint", "tiny-llama"],
+                **dict.fromkeys(H20_CHECKPOINT_CONFIGS, ["--tokenizer-type", "ByteLevelTokenizer"])}
 """Flags a config's own header says to add (validation reads no weights)."""
 
 

@@ -1,0 +1,188 @@
+"""The 8 x H20 launch configs, checked without a GPU.
+
+Each public checkpoint's config (configs/{ouro_1.4b,huginn_0125,nanbeige_4.2_3b}_h20.yaml) is
+read as the trainer reads it beside a directory of that checkpoint's real config.json (no
+weights; a small tokenizer.json): its architecture and loop layout are the checkpoint's (what
+``--pretrained-checkpoint`` would otherwise refuse) and it validates at 8 ranks. Each of those
+and configs/h20_8gpu.yaml (from scratch) is built at full size on ``meta`` (no memory, no FLOPs)
+and runs one RL step: a short rollout through the depth-indexed cache (each prompt prefilled
+once, two sampled tokens) and a joint-replay step of the run's own schedule, plan and objective,
+with the schedule's up-front device check; an op mixing a host tensor into the meta computation
+raises. So a config that cannot build, or that puts a tensor on the wrong device, fails here.
+"""
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.reference_huginn import HUGINN_CONFIG
+from helpers.reference_nanbeige import NANBEIGE_42_3B
+from helpers.reference_ouro import OURO_CONFIG
+from helpers.sp import make_group
+from helpers.tokenizer_files import train_bpe
+
+from scalerlt_mcore.app import runtime
+from scalerlt_mcore.app.config import (
+    model_config,
+    objective_from,
+    parse_args,
+    schedule_from,
+    validate,
+)
+from scalerlt_mcore.app.pretrained import (
+    ARCHITECTURE_KEYS,
+    resolve_pretrained,
+    run_architecture,
+    run_vocab_size,
+)
+from scalerlt_mcore.model.looped_import import read_looped_source
+from scalerlt_mcore.rl import rollout
+from scalerlt_mcore.rl.objective import rl_forward_step
+from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.shared_prefix.group import ReplayGuard, SharedPrefixGroup
+from scalerlt_mcore.shared_prefix.planner import ModelShape
+from scalerlt_mcore.testing import model_parallel_context
+
+REPO = Path(__file__).resolve().parents[2]
+META = torch.device("meta")
+
+OURO_1_4B = {**OURO_CONFIG, "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+             "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+             "head_dim": 128, "max_position_embeddings": 65536, "rope_theta": 1000000.0,
+             "layer_types": ["full_attention"] * 24, "max_window_layers": 24,
+             "total_ut_steps": 4, "torch_dtype": "bfloat16"}
+"""Ouro-1.4B's config.json (its shape)."""
+
+HUGINN_0125 = {**HUGINN_CONFIG, "n_embd": 5280, "n_heads": 55, "n_layers": 8, "block_size": 4096,
+               "vocab_size": 65536, "intermediate_size": 17920, "n_layers_in_recurrent_block": 4,
+               "n_layers_in_prelude": 2, "n_layers_in_coda": 2, "mean_recurrence": 32,
+               "mean_backprop_depth": 8, "torch_dtype": "bfloat16"}
+"""Huginn-0125's config.json (its shape)."""
+
+CONFIGS = {"ouro_1.4b_h20.yaml": (OURO_1_4B, 1.43e9), "huginn_0125_h20.yaml": (HUGINN_0125, 3.56e9),
+           "nanbeige_4.2_3b_h20.yaml": (NANBEIGE_42_3B, 4.17e9)}
+"""Config -> (the config.json it launches, its parameter count to 1%)."""
+
+META_STEP = {**CONFIGS, "h20_8gpu.yaml": (None, 17.99e6)}
+"""The configs run on meta: the public checkpoints' and the from-scratch one."""
+
+
+def _source(tmp_path, config_json: dict):
+    """A checkpoint directory without weights: the config.json and a small tokenizer.json."""
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    train_bpe(tmp_path / "tokenizer.json")
+    return tmp_path
+
+
+def _argv(name: str, source) -> list:
+    argv = ["--config", str(REPO / "configs" / name)]
+    return argv if source is None else argv + ["--pretrained-checkpoint", str(source)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_is_the_checkpoints_model(name, tmp_path):
+    """The YAML's architecture and loop layout are the checkpoint's config.json's, and the run
+    validates at 8 ranks (data parallel 8, bf16, the local spec)."""
+    source = _source(tmp_path, CONFIGS[name][0])
+    cfg = parse_args(_argv(name, source))
+    resolve_pretrained(cfg)
+    validate(cfg, 8)
+    src, run = read_looped_source(source), run_architecture(cfg)
+    keys = [k for k in ARCHITECTURE_KEYS if k != "rope_scaling_factor"]
+    assert {k: run[k] for k in keys} == {k: getattr(src.arch, k) for k in keys}
+    m = cfg.model
+    fixed = {k: v for k, v in src.looped.items() if not k.startswith("looped_initial_state")}
+    assert {k: getattr(m, k) for k in fixed} == fixed
+    assert m.num_layers == (src.core_layers or src.arch.num_layers)
+    assert (m.bf16, m.tensor_model_parallel_size, m.transformer_impl) == (True, 1, "local")
+    assert cfg.rl.rl_task.startswith("reasoning_gym:")
+
+
+def _meta_model(cfg):
+    """The run's model at full size with every parameter on ``meta``."""
+    config = model_config(cfg, "cpu")  # host-side initialisation: under meta, no memory
+    with torch.device(META):
+        model = runtime.build_model(cfg, config, run_vocab_size(cfg), "meta")
+    rope = model.rotary_pos_emb  # MCore keeps inv_freq outside the buffers and moves it to the
+    rope.inv_freq = rope.inv_freq.to(META)  # device at its first forward (on a GPU)
+    return model
+
+
+H20_BYTES = 96e9
+"""An H20's memory."""
+
+PROMPT = 512
+"""Prompt tokens of the memory check (reasoning-gym prompts under a chat template are shorter)."""
+
+
+def _memory(cfg, model, R: int) -> tuple:
+    """(the planner's plan for a group of the run's full shape, per-GPU bytes by part): bf16
+    weights, fp32 gradient buffers, distributed Adam shards over 8 ranks, the plan's predicted
+    peak, and the rollout cache of the rank's prompts (prompt K/V once per prompt, the responses'
+    per row; every depth, K and V, bf16)."""
+    c, G, S = model.config, cfg.rl.grpo_group_size, cfg.rl.rl_max_response_length
+    group = make_group(G, PROMPT, S, R, seed=0, dtype=torch.float32, vocab=model.vocab_size,
+                       device="meta")
+    planner = schedule_from(cfg, model).chooser
+    plan = planner(group, model, num_loops=R)
+    count = sum(p.numel() for p in model.parameters())
+    prompts = cfg.training.global_batch_size // (8 * G)
+    per_token = c.with_loops(R).looped_num_depths * 2 * c.num_query_groups * c.kv_channels * 2
+    return plan, {"weights": 2 * count, "gradients": 4 * count, "adam": 12 * count / 8,
+                  "plan": planner.memory(ModelShape.from_model(model, R), PROMPT, S, G,
+                                         plan).peak_bytes,
+                  "rollout cache": per_token * prompts * (PROMPT + G * S)}
+
+
+@pytest.fixture
+def data_checks_off(monkeypatch):
+    """Meta tensors hold no data: the checks that read values on the host are switched off (the
+    group's value checks, the replay guard's content checksums; test_device_meta.py and the
+    CPU tests cover them) and the rollout's final host copies return the device record. The
+    device checks stay on (``check_device`` of every group, before any compute)."""
+    monkeypatch.setattr(SharedPrefixGroup, "check", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(ReplayGuard, "_verify_contents", lambda self, where: None)
+    monkeypatch.setattr(rollout._Record, "rollout", lambda self, *args: self)
+
+
+@pytest.mark.parametrize("name", META_STEP)
+def test_full_size_rl_step_on_meta(name, tmp_path, data_checks_off):
+    shape, params = META_STEP[name]
+    source = None if shape is None else _source(tmp_path, shape)
+    cfg = parse_args(_argv(name, source))
+    resolve_pretrained(cfg)
+    R = cfg.model.looped_num_loops
+    with model_parallel_context(seed=1):
+        start = time.perf_counter()
+        model = _meta_model(cfg)
+        built = time.perf_counter() - start
+        count = sum(p.numel() for p in model.parameters())
+        assert {(p.device, p.dtype) for p in model.parameters()} == {(META, torch.bfloat16)}
+        assert abs(count / params - 1) < 0.01, count
+        plan, parts = _memory(cfg, model, R)
+        assert not plan.naive and sum(parts.values()) <= 0.85 * H20_BYTES, (plan, parts)
+        record = generate(model, [[5, 6, 7, 8], [9, 10, 11]], 2, 2, eos_id=2, pad_id=0,
+                          temperature=cfg.rl.rl_temperature, stop_check_interval=4,
+                          prompt_once=True, num_loops=R, vocab_size=model.vocab_size,
+                          exit_mode=cfg.rl.rl_rollout_exit)
+        assert record.out.shape == (4, 2) and record.out.device == META
+        assert record.loops.shape == (R, 4, 2) and record.loops.device == META
+        group = make_group(4, 6, 3, R, seed=0, dtype=torch.float32, kl=False,
+                           vocab=model.vocab_size, device="meta")
+        losses = schedule_from(cfg, model)(
+            forward_step_func=rl_forward_step(objective_from(cfg)), data_iterator=iter([group]),
+            model=model, num_microbatches=1, num_loops=R, seq_length=group.tokens.shape[1],
+            micro_batch_size=4)
+        assert losses[0]["loss"].device == META
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert all(p.grad is not None and p.grad.device == META for p in trained)
+        group.tokens = torch.zeros(group.tokens.shape, dtype=torch.long)  # one host tensor
+        with pytest.raises(ValueError, match=r"group 0: tokens is on cpu, the model on meta"):
+            schedule_from(cfg, model)(
+                forward_step_func=rl_forward_step(objective_from(cfg)),
+                data_iterator=iter([group]), model=model, num_microbatches=1, num_loops=R,
+                seq_length=group.tokens.shape[1], micro_batch_size=4)
+    print(f"\n[h20 configs] {name}: {count / 1e9:.2f}B parameters built on meta in {built:.2f} s;"
+          f" {plan}; per GPU " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in parts.items())
+          + f" = {sum(parts.values()) / 1e9:.1f} GB")
