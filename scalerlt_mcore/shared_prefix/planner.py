@@ -675,16 +675,23 @@ def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = F
 def _time_step(model, tokens) -> float:
     """Seconds of one forward + backward. ``autograd.grad`` computes the parameter gradients
     without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched. On
-    CUDA the clock brackets the kernels, not their launches (a device sync on both sides)."""
+    CUDA the clock brackets the kernels, not their launches (a device sync on both sides).
+    In eval mode: without activation recompute (whose MCore checkpoint refuses
+    ``autograd.grad``), the three passes the FLOP count prices."""
     params = [p for p in model.parameters() if p.requires_grad]
     sync = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
+    training = model.training
+    model.eval()
     sync()
     start = time.perf_counter()
-    with torch.enable_grad():  # also when the first plan is made while scoring
-        loss = model(tokens, labels=tokens).logprobs.sum()
-        torch.autograd.grad(loss, params, allow_unused=True)
-    sync()
-    return time.perf_counter() - start
+    try:
+        with torch.enable_grad():  # also when the first plan is made while scoring
+            loss = model(tokens, labels=tokens).logprobs.sum()
+            torch.autograd.grad(loss, params, allow_unused=True)
+        sync()
+        return time.perf_counter() - start
+    finally:
+        model.train(training)
 
 
 # ---- choosing a plan ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from helpers.sp import (
 from helpers.tree import DEPTH2, tree_group
 
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
+from scalerlt_mcore.shared_prefix.planner import CostModel, Planner
 from scalerlt_mcore.testing import run_distributed
 
 TOL = 1e-12
@@ -139,6 +140,21 @@ def test_retained_prompt_and_checkpointed_waves(mcore_single, setting):
         model.zero_grad(set_to_none=True)
         joint_step(model, [group], spec, 2, **kw)
         _check("retain / checkpointed waves", grads(model), ref, cut)
+
+
+def test_auto_plan_with_recompute(mcore_single):
+    """The planner's calibration (forward + ``autograd.grad``, which MCore's checkpoint
+    refuses) runs without recompute and leaves the model training; the planned step is
+    exact."""
+    reference, model = _pair(lambda **extra: build_model(R=2, **extra), "full-uniform-1")
+    group = make_group(4, 8, 4, 2, seed=9, kl=True)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="uniform")
+    naive_step(reference, [group], spec, 2)
+    planner = Planner(2, "auto", schedule="auto", cost_model=CostModel.calibrate(model),
+                      naive_micro_batch_size=4)
+    assert model.training
+    joint_step(model, [group], spec, 2, chooser=planner)
+    _check("auto plan", grads(model), grads(reference))
 
 
 # ---- tensor parallelism 2 ------------------------------------------------------------------
