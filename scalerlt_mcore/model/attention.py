@@ -27,7 +27,7 @@ from .kernels import (
     resolve_cascade_kernel,  # noqa: F401  (the kernel choice, re-exported for benchmarks/gpu.py)
     sdpa,
 )
-from .kv import LoopKV
+from .kv import LoopKV, own
 from .recompute import checkpointed, recompute_active
 
 
@@ -200,7 +200,7 @@ class LoopedSelfAttention(SelfAttention):
     def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
         d = ctx.depth
         if ctx.record:
-            ctx.recorded[d] = (key, value)
+            ctx.recorded[d] = (key, value) if torch.is_grad_enabled() else (own(key), own(value))
         if ctx.cache is not None:
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
