@@ -27,7 +27,8 @@ from .kernels import (
     resolve_cascade_kernel,  # noqa: F401  (the kernel choice, re-exported for benchmarks/gpu.py)
     sdpa,
 )
-from .kv import LoopKV
+from .kv import LoopKV, own
+from .recompute import checkpointed, recompute_active
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,19 @@ class LoopedSelfAttention(SelfAttention):
     def _core(self, query, key, value, attention_mask):
         """The core attention, as MCore calls it: causal without a mask, else arbitrary."""
         mask_type = AttnMaskType.causal if attention_mask is None else AttnMaskType.arbitrary
-        return self.core_attention(query, key, value, attention_mask, attn_mask_type=mask_type)
+
+        def attend(query, key, value, attention_mask):
+            return self.core_attention(query, key, value, attention_mask,
+                                       attn_mask_type=mask_type)
+
+        return self._maybe_checkpointed(attend, query, key, value, attention_mask)
+
+    def _maybe_checkpointed(self, attend, *tensors):
+        """``attend(*tensors)``, checkpointed under MCore's selective recompute of the core
+        attention (``recompute_modules`` ``core_attn``) when training with a graph."""
+        if self.checkpoint_core_attention and recompute_active(self):
+            return checkpointed(attend, *tensors)
+        return attend(*tensors)
 
     def _prefix_core(self, mode: str):
         """The core attention, checked to attend to a prefix (``mode`` names the caller)."""
@@ -187,14 +200,19 @@ class LoopedSelfAttention(SelfAttention):
     def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
         d = ctx.depth
         if ctx.record:
-            ctx.recorded[d] = (key, value)
+            ctx.recorded[d] = (key, value) if torch.is_grad_enabled() else (own(key), own(value))
         if ctx.cache is not None:
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
             core = self._prefix_core("attention to a prefix state")
-            prefix = PrefixKV(ctx.prefix.keys[d], ctx.prefix.values[d], ctx.prefix_attention)
-            with core.attending_to(prefix):
-                return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
+
+            def attend(query, key, value, prefix_keys, prefix_values):
+                with core.attending_to(PrefixKV(prefix_keys, prefix_values,
+                                                ctx.prefix_attention)):
+                    return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
+
+            return self._maybe_checkpointed(attend, query, key, value, ctx.prefix.keys[d],
+                                            ctx.prefix.values[d])
         return self._core(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):

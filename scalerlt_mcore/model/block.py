@@ -17,6 +17,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 from .linear import ColumnParallelLinear
+from .recompute import checkpointed_layers, layer_chunks, recompute_active, run_layers
 
 
 @dataclass
@@ -103,7 +104,8 @@ class RecurrentTransformerBlock(MegatronModule):
     """Prelude layers run once; core layers (``layers``, named as in MCore's block) run
     ``looped_num_loops`` times; coda layers run after every loop. ``forward`` returns the
     readout input of every loop: pre-final-norm, or with ``looped_normed_state`` (Ouro) the
-    state the final norm closed the loop with."""
+    state the final norm closed the loop with. Activation recompute by the config's
+    ``recompute_*`` settings (``recompute.py``)."""
 
     def __init__(self, config, submodules: LoopedBlockSubmodules):
         super().__init__(config=config)
@@ -164,16 +166,14 @@ class RecurrentTransformerBlock(MegatronModule):
 
         def run(layers, x):
             nonlocal depth
-            for layer in layers:
-                if ctx is not None:
-                    ctx.depth = depth
-                x, _ = layer(x, attention_mask=attention_mask, inference_context=ctx,
-                             rotary_pos_emb=rotary_pos_emb)
-                if not torch.is_grad_enabled():
-                    # MCore's TransformerLayer adds its biases under torch.enable_grad() (its
-                    # bias_dropout_add_exec_handler): drop that graph in a no_grad region
-                    x = x.detach()
-                depth += 1
+            for start, end, checkpoint in layer_chunks(self.config, len(layers)):
+                part = layers[start:end]
+                if checkpoint and recompute_active(self):  # not in graph-free loops
+                    x = checkpointed_layers(part, x, depth, ctx, attention_mask, rotary_pos_emb,
+                                            self.config)
+                else:
+                    x = run_layers(part, x, depth, ctx, attention_mask, rotary_pos_emb)
+                depth += len(part)
             return x
 
         embed = run(self.prelude, hidden)

@@ -194,11 +194,28 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
         raise NotImplementedError(f"context_parallel_size={cfg.context_parallel_size} "
                                   f"(--context-parallel-size): the looped GPT does not support "
                                   f"context parallelism")
+    _check_recompute(cfg)
     if cfg.looped_exit_gate and cfg.tensor_model_parallel_size > 1:
         raise NotImplementedError(
             f"looped_exit_gate (--looped-exit-gate) with tensor_model_parallel_size="
             f"{cfg.tensor_model_parallel_size}: the exit gate is not supported under tensor "
             f"parallelism yet")
+
+
+
+def _check_recompute(cfg: LoopedTransformerConfig) -> None:
+    """Recompute settings MCore's own checks let through but the looped block cannot honour
+    (``recompute.py``): a method or layer count without ``full`` granularity, a count < 1."""
+    granularity, n = cfg.recompute_granularity, cfg.recompute_num_layers
+    if cfg.recompute_method is not None and granularity != "full":
+        raise ValueError(f"recompute_method {cfg.recompute_method!r} (--recompute-method) "
+                         f"needs recompute_granularity 'full', got {granularity!r}")
+    if n is not None and granularity != "full":
+        raise ValueError(f"recompute_num_layers (--recompute-num-layers) needs "
+                         f"recompute_granularity 'full', got {granularity!r}")
+    if granularity == "full" and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"recompute_num_layers (--recompute-num-layers) must be an integer "
+                         f">= 1 with recompute_granularity 'full', got {n!r}")
 
 
 LOOP_SAMPLINGS = ("fixed", "uniform:a,b", "poisson_lognormal[:max]")

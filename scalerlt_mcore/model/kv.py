@@ -145,6 +145,16 @@ def trained_depths(config) -> list:
     return [True] * config.looped_num_prelude_layers + loops
 
 
+def own(t: Tensor) -> Tensor:
+    """``t`` in a storage of its own size: a view into a larger one (a value, or an unrotated
+    key, is a view of its depth's whole QKV output) is copied, so that keeping it does not keep
+    the queries. A recorded graph holds that output anyway; a state recorded without one keeps
+    only K and V (``LoopedSelfAttention``)."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _promoted(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
     return t if dtype is None else t.to(torch.promote_types(t.dtype, dtype))
 

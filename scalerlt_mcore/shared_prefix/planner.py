@@ -291,9 +291,9 @@ def prompt_bytes(m: ModelShape, P: int, G: int, T: int) -> int:
 
 
 def prefix_bytes(m: ModelShape, P: int) -> int:
-    """Storage of the prefix-state K/V (views of each depth's qkv output; rotated keys)."""
-    per_depth = P * m.qkv_width + (P * m.kv_groups * m.kv_channels if m.rope_dim else 0)
-    return m.depths * per_depth * m.dtype_bytes
+    """Storage of the prefix-state K/V recorded without a graph (K and V of every depth in
+    storage of their own, ``kv.own``)."""
+    return m.depths * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
 
 
 def graph_free_prefix_bytes(m: ModelShape, P: int) -> int:
@@ -411,8 +411,8 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
 # ``tree_memory`` walks the tree in the schedule's order and takes the worst moment; adjoints
 # are those of the worst path's nodes that train a unit before their replay. Each forward is
 # priced by the one-level pieces (``_block``, ``wave_bytes``) against its prefix length;
-# cascade attention also saves the prefix K/V it reads (the root's: views of its qkv output;
-# a deeper path's: its concatenation).
+# cascade attention also saves the prefix K/V it reads (the root's: views of its qkv output,
+# or its own K/V where it was recorded without a graph; a deeper path's: its concatenation).
 
 
 def _path_kv_bytes(m: ModelShape, P: int, width: int) -> int:
@@ -432,7 +432,7 @@ def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
     """What a cascade forward against node n's path saves of the path's K/V storage.
     ``via_chain``: the path of a replay chain (the chain's states), else n's leaves. The root's
     alone: its graph's qkv output (in its chain; its leaves when retained and as wide), its
-    no-grad qkv output, or fp32 leaf copies of a narrower state. A deeper path is a
+    no-grad K/V, or fp32 leaf copies of a narrower state. A deeper path is a
     concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model."""
     if m.prefix_attention != "cascade":
         return 0
@@ -675,16 +675,23 @@ def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = F
 def _time_step(model, tokens) -> float:
     """Seconds of one forward + backward. ``autograd.grad`` computes the parameter gradients
     without accumulating them: ``.grad``, DDP's grad buffers and its hooks are untouched. On
-    CUDA the clock brackets the kernels, not their launches (a device sync on both sides)."""
+    CUDA the clock brackets the kernels, not their launches (a device sync on both sides).
+    In eval mode: without activation recompute (whose MCore checkpoint refuses
+    ``autograd.grad``), the three passes the FLOP count prices."""
     params = [p for p in model.parameters() if p.requires_grad]
     sync = torch.cuda.synchronize if tokens.is_cuda else (lambda: None)
+    training = model.training
+    model.eval()
     sync()
     start = time.perf_counter()
-    with torch.enable_grad():  # also when the first plan is made while scoring
-        loss = model(tokens, labels=tokens).logprobs.sum()
-        torch.autograd.grad(loss, params, allow_unused=True)
-    sync()
-    return time.perf_counter() - start
+    try:
+        with torch.enable_grad():  # also when the first plan is made while scoring
+            loss = model(tokens, labels=tokens).logprobs.sum()
+            torch.autograd.grad(loss, params, allow_unused=True)
+        sync()
+        return time.perf_counter() - start
+    finally:
+        model.train(training)
 
 
 # ---- choosing a plan ------------------------------------------------------------------------

@@ -174,10 +174,25 @@ def test_batch_divisibility_names_both_numbers():
     (["--rl-exit-threshold", "0"], r"rl_exit_threshold must be in \(0, 1\], got 0"),
     (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
     (["--grpo-entropy-term-weight", "-0.1"], "grpo_entropy_term_weight must be >= 0, got -0.1"),
+    (["--recompute-method", "uniform"],
+     "recompute_method 'uniform' .--recompute-method. needs recompute_granularity 'full'"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+     "recompute_num_layers"),
 ])
 def test_validate_rejects(argv, message):
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(argv), world_size=1)
+
+
+def test_recompute_flags_reach_the_transformer_config():
+    """Megatron-LM's recompute flags are MCore's TransformerConfig fields of the model."""
+    cfg = parse_args(["--recompute-granularity", "full", "--recompute-method", "block",
+                      "--recompute-num-layers", "1"])
+    validate(cfg, world_size=1)
+    config = model_config(cfg, "cpu")
+    assert (config.recompute_granularity, config.recompute_method,
+            config.recompute_num_layers) == ("full", "block", 1)
+    assert model_config(parse_args([]), "cpu").recompute_granularity is None
 
 
 def test_tensor_parallel_sizes_checked_against_data_parallel_size():
@@ -388,7 +403,8 @@ def test_values_reach_the_library_objects():
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
         "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias",
-        "sequence_parallel", "context_parallel_size"}
+        "sequence_parallel", "context_parallel_size", "recompute_granularity",
+        "recompute_method", "recompute_num_layers"}
     config = model_config(cfg, "cpu")
     for key in kwargs:
         if flat[key] is not None:  # None: MCore's default (kv_channels = hidden / heads)
@@ -482,7 +498,8 @@ FROZEN_CLI_FLAGS = [
     "--no-load-rng", "--no-plot", "--norm-epsilon", "--normalization", "--num-attention-heads",
     "--num-layers", "--num-query-groups", "--overlap-grad-reduce",
     "--override-opt-param-scheduler", "--pipeline-model-parallel-size",
-    "--position-embedding-type", "--pretrained-checkpoint", "--rl-advantage",
+    "--position-embedding-type", "--pretrained-checkpoint", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--rl-advantage",
     "--rl-exit-entropy-coef", "--rl-exit-gate-coef", "--rl-exit-threshold", "--rl-loop-weights",
     "--rl-loss-normalization", "--rl-max-response-length", "--rl-old-logprobs",
     "--rl-partial-credit", "--rl-prompt-kv", "--rl-reward", "--rl-rollout", "--rl-rollout-exit",

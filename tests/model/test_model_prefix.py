@@ -15,6 +15,7 @@ import torch
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
 from scalerlt_mcore.model.kernels import cascade_prefix_attention, concat_prefix_attention
+from scalerlt_mcore.shared_prefix.planner import ModelShape, prefix_bytes
 
 VOCAB, PROMPT, SUFFIX = 64, 7, 6
 
@@ -169,3 +170,29 @@ def test_cascade_equals_concat_attention(dtype, tol, prefix_batch, kernel):
         assert a.shape == b.shape == c.shape, name
         assert (a - b).abs().max().item() <= tol, name
         assert (a - c).abs().max().item() <= tol, name
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("pe,groups", [("rope", 2), ("learned_absolute", 4)])
+def test_prefix_state_keeps_only_k_and_v(mcore_single, pe, groups):
+    """A prefix state recorded without a graph (the prompt producer's, scoring's), and one
+    recorded by fully recomputed layers, hold K and V of every depth and nothing else of each
+    depth's QKV output (no queries): storage bytes = depths x 2 x P x kv groups x head dim,
+    as the planner counts them (``prefix_bytes``)."""
+    model = build(pe, "cascade", groups)
+    tokens = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    c = model.config
+    kv_bytes = c.looped_num_depths * 2 * PROMPT * groups * c.kv_channels * 8  # fp64
+    with torch.no_grad():
+        state = model(tokens, return_prefix_state=True, readout=False).prefix_state
+    assert _storage_bytes(state.keys + state.values) == kv_bytes
+    assert prefix_bytes(ModelShape.from_model(model), PROMPT) == kv_bytes  # the planner's
+    c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
+    state = model(tokens, return_prefix_state=True, readout=False).prefix_state
+    assert state.keys[-1].requires_grad  # recorded through the checkpoint, with its graph
+    assert _storage_bytes(state.keys + state.values) == kv_bytes

@@ -62,6 +62,14 @@ class ModelArgs:
     context_parallel_size: int = 1
     """Megatron's context-parallel size (the looped GPT rejects any other than 1: not
     supported)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recompute (MCore's): ``full`` recomputes layer applications in the backward
+    (prelude, every loop's core and coda), ``selective`` the core attention; None: off."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With ``full``: ``uniform`` (chunks of recompute_num_layers layers) or ``block`` (the
+    first recompute_num_layers layers of each layer list's application)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per chunk (``uniform``) or layers recomputed (``block``); ``full`` only."""
     vocab_size: Optional[int] = None
     """Rows of the embedding table (as set: not padded; divisible by
     tensor_model_parallel_size); None: the tokenizer's, padded by make_vocab_size_divisible_by.
