@@ -7,7 +7,7 @@ import torch
 from helpers.decode import VOCAB, build
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -16,8 +16,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
 
 
 def _greedy(model, steps: int, **kwargs):
-    return generate(model, PROMPTS, 2, steps, eos_id=VOCAB + 1, pad_id=0, temperature=0.0,
-                    banned=(0,), **kwargs)
+    return generate(model, PROMPTS, 2, steps, eos_id=VOCAB + 1, pad_id=0,
+                    sampling=Sampling(temperature=0.0, banned=(0,)), **kwargs)
 
 
 @pytest.mark.parametrize("prompt_once", [False, True])
@@ -42,9 +42,9 @@ def test_graphed_decoding_yields_the_eager_tokens(mcore_single, prompt_once, tem
 
     def run(graph: bool):
         gen = torch.Generator(device="cuda").manual_seed(5)
-        return generate(model, PROMPTS, 2, 8, eos_id=VOCAB + 1, pad_id=0, banned=(0,),
-                        temperature=temperature, generator=gen, prompt_once=prompt_once,
-                        cuda_graph=graph)
+        return generate(model, PROMPTS, 2, 8, eos_id=VOCAB + 1, pad_id=0, prompt_once=prompt_once,
+                        cuda_graph=graph,
+                        sampling=Sampling(banned=(0,), temperature=temperature, generator=gen))
 
     eager, graphed = run(False), run(True)
     assert torch.equal(eager.responses, graphed.responses)

@@ -15,7 +15,7 @@ from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import draw, generate
+from scalerlt_mcore.rl.rollout import Sampling, draw, generate
 
 META = torch.device("meta")
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts right-padded to 7
@@ -140,12 +140,13 @@ def test_static_cache_decode_matches_reference(mcore_single, pe, prompt_once):
 
 def test_rollout_without_banned_ids_or_padding(mcore_single):
     model, _, _ = build("learned_absolute", torch.float32)
-    out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0)
+    out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0,
+                   sampling=Sampling(temperature=0.0))
     assert out.responses.shape == (3, 2, 3)
 
 
 def test_cuda_graph_decoding_needs_a_static_cuda_cache(mcore_single):
     model, _, _ = build("rope", torch.float32)
     with pytest.raises(ValueError, match="needs a CUDA cache; this one is on cpu"):
-        generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0,
-                 cuda_graph=True)
+        generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, cuda_graph=True,
+                 sampling=Sampling(temperature=0.0))
