@@ -78,7 +78,8 @@ class RLObjective:
 
     def __post_init__(self):
         """Each field's check; a ``FieldError`` names the field."""
-        for name, allowed in (("normalization", NORMALIZATIONS), ("loop_weights", LOOP_WEIGHTS)):
+        schemes = tuple(loop_credit.LOOP_CREDIT)  # the registry as it is now
+        for name, allowed in (("normalization", NORMALIZATIONS), ("loop_weights", schemes)):
             if getattr(self, name) not in allowed:
                 raise FieldError(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("clip_low", "clip_high"):

@@ -76,10 +76,11 @@ def test_decode_step_with_the_drawn_initial_state_runs_on_meta(mcore_single):
     model.decode_step(cache, torch.zeros(3, dtype=torch.long, device=META))
 
 
-def _syncs(model, steps: int, **kwargs) -> int:
+def _syncs(model, steps: int, prompt_once: bool, prompt_kv, **sampling) -> int:
+    sampling = Sampling(generator=torch.Generator().manual_seed(0), **sampling)
     _, counter = count_host_syncs(generate, model, PROMPTS, 2, steps, eos_id=VOCAB + 1,
-                                  pad_id=0, generator=torch.Generator().manual_seed(0),
-                                  **kwargs)
+                                  pad_id=0, prompt_once=prompt_once, prompt_kv=prompt_kv,
+                                  sampling=sampling)
     return counter.total
 
 
