@@ -177,14 +177,16 @@ class RLTrainer:
         return sampling_from(self.cfg, generator=gen, banned=self.banned,
                              vocab_size=self.tok.vocab_size, **given)
 
-    def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1,
+    def rollout(self, step: int, problems, group_size: int, temperature=None, loop: int = -1,
                 num_loops=None):
-        """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)."""
+        """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)
+        from readout ``loop`` at ``temperature`` (None: ``rl_temperature``; 0 greedy)."""
+        given = {} if temperature is None else {"temperature": temperature}
         self.model.eval()
         out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
                        pad_id=self.tok.pad_id,
-                       sampling=self.sampling(step, temperature=temperature, loop=loop),
+                       sampling=self.sampling(step, loop=loop, **given),
                        prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
                        num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv)
         self.model.train()
@@ -287,8 +289,7 @@ class RLTrainer:
         if tree:
             ro = self.tree_rollout(step, problems, num_loops=loops)
         else:
-            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size,
-                              self.cfg.rl.rl_temperature, num_loops=loops)
+            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, num_loops=loops)
         t_rollout = time.perf_counter()
         groups, rewards = (self._tree_groups if tree else self._groups)(step, problems, ro)
         t_score = time.perf_counter()

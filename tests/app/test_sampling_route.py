@@ -48,7 +48,7 @@ def test_the_trainers_rollouts_sample_through_sampling_from(monkeypatch):
     calls = _recorded(monkeypatch)
     tr = _Trainer(parse_args(FLAGS))
     problems = [SimpleNamespace(prompt="ab>")]
-    tr.rollout(5, problems, 2, tr.cfg.rl.rl_temperature)
+    tr.rollout(5, problems, 2)
     tr.rollout(0, problems, 1, temperature=0.0, loop=1)  # evaluation: one readout, greedy
     tr.tree_rollout(5, problems)
     assert all(not SAMPLING_KEYWORDS & set(kw) for kw in calls)
