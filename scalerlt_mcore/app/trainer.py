@@ -118,10 +118,9 @@ class RLTrainer:
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
-        # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
-        # never sample those ids
-        self.banned = (self.tok.pad_id, self.tok.bos_id,
-                       *range(self.tok.vocab_size, model.vocab_size))
+        # never sampled; nor the ids past the tokenizer's (a pretrained vocabulary, Megatron's
+        # padding): ``Sampling.vocab_size``
+        self.banned = (self.tok.pad_id, self.tok.bos_id)
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring

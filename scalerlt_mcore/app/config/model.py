@@ -147,6 +147,7 @@ def _check_sizes(cfg: "RunConfig", world_size: int) -> list[str]:
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size}): the "
                       f"output layer splits the vocabulary (leave vocab_size unset to pad the "
                       f"tokenizer's by make_vocab_size_divisible_by)")
+    # the model's own fields are the keys' names: no map
     return errors + library_errors(lambda c: model_config(c, "cpu"), cfg, {})
 
 
