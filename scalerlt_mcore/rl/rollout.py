@@ -38,7 +38,7 @@ tokens are drawn with ``torch.multinomial``'s own one-sample method without its 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 import torch
 from torch import Tensor
@@ -74,8 +74,9 @@ class Rollout:
     exit_loops: Optional[Tensor] = None
 
 
-EXIT_MODES = ("none", "mixture", "threshold")
+ExitMode = Literal["none", "mixture", "threshold"]
 """How rollouts use the exit gate: not at all, the exit-weighted mixture, or CDF early exit."""
+EXIT_MODES = get_args(ExitMode)
 
 
 def exit_loop_at(exit_logprobs: Tensor, threshold: float) -> Tensor:
@@ -215,7 +216,7 @@ class Sampling:
     banned: Union[Sequence[int], Tensor, None] = ()
     vocab_size: Optional[int] = None
     loop: int = -1
-    exit_mode: str = "none"
+    exit_mode: ExitMode = "none"
     exit_threshold: float = 0.5
     stop_check_interval: Optional[int] = None
 

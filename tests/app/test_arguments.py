@@ -317,6 +317,11 @@ def test_every_looped_field_and_objective_field_is_a_key():
     assert set(OBJECTIVE_FLAGS) <= set(KEYS)
     assert set(SAMPLING_FLAGS.values()) <= {f.name for f in dataclasses.fields(Sampling)}
     assert set(SAMPLING_FLAGS) <= set(KEYS)
+    defaults = {f.name: f.default for f in dataclasses.fields(Sampling)}
+    rl = RunConfig().rl
+    assert {k: getattr(rl, k) for k in SAMPLING_FLAGS} == {
+        k: defaults[name] for k, name in SAMPLING_FLAGS.items()}
+    assert KEYS["rl_rollout_exit"][1] == typing.get_type_hints(Sampling)["exit_mode"]
 
 
 def test_every_key_is_a_field_declared_in_source():
@@ -348,7 +353,7 @@ def test_library_keys_have_the_library_type_default_and_doc():
 
 def test_one_default_of_the_prompt_mode():
     """The planner's default prompt mode is the schedule's (which declares none) and the
-    flag's."""
+    flag's; the shared-prefix flags' other defaults are the planner's."""
     from scalerlt_mcore.shared_prefix import SharedPrefixSchedule
     from scalerlt_mcore.shared_prefix.planner import Planner
 
@@ -357,6 +362,11 @@ def test_one_default_of_the_prompt_mode():
     assert RunConfig().shared_prefix.shared_prefix_prompt == default
     assert SharedPrefixSchedule(2).chooser.prompt == default
     assert "wave_size" not in vars(SharedPrefixSchedule(2))  # the planner's, read there
+    planner = inspect.signature(Planner).parameters
+    flat = to_dict(RunConfig())
+    for key in ("shared_prefix_schedule", "shared_prefix_checkpoint_waves",
+                "shared_prefix_memory_budget"):  # the same defaults where both have one
+        assert flat[key] == planner[SCHEDULE_FLAGS[key]].default, key
 
 
 def test_every_literal_library_field_is_a_choice_key():

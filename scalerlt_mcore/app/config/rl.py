@@ -11,6 +11,7 @@ from ...model.config import parse_loop_sampling
 from ...rl.advantages import AdvantageMode
 from ...rl.loop_credit import LoopWeights
 from ...rl.objective import Normalization, RLObjective
+from ...rl.rollout import ExitMode, Sampling
 from ...rl.tasks import is_multiturn, measure_lengths
 from ...rl.tokenizer import CharTokenizer
 from ...rl.user_task import DatasetTask
@@ -55,9 +56,9 @@ class RLArgs:
     rl_max_response_length: int = 4
     """Most tokens sampled per response (eos included); also the length of the ``constant``
     loss normalisation."""
-    rl_temperature: float = 1.0
+    rl_temperature: float = Sampling.temperature
     """Sampling temperature."""
-    rl_top_p: float = 1.0
+    rl_top_p: float = Sampling.top_p
     """Nucleus-sampling threshold; 1 disables it."""
     rl_advantage: AdvantageMode = "grpo"
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
@@ -83,14 +84,14 @@ class RLArgs:
     ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
     environment's reply between them: a multi-turn task such as ``multiturn``), 16 leaves,
     which must equal ``grpo_group_size``. A text: in YAML quote a single level (``"4"``)."""
-    rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
+    rl_rollout_exit: ExitMode = Sampling.exit_mode
     """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
     loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
     or ``threshold`` (per token, from the first loop whose exit CDF reaches
     rl_exit_threshold: Ouro's early exit)."""
-    rl_exit_threshold: float = 0.5
+    rl_exit_threshold: float = Sampling.exit_threshold
     """Exit CDF threshold of ``rl_rollout_exit: threshold``, in (0, 1]."""
-    rl_stop_check_interval: Optional[int] = None
+    rl_stop_check_interval: Optional[int] = Sampling.stop_check_interval
     """Rollouts ask whether every response has stopped every this many tokens (each ask
     makes the host wait for the device; tokens after a stop are padding either way); None:
     by device (8 on CUDA, 1 elsewhere)."""
