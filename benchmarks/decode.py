@@ -84,12 +84,14 @@ def decode_modes(device) -> dict:
             f"prompt_once_{other}": dict(prompt_once=True, prompt_kv=other)}
 
 
-def _rollout(model, batch: list, steps: int, mode: dict, group: int = None, **kwargs):
+def _rollout(model, batch: list, steps: int, mode: dict, group: int = None,
+             stop_check_interval: int = None, **kwargs):
     """A greedy rollout of ``batch``; ``mode``: one of ``decode_modes``."""
-    from scalerlt_mcore.rl.rollout import generate
+    from scalerlt_mcore.rl.rollout import Sampling, generate
 
+    sampling = Sampling(temperature=0.0, stop_check_interval=stop_check_interval)
     return generate(model, batch, group or GROUP, steps, eos_id=VOCAB, pad_id=0,
-                    temperature=0.0, **mode, **kwargs)
+                    sampling=sampling, **mode, **kwargs)
 
 
 def syncs_per_token(model, mode: dict, **kwargs) -> float:

@@ -337,7 +337,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
     (no stop token), per row and prompt once (``decode.decode_modes``: the device's
     ``prompt_kv`` and the other one): median wall time, response tokens/s, and the time per
     decoding step (the difference to a one-token rollout, over the other steps)."""
-    from scalerlt_mcore.rl.rollout import generate
+    from scalerlt_mcore.rl.rollout import Sampling, generate
 
     from .decode import decode_modes
 
@@ -356,8 +356,8 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
             sampler = torch.Generator(device=device).manual_seed(2)
             sync()
             start = time.perf_counter()
-            generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, banned=(0,),
-                     generator=sampler, vocab_size=wl.vocab, cuda_graph=graph,
+            generate(model, rows, wl.group_size, tokens, eos_id=-1, pad_id=0, cuda_graph=graph,
+                     sampling=Sampling(banned=(0,), generator=sampler, vocab_size=wl.vocab),
                      **modes[mode])
             sync()
             out.append(time.perf_counter() - start)

@@ -21,6 +21,7 @@ from scalerlt_mcore.app.config import (
     RunConfig,
     apply_overrides,
     read_yaml,
+    sampling_from,
     task_from,
     tokenizer_from,
 )
@@ -105,12 +106,12 @@ def sample(model, cfg, args, prompts: list, loop: int):
     ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
     device = next(model.parameters()).device
     # a pretrained vocabulary may extend past the tokenizer's: never sample those ids
-    banned = (tok.pad_id, tok.bos_id, *range(tok.vocab_size, model.vocab_size))
+    sampling = sampling_from(cfg, loop, temperature=args.temperature, top_p=args.top_p,
+                             generator=torch.Generator(device=device).manual_seed(args.seed),
+                             banned=(tok.pad_id, tok.bos_id), vocab_size=tok.vocab_size)
     out = generate(model, ids, args.num_samples,
                    args.max_new_tokens or cfg.rl.rl_max_response_length, eos_id=tok.eos_id,
-                   pad_id=tok.pad_id, temperature=args.temperature, top_p=args.top_p,
-                   generator=torch.Generator(device=device).manual_seed(args.seed),
-                   banned=banned, loop=loop)
+                   pad_id=tok.pad_id, sampling=sampling)
     return [[tok.decode(r.tolist()) for r in out.responses[n]] for n in range(len(prompts))]
 
 

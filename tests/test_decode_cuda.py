@@ -8,7 +8,7 @@ import torch
 from helpers.decode import VOCAB, build
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import Sampling, _Record, ban_mask, decode_tokens, generate
+from scalerlt_mcore.rl.rollout import Sampling, _Record, decode_tokens, generate
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,8 +17,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
 
 
 def _greedy(model, steps: int, **kwargs):
-    return generate(model, PROMPTS, 2, steps, eos_id=VOCAB + 1, pad_id=0, temperature=0.0,
-                    banned=(0,), **kwargs)
+    return generate(model, PROMPTS, 2, steps, eos_id=VOCAB + 1, pad_id=0,
+                    sampling=Sampling(temperature=0.0, banned=(0,)), **kwargs)
 
 
 @pytest.mark.parametrize("prompt_once", [False, True])
@@ -43,9 +43,9 @@ def test_graphed_decoding_yields_the_eager_tokens(mcore_single, prompt_once, tem
 
     def run(graph: bool):
         gen = torch.Generator(device="cuda").manual_seed(5)
-        return generate(model, PROMPTS, 2, 8, eos_id=VOCAB + 1, pad_id=0, banned=(0,),
-                        temperature=temperature, generator=gen, prompt_once=prompt_once,
-                        cuda_graph=graph)
+        return generate(model, PROMPTS, 2, 8, eos_id=VOCAB + 1, pad_id=0, prompt_once=prompt_once,
+                        cuda_graph=graph,
+                        sampling=Sampling(banned=(0,), temperature=temperature, generator=gen))
 
     eager, graphed = run(False), run(True)
     assert torch.equal(eager.responses, graphed.responses)
@@ -76,10 +76,10 @@ def test_eight_decode_steps_run_ahead_of_the_gpu(mcore_single):
         logits, exit_lp = model.prefill(cache, prompts, lengths, with_exit=True)
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # cycles: about a second
-        sampling = Sampling(1.0, 1.0, gen, ban_mask((0,), None, logits.shape[-1], "cuda"))
+        sampling = Sampling(generator=gen, banned=(0,), stop_check_interval=100)
         rec = _Record(logits.shape[0], 6, steps, 0, VOCAB + 1, logits.device, False)
         step = lambda t: model.decode_step(cache, t, with_exit=True)  # noqa: E731
-        decode_tokens(step, logits, exit_lp, rec, steps, sampling, every=100)
+        decode_tokens(step, logits, exit_lp, rec, steps, sampling.on(logits.shape[-1], "cuda"))
         done = torch.cuda.Event()
         done.record()
         ahead = not done.query()

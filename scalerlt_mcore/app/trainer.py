@@ -37,7 +37,7 @@ from ..rl.batch import (
     tree_old_logprobs,
 )
 from ..rl.objective import rl_forward_step
-from ..rl.rollout import generate
+from ..rl.rollout import Sampling, generate
 from ..rl.sft import sft_batch, sft_forward_step
 from ..rl.stats import rollout_metrics, summarise, tree_rollout_metrics
 from ..rl.tree_rollout import generate_tree
@@ -46,6 +46,7 @@ from .config import (
     eval_prompts,
     objective_from,
     prompts_per_step,
+    sampling_from,
     schedule_from,
     task_from,
     tokenizer_from,
@@ -117,10 +118,9 @@ class RLTrainer:
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
-        # a pretrained vocabulary, or Megatron's padding, may extend past the tokenizer's:
-        # never sample those ids
-        self.banned = (self.tok.pad_id, self.tok.bos_id,
-                       *range(self.tok.vocab_size, model.vocab_size))
+        # never sampled; nor the ids past the tokenizer's (a pretrained vocabulary, Megatron's
+        # padding): ``Sampling.vocab_size``
+        self.banned = (self.tok.pad_id, self.tok.bos_id)
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring
@@ -167,21 +167,26 @@ class RLTrainer:
                                  f"{what} ({room})")
         return prompts
 
-    def rollout(self, step: int, problems, group_size: int, temperature: float, loop: int = -1,
-                num_loops=None):
-        """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)."""
+    def sampling(self, step: int, **given) -> Sampling:
+        """How step ``step`` draws tokens: the run's sampling (``sampling_from``) with the
+        step's generator, the banned ids and the tokenizer's vocabulary; ``given``: a call's
+        own values (temperature, readout loop)."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        return sampling_from(self.cfg, generator=gen, banned=self.banned,
+                             vocab_size=self.tok.vocab_size, **given)
+
+    def rollout(self, step: int, problems, group_size: int, temperature=None, loop: int = -1,
+                num_loops=None):
+        """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)
+        from readout ``loop`` at ``temperature`` (None: ``rl_temperature``; 0 greedy)."""
+        given = {} if temperature is None else {"temperature": temperature}
         self.model.eval()
         out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
-                       pad_id=self.tok.pad_id, temperature=temperature,
-                       top_p=self.cfg.rl.rl_top_p, generator=gen,
-                       banned=self.banned, loop=loop, vocab_size=self.tok.vocab_size,
+                       pad_id=self.tok.pad_id,
+                       sampling=self.sampling(step, loop=loop, **given),
                        prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
-                       exit_mode=self.cfg.rl.rl_rollout_exit if loop == -1 else "none",
-                       exit_threshold=self.cfg.rl.rl_exit_threshold,
-                       stop_check_interval=self.cfg.rl.rl_stop_check_interval,
                        num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv)
         self.model.train()
         return out
@@ -192,18 +197,13 @@ class RLTrainer:
         ``rl_tree_branches``) at ``temperature`` (default ``rl_temperature``; 0 greedy), the
         task's replies between turns (a multi-turn task's), ``num_loops`` loops: the one call
         of tree decoding (``rl/tree_rollout.py``), adapted to ``TreeSample`` here."""
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(step_seed(self.cfg.training.seed, step, self.rank, 7))
+        given = {} if temperature is None else {"temperature": temperature}
         prompts = self._prompts([p.prompt for p in problems])
         self.model.eval()
         out = generate_tree(
             self.model, prompts, branches or parse_tree_branches(self.cfg.rl.rl_tree_branches),
             self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
-            temperature=self.cfg.rl.rl_temperature if temperature is None else temperature,
-            top_p=self.cfg.rl.rl_top_p, generator=gen,
-            banned=self.banned, exit_mode=self.cfg.rl.rl_rollout_exit,
-            exit_threshold=self.cfg.rl.rl_exit_threshold, vocab_size=self.tok.vocab_size,
-            stop_check_interval=self.cfg.rl.rl_stop_check_interval, num_loops=num_loops,
+            sampling=self.sampling(step, **given), num_loops=num_loops,
             reply_fn=self._reply_fn(problems))
         self.model.train()
         return [TreeSample(out.segments[n], out.loop_logprobs[n]) for n in range(len(prompts))]
@@ -288,8 +288,7 @@ class RLTrainer:
         if tree:
             ro = self.tree_rollout(step, problems, num_loops=loops)
         else:
-            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size,
-                              self.cfg.rl.rl_temperature, num_loops=loops)
+            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, num_loops=loops)
         t_rollout = time.perf_counter()
         groups, rewards = (self._tree_groups if tree else self._groups)(step, problems, ro)
         t_score = time.perf_counter()

@@ -24,13 +24,20 @@ CASCADE_KERNELS = get_args(CascadeKernel)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 
 
-@dataclass
-class LoopedTransformerConfig(TransformerConfig):
-    """``TransformerConfig`` for a recurrent looped transformer.
+class FieldError(ValueError):
+    """A bad value of a library object's field: ``field`` names it and ``reason`` says what is
+    wrong, so that a caller with its own name for the field (the app's flag) says it in that
+    name, ``f"{name} {e.reason}"``; the message itself is ``f"{field} {reason}"``."""
 
-    ``num_layers`` counts the *core* layers (L_core): the block applied ``looped_num_loops``
-    times with shared weights. Dropout defaults to 0 (RL recomputation must be deterministic).
-    """
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field} {reason}")
+        self.field, self.reason = field, reason
+
+
+@dataclass
+class LoopedFields:
+    """The ``looped_*`` fields of ``LoopedTransformerConfig``, declared once: a base of the
+    config and of the app's model section (``app/config/model.py``)."""
 
     looped_num_loops: int = 1
     """R: how many times the core block is applied (weights shared across loops)."""
@@ -95,6 +102,15 @@ class LoopedTransformerConfig(TransformerConfig):
     looped_learned_loop_weights: bool = False
     """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
     equal), whose softmax weights the loops' readouts in the RL loss, trained with the policy."""
+
+
+@dataclass
+class LoopedTransformerConfig(LoopedFields, TransformerConfig):
+    """``TransformerConfig`` for a recurrent looped transformer (the ``LoopedFields``).
+
+    ``num_layers`` counts the *core* layers (L_core): the block applied ``looped_num_loops``
+    times with shared weights. Dropout defaults to 0 (RL recomputation must be deterministic).
+    """
 
     hidden_dropout: float = 0.0
     """Residual dropout (0: recomputation in joint replay must reproduce the forward)."""

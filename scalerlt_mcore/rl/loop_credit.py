@@ -16,6 +16,8 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
+from ..model.config import FieldError
+
 
 def _final(R: int, device) -> Tensor:
     w = torch.zeros(R, dtype=torch.float64, device=device)
@@ -132,18 +134,19 @@ def warmup_weights(scheme: str, readouts: dict, like: Tensor) -> Tensor:
 def model_errors(scheme: str, model, max_loops: Optional[int] = None) -> list:
     """What the scheme needs of a model (``model``: anything with its ``looped_*`` fields,
     e.g. its config) and what the model's parts need of the scheme; ``max_loops``: the most
-    loops a step runs. -> error messages (empty: fine)."""
+    loops a step runs. -> a ``FieldError`` of ``loop_weights`` per problem (empty: fine)."""
     errors = []
     for name, c in LOOP_CREDIT.items():
         part = c.model_part
         on = part is not None and bool(getattr(model, part, False))
         if name == scheme and part is not None and not on:
-            errors.append(f"loop_weights {name} needs {part} true")
+            errors.append(FieldError("loop_weights", f"{name} needs {part} true"))
         if c.trains_part and on and name != scheme:
-            errors.append(f"{part} needs loop_weights {name} (otherwise its parameters get no "
-                          f"gradient)")
+            errors.append(FieldError("loop_weights", f"must be {name} with {part} (otherwise "
+                                     f"its parameters get no gradient)"))
         loops = model.looped_num_loops
         if c.per_loop_part and on and max_loops is not None and max_loops > loops:
-            errors.append(f"{part} holds looped_num_loops = {loops} per-loop weights, but "
-                          f"looped_num_loops_sampling draws up to {max_loops} loops")
+            errors.append(FieldError("loop_weights", f"{name}: {part} holds looped_num_loops = "
+                                     f"{loops} per-loop weights, but looped_num_loops_sampling "
+                                     f"draws up to {max_loops} loops"))
     return errors

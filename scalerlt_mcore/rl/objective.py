@@ -17,6 +17,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from ..model.config import FieldError
 from . import loop_credit
 from .advantages import entropy_term, kl_k3, ppo_clipped_objective
 from .loop_credit import FIXED_LOOP_WEIGHTS, LOOP_WEIGHTS, LoopWeights, loop_weights
@@ -76,16 +77,17 @@ class RLObjective:
     """Entropy bonus (beta) of the exit distribution inside the gate's objective."""
 
     def __post_init__(self):
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, "
-                             f"got {self.normalization!r}")
-        loop_credit.credit(self.loop_weights)  # a scheme of the registry
-        if self.exit_gate_coef < 0 or self.exit_entropy_coef < 0:
-            raise ValueError("exit_gate_coef and exit_entropy_coef must be >= 0")
-        if self.clip_low <= 0 or self.clip_high <= 0:
-            raise ValueError("clip_low and clip_high must be > 0")
-        if self.entropy_weight < 0:
-            raise ValueError(f"entropy_weight must be >= 0, got {self.entropy_weight}")
+        """Each field's check; a ``FieldError`` names the field."""
+        schemes = tuple(loop_credit.LOOP_CREDIT)  # the registry as it is now
+        for name, allowed in (("normalization", NORMALIZATIONS), ("loop_weights", schemes)):
+            if getattr(self, name) not in allowed:
+                raise FieldError(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("clip_low", "clip_high"):
+            if getattr(self, name) <= 0:
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("kl_coef", "entropy_weight", "exit_gate_coef", "exit_entropy_coef"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"must be >= 0, got {getattr(self, name)}")
 
     @property
     def saved_per_position(self) -> float:
@@ -122,14 +124,16 @@ class RLObjective:
     def model_errors(self, model, max_loops=None) -> list:
         """What the loss needs of the model and what the model's parts need of the loss
         (``model``: anything with the ``looped_*`` fields; ``max_loops``: the most loops a
-        step runs) -> error messages naming the fields (empty: fine)."""
+        step runs) -> a ``FieldError`` per problem, naming this objective's field (empty:
+        fine)."""
         errors = loop_credit.model_errors(self.loop_weights, model, max_loops)
         gate = bool(getattr(model, "looped_exit_gate", False))
         if self.exit_gate_coef > 0 and not gate:
-            errors.insert(0, "exit_gate_coef > 0 needs looped_exit_gate true")
+            errors.insert(0, FieldError("exit_gate_coef", "> 0 needs looped_exit_gate true"))
         if gate and self.exit_gate_coef <= 0:
-            errors.append("looped_exit_gate needs exit_gate_coef > 0 (the gate learns only from "
-                          "its own term; without it the gate parameters get no gradient)")
+            errors.append(FieldError("exit_gate_coef", "must be > 0 with looped_exit_gate (the "
+                                     "gate learns only from its own term; without it the gate "
+                                     "parameters get no gradient)"))
         return errors
 
     def gate_objective(self, exit_logprobs: Tensor, per_token: Tensor, weights: Tensor):

@@ -12,7 +12,8 @@ early exit; every loop is still computed, since later tokens attend to every dep
 The recorded log-prob of a sampled token is then that of the sampling distribution
 (temperature 1): log sum_r p(r) pi_r(y), or log pi_{r*}(y) of the exit loop r*.
 
-Two ways to hold the prompts, the same samples (``generate(..., prompt_once=...)``):
+How tokens are drawn is one ``Sampling`` (``generate(..., sampling=Sampling(...))``). Two
+ways to hold the prompts, the same samples (``generate(..., prompt_once=...)``):
 - per row: every one of the G samples of a prompt is its own row, the prompt prefilled G times
   and its K/V cached G times;
 - prompt once (Hydragen): each prompt prefilled once into a cache of N rows; the G samples
@@ -34,13 +35,15 @@ tokens are drawn with ``torch.multinomial``'s own one-sample method without its 
 ``stop_check_interval`` tokens (that read waits for the device).
 """
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Optional
+from typing import Literal, Optional, Union, get_args
 
 import torch
 from torch import Tensor
 
+from ..model.config import FieldError
 from ..model.decode_graph import DecodeGraph
 from ..model.host_syncs import mark_host, upload
 
@@ -71,8 +74,9 @@ class Rollout:
     exit_loops: Optional[Tensor] = None
 
 
-EXIT_MODES = ("none", "mixture", "threshold")
+ExitMode = Literal["none", "mixture", "threshold"]
 """How rollouts use the exit gate: not at all, the exit-weighted mixture, or CDF early exit."""
+EXIT_MODES = get_args(ExitMode)
 
 
 def exit_loop_at(exit_logprobs: Tensor, threshold: float) -> Tensor:
@@ -195,32 +199,65 @@ def _right_pad(rows: list, pad_id: int) -> tuple:
     return out, lengths
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How ``generate`` and ``generate_tree`` draw tokens, the one route of the sampling
+    settings: ``temperature`` (0: greedy) and ``top_p``, from ``generator`` (on the model's
+    device; None: the default one), never an id of ``banned`` (ids, or their ``ban_mask``) nor
+    a padding id >= ``vocab_size`` (Megatron's vocabulary padding; None: none), from the
+    readout of ``loop`` (default the last) or, with ``exit_mode`` (``EXIT_MODES``; needs the
+    exit gate), from the exit mixture or the first loop whose exit CDF reaches
+    ``exit_threshold``; whether every response has stopped is asked every
+    ``stop_check_interval`` tokens (None: by device). Checks itself (a ``FieldError``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generator: Optional[torch.Generator] = None
+    banned: Union[Sequence[int], Tensor, None] = ()
+    vocab_size: Optional[int] = None
+    loop: int = -1
+    exit_mode: ExitMode = "none"
+    exit_threshold: float = 0.5
+    stop_check_interval: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise FieldError("temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.exit_mode not in EXIT_MODES:
+            raise FieldError("exit_mode", f"must be one of {EXIT_MODES}, got {self.exit_mode!r}")
+        if not 0 < self.exit_threshold <= 1:
+            raise FieldError("exit_threshold", f"must be in (0, 1], got {self.exit_threshold}")
+        if self.stop_check_interval is not None and self.stop_check_interval < 1:
+            raise FieldError("stop_check_interval",
+                             f"must be >= 1 or None, got {self.stop_check_interval}")
+
+    def on(self, width: int, device) -> "Sampling":
+        """This sampling for logits of ``width`` ids on ``device``: ``banned`` and the padding
+        ids as one ``ban_mask`` (built once per rollout, no host index tensor per token), the
+        device's ``stop_check_interval`` where None."""
+        every = self.stop_check_interval or default_stop_check_interval(device)
+        return replace(self, banned=ban_mask(self.banned, self.vocab_size, width, device),
+                       vocab_size=None, stop_check_interval=every)
+
+
 @torch.no_grad()
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
-             pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             generator=None, banned=(), loop: int = -1, prompt_once: bool = False,
-             exit_mode: str = "none", exit_threshold: float = 0.5,
-             vocab_size=None, stop_check_interval: Optional[int] = None,
+             pad_id: int, sampling: Optional[Sampling] = None, prompt_once: bool = False,
              static_cache: Optional[bool] = None, cuda_graph: bool = False,
              num_loops: Optional[int] = None, prompt_kv: Optional[str] = None) -> Rollout:
-    """Sample ``group_size`` responses per prompt (a list of token lists) from the readout of
-    ``loop`` (default the last), or with ``exit_mode`` (``EXIT_MODES``, needs the exit gate)
-    from the exit mixture or the CDF exit loop, with ``generator`` on the model's device.
-    Log-probs are the policy's own (temperature 1, no ban, over the model's whole padded
-    vocabulary, as training scores them). The returned tensors are on the host (rewards and
-    decoding read them there). ``prompt_once``: prefill each prompt once and decode its samples
-    against that one copy (the same samples and log-probs up to rounding; rows are ordered as
-    per row); ``prompt_kv`` (``PROMPT_KV``; None: by device) how its samples read the
-    prompt's K/V. ``vocab_size``: the real vocabulary (ids beyond it are padding, never drawn);
-    None: no padding. ``num_loops``: R of the decoding (None: the config's
-    ``looped_num_loops``)."""
+    """Sample ``group_size`` responses per prompt (a list of token lists) as ``sampling`` says
+    (a ``Sampling``; None: its defaults). Log-probs are the policy's own (temperature 1, no
+    ban, over the model's whole padded vocabulary, as training scores them). The returned
+    tensors are on the host (rewards and decoding read them there). ``prompt_once``: prefill
+    each prompt once and decode its samples against that one copy (the same samples and
+    log-probs up to rounding; rows are ordered as per row); ``prompt_kv`` (``PROMPT_KV``;
+    None: by device) how its samples read the prompt's K/V. ``num_loops``: R of the decoding
+    (None: the config's ``looped_num_loops``)."""
     device = next(model.parameters()).device
-    check_generator(generator, device)
-    if exit_mode not in EXIT_MODES:
-        raise ValueError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
-    every = stop_check_interval or default_stop_check_interval(device)
-    if every < 1:
-        raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
+    sampling = sampling or Sampling()
+    check_generator(sampling.generator, device)
     prompt_kv = prompt_kv or default_prompt_kv(device)
     if prompt_kv not in PROMPT_KV:
         raise ValueError(f"prompt_kv must be one of {PROMPT_KV} or None, got {prompt_kv!r}")
@@ -235,40 +272,31 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
                                    static=static_cache, num_loops=num_loops)
         logits, exit_lp = model.prefill(cache, upload(tokens, device), lengths, with_exit=True,
                                         num_loops=num_loops)  # [R, B, V]
-    if exit_mode != "none" and exit_lp is None:
-        raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
-                         f"(looped_exit_gate)")
-    mask = ban_mask(banned, vocab_size, logits.shape[-1], device)
+    check_exit_gate(sampling, exit_lp)
     step = (DecodeGraph(model, cache) if cuda_graph
             else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
-    sampling = Sampling(temperature, top_p, generator, mask, loop, exit_mode, exit_threshold)
-    decode_tokens(step, logits, exit_lp, rec, max_new_tokens, sampling, every)
-    return rec.rollout(prompts, group_size, exit_mode)
+    decode_tokens(step, logits, exit_lp, rec, max_new_tokens,
+                  sampling.on(logits.shape[-1], device))
+    return rec.rollout(prompts, group_size, sampling.exit_mode)
 
 
-@dataclass
-class Sampling:
-    """How ``decode_tokens`` draws each token (``generate``'s arguments; ``banned``: a
-    ``ban_mask`` or None)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generator: Optional[torch.Generator] = None
-    banned: Optional[Tensor] = None
-    loop: int = -1
-    exit_mode: str = "none"
-    exit_threshold: float = 0.5
+def check_exit_gate(sampling: Sampling, exit_lp: Optional[Tensor]) -> None:
+    """An ``exit_mode`` needs the model's exit gate (``exit_lp``, the exit distribution)."""
+    if sampling.exit_mode != "none" and exit_lp is None:
+        raise ValueError(f"exit_mode {sampling.exit_mode!r} needs the model's exit gate "
+                         f"(looped_exit_gate)")
 
 
 def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "_Record",
-                  steps: int, sampling: Sampling, every: int) -> int:
+                  steps: int, sampling: Sampling) -> int:
     """Sample up to ``steps`` tokens per row into ``rec`` from the first token's logits
     [R, B, V] (and exit distribution [R, B] or None), feeding each sampled token but the
     last through ``step(tokens) -> (logits, exit_lp)``; stops early once every row is done,
-    asked every ``every`` tokens. -> the number of tokens fed (each row's cache grew by it)."""
-    s = sampling
+    asked every ``stop_check_interval`` tokens (``sampling``: ``Sampling.on`` the logits'
+    device). -> the number of tokens fed (each row's cache grew by it)."""
+    s, every = sampling, sampling.stop_check_interval
     rows_index = torch.arange(logits.shape[1], device=logits.device)
     for t in range(steps):
         chosen = None if s.exit_mode != "threshold" else exit_loop_at(exit_lp, s.exit_threshold)

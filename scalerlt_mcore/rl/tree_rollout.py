@@ -37,14 +37,12 @@ from torch import Tensor
 from ..model.host_syncs import mark_host, upload
 from ..shared_prefix import TreeSegment
 from .rollout import (
-    EXIT_MODES,
     Sampling,
     _Record,
     _right_pad,
-    ban_mask,
+    check_exit_gate,
     check_generator,
     decode_tokens,
-    default_stop_check_interval,
 )
 
 
@@ -135,42 +133,34 @@ class _Node:
 @torch.no_grad()
 def generate_tree(model, prompts: list, branches: Sequence[int],
                   max_new_tokens: Union[int, Sequence[int]], *, eos_id: int, pad_id: int,
-                  temperature: float = 1.0, top_p: float = 1.0, generator=None, banned=(),
-                  loop: int = -1, exit_mode: str = "none", exit_threshold: float = 0.5,
-                  vocab_size=None, stop_check_interval: Optional[int] = None,
-                  static_cache: Optional[bool] = None, num_loops: Optional[int] = None,
+                  sampling: Optional[Sampling] = None, static_cache: Optional[bool] = None,
+                  num_loops: Optional[int] = None,
                   reply_fn: Optional[ReplyFn] = None) -> TreeRollout:
     """Grow one tree per prompt (a list of token lists): ``branches[k]`` children per node of
     depth k, each decoding up to ``max_new_tokens[k]`` tokens (an int: every depth), stopping
     at ``eos_id``; internal nodes get ``reply_fn``'s reply appended (untrained; ``ReplyFn``:
-    called with the index of the node's prompt, its path and its answer). Sampling
-    (temperature, top-p, greedy at 0, ``banned``, ``loop``, ``exit_mode``, ``vocab_size``,
-    ``stop_check_interval``, ``static_cache``, ``num_loops``) as ``rl/rollout.py``'s
-    ``generate`` (no CUDA graph). Rows of a level are ordered by parent, as ``generate``'s
-    rows by prompt."""
+    called with the index of the node's prompt, its path and its answer). ``sampling``
+    (a ``Sampling``; None: its defaults), ``static_cache`` and ``num_loops`` as
+    ``rl/rollout.py``'s ``generate`` (no CUDA graph). Rows of a level are ordered by parent,
+    as ``generate``'s rows by prompt."""
     device = next(model.parameters()).device
-    check_generator(generator, device)
-    budgets = _check_tree_inputs(prompts, branches, max_new_tokens, exit_mode)
+    sampling = sampling or Sampling()
+    check_generator(sampling.generator, device)
+    budgets = _check_tree_inputs(prompts, branches, max_new_tokens)
     _check_reply_fn(reply_fn)
-    every = stop_check_interval or default_stop_check_interval(device)
-    if every < 1:
-        raise ValueError(f"stop_check_interval must be >= 1, got {stop_check_interval}")
     grower = _TreeGrower(model, pad_id, eos_id, static_cache, num_loops, reply_fn)
     logits, exit_lp = grower.prefill_roots(prompts)
-    if exit_mode != "none" and exit_lp is None:
-        raise ValueError(f"exit_mode {exit_mode!r} needs the model's exit gate "
-                         f"(looped_exit_gate)")
-    mask = ban_mask(banned, vocab_size, logits.shape[-1], device)
-    sampling = Sampling(temperature, top_p, generator, mask, loop, exit_mode, exit_threshold)
+    check_exit_gate(sampling, exit_lp)
+    sampling = sampling.on(logits.shape[-1], device)
     for depth, (G, M) in enumerate(zip(branches, budgets)):
         last = depth == len(branches) - 1
-        logits, exit_lp = grower.grow(logits, exit_lp, G, M, sampling, every, last)
+        logits, exit_lp = grower.grow(logits, exit_lp, G, M, sampling, last)
         if logits is None and not last:  # every node of the level finished
             break
     return grower.rollout(prompts)
 
 
-def _check_tree_inputs(prompts, branches, max_new_tokens, exit_mode) -> list:
+def _check_tree_inputs(prompts, branches, max_new_tokens) -> list:
     """-> the per-depth token budgets; bad input raises naming it."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("generate_tree needs a non-empty list of prompts (token lists)")
@@ -195,8 +185,6 @@ def _check_tree_inputs(prompts, branches, max_new_tokens, exit_mode) -> list:
         if not isinstance(m, int) or m < 1:
             raise ValueError(f"max_new_tokens at depth {k} is {m!r}: it must be an int >= 1 "
                              f"(a tree node cannot be empty)")
-    if exit_mode not in EXIT_MODES:
-        raise ValueError(f"exit_mode must be one of {EXIT_MODES}, got {exit_mode!r}")
     return budgets
 
 
@@ -246,8 +234,7 @@ class _TreeGrower:
                                     torch.zeros(R, L, device=host) if gated else None, 0))
         return logits, exit_lp
 
-    def grow(self, logits, exit_lp, G: int, M: int, sampling: Sampling, every: int,
-             last: bool) -> tuple:
+    def grow(self, logits, exit_lp, G: int, M: int, sampling: Sampling, last: bool) -> tuple:
         """One level: G children per row, up to M answer tokens each; internal levels
         (``last`` False) get their rest fed (``_finish_level``). -> the next level's
         first-token logits and exit distribution (None on the last level)."""
@@ -264,7 +251,7 @@ class _TreeGrower:
         rec.done = upload(torch.tensor(dropped, dtype=torch.bool, device="cpu"), self.device)
         step = lambda t: model.decode_step(cache, t, with_exit=True,  # noqa: E731
                                            num_loops=self.num_loops)
-        fed = decode_tokens(step, logits, exit_lp, rec, M, sampling, every)
+        fed = decode_tokens(step, logits, exit_lp, rec, M, sampling)
         answers = self._answers(rec, parents)  # host: the level's one read
         self.cache = cache
         if last:

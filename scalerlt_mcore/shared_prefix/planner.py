@@ -31,9 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import LoopedCoreAttention
+from ..model.config import FieldError
 from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
+DEFAULT_PROMPT = "auto"
+"""The prompt mode when none is given (the ``Planner``'s, hence the schedule's and the app's)."""
 SCHEDULES = ("joint_replay", "naive", "auto")
 INT64 = 8
 
@@ -701,9 +704,9 @@ def _check_wave_size(wave_size) -> None:
     if wave_size == "auto":
         return
     if isinstance(wave_size, bool) or not isinstance(wave_size, int):
-        raise ValueError(f"wave_size must be an integer >= 1 or 'auto', got {wave_size!r}")
+        raise FieldError("wave_size", f"must be an integer >= 1 or 'auto', got {wave_size!r}")
     if wave_size < 1:
-        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
+        raise FieldError("wave_size", f"must be >= 1, got {wave_size}")
 
 
 
@@ -725,23 +728,23 @@ class Planner:
         position (needed with a memory budget); the planner knows no loss.
     """
 
-    def __init__(self, wave_size="auto", prompt: str = "auto",
+    def __init__(self, wave_size, prompt: str = DEFAULT_PROMPT,
                  memory_budget: Optional[float] = None, schedule: str = "joint_replay",
                  cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
                  naive_micro_batch_size: Optional[int] = None,
                  loss_per_position: Optional[float] = None):
         _check_wave_size(wave_size)
         if prompt not in PROMPT_MODES + ("auto",):
-            raise ValueError(f"prompt must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
+            raise FieldError("prompt", f"must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
         if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+            raise FieldError("schedule", f"must be one of {SCHEDULES}, got {schedule!r}")
         if wave_size == "auto" and memory_budget is None:
-            raise ValueError("wave_size 'auto' needs memory_budget")
+            raise FieldError("memory_budget", "must be set when the wave size is 'auto'")
         if memory_budget is not None and memory_budget <= 0:
-            raise ValueError(f"memory_budget must be > 0, got {memory_budget:g} bytes "
+            raise FieldError("memory_budget", f"must be > 0, got {memory_budget:g} bytes "
                              f"({memory_budget / 2**20:g} MiB)")
         if schedule == "auto" and cost_model is None:
-            raise ValueError("schedule 'auto' needs a cost model (CostModel.calibrate(model))")
+            raise FieldError("schedule", "'auto' needs a cost model (CostModel.calibrate(model))")
         if memory_budget is not None and loss_per_position is None:
             raise ValueError(f"a memory budget: {NEEDS_LOSS_BYTES}")
         self.wave_size, self.prompt, self.budget = wave_size, prompt, memory_budget

@@ -149,7 +149,8 @@ class SharedPrefixSchedule:
 
     The plan of each group (wave size, prompt mode, or naive training) comes from
     ``chooser(group, model) -> GroupPlan``; without one, from a ``planner.Planner`` built from
-    ``wave_size`` and the keywords ``plan`` (``prompt``, ``memory_budget`` in bytes,
+    ``wave_size`` and the keywords ``plan`` (``prompt``: ``planner.DEFAULT_PROMPT`` when not
+    given, ``memory_budget`` in bytes,
     ``schedule``: joint_replay | naive | auto, ``cost_model``, ``naive_micro_batch_size``,
     ``loss_per_position``), which checks them. ``checkpoint_waves``: recompute each wave in
     its backward; ``max_response_length``: groups with longer responses are rejected.
@@ -158,13 +159,13 @@ class SharedPrefixSchedule:
     def __init__(self, wave_size, checkpoint_waves: bool = False,
                  max_response_length: Optional[int] = None,
                  phase_callback: Optional[Callable] = None, *,
-                 chooser: Optional[Callable] = None, prompt: str = "recompute", **plan):
+                 chooser: Optional[Callable] = None, **plan):
         if chooser is None:
-            chooser = Planner(wave_size, prompt, checkpoint_waves=checkpoint_waves, **plan)
+            chooser = Planner(wave_size, checkpoint_waves=checkpoint_waves, **plan)
         elif any(v is not None for v in plan.values()):
             raise ValueError(f"a chooser replaces the schedule's planner: give "
                              f"{sorted(k for k, v in plan.items() if v is not None)} to it")
-        self.wave_size, self.prompt, self.chooser = wave_size, prompt, chooser
+        self.chooser = chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)

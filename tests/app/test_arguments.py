@@ -1,41 +1,46 @@
 """Configuration: precedence, errors that name the key, validation, resolved config, CLI."""
 
 import dataclasses
+import inspect
 import os
+import re
 import typing
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
+import torch
 
 from scalerlt_mcore.app.config import (
     CHOICES,
     KEYS,
-    LOOPED_FLAGS,
     OBJECTIVE_FLAGS,
+    SAMPLING_FLAGS,
     SCHEDULE_FLAGS,
     ConfigError,
+    ModelArgs,
     RunConfig,
     cli_flags,
     demo_config_text,
     field_docs,
-    library_fields,
+    in_key_names,
     looped_kwargs,
     model_config,
     objective_from,
     parse_args,
+    sampling_from,
     save_resolved,
     schedule_from,
     task_from,
     to_dict,
     validate,
-    with_library_fields,
 )
-from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.app.config.library import library_errors
+from scalerlt_mcore.model.config import FieldError, LoopedFields, LoopedTransformerConfig
 from scalerlt_mcore.rl.advantages import ADVANTAGE_MODES
 from scalerlt_mcore.rl.objective import RLObjective
+from scalerlt_mcore.rl.rollout import Sampling
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,10 +136,9 @@ def test_batch_divisibility_names_both_numbers():
     (["--micro-batch-size", "0"], "micro_batch_size must be >= 1"),
     (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1"),
     (["--rl-loop-weights", "last"], "rl_loop_weights must be one of"),
-    (["--grpo-clamp-eps-lower", "0"],
-     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
-    (["--grpo-clamp-eps-upper", "-0.1"],
-     "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0"),
+    (["--grpo-clamp-eps-lower", "0"], "grpo_clamp_eps_lower must be > 0, got 0.0"),
+    (["--grpo-clamp-eps-upper", "-0.1"], "grpo_clamp_eps_upper must be > 0, got -0.1"),
+    (["--grpo-kl-beta", "-1"], "grpo_kl_beta must be >= 0, got -1.0"),
     (["--bf16", "--fp16"], r"Only one of self.fp16: True and self.bf16 True should be True"),
     (["--looped-num-loops", "0"], "looped_num_loops must be an integer >= 1, got 0"),
     (["--looped-num-coda-layers", "-1"], "looped_num_coda_layers must be an integer >= 0"),
@@ -152,7 +156,7 @@ def test_batch_divisibility_names_both_numbers():
     (["--hidden-size", "63"], r"hidden_size \(63\) must be divisible"),
     (["--rl-old-logprobs", "rollout", "--grpo-iterations", "2"],
      "rl_old_logprobs 'rollout' needs grpo_iterations 1, got 2"),
-    (["--rl-stop-check-interval", "0"], r"rl_stop_check_interval must be >= 1 or null, got 0"),
+    (["--rl-stop-check-interval", "0"], r"rl_stop_check_interval must be >= 1 or None, got 0"),
     (["--rl-rollout", "per_prompt"],
      r"rl_rollout must be one of \('prompt_once', 'per_row', 'tree'\)"),
     (["--rl-prompt-kv", "once"], r"rl_prompt_kv must be one of \('shared', 'copied'\)"),
@@ -167,12 +171,13 @@ def test_batch_divisibility_names_both_numbers():
     (["--looped-learned-loop-weights", "true", "--looped-num-loops", "2",
       "--looped-num-loops-sampling", "uniform:1,3"], "draws up to 3 loops"),
     (["--rl-rollout-exit", "mixture"], "rl_rollout_exit mixture needs looped_exit_gate true"),
-    (["--looped-exit-gate", "true"], r"looped_exit_gate needs rl_exit_gate_coef > 0"),
+    (["--looped-exit-gate", "true"], r"rl_exit_gate_coef must be > 0 with looped_exit_gate"),
     (["--looped-backprop-loops", "1"], "looped_backprop_loops > 0 needs looped_injection"),
     (["--looped-learned-loop-weights", "true"],
-     "looped_learned_loop_weights needs rl_loop_weights learned"),
+     "rl_loop_weights must be learned with looped_learned_loop_weights"),
     (["--rl-exit-threshold", "0"], r"rl_exit_threshold must be in \(0, 1\], got 0"),
-    (["--rl-exit-entropy-coef", "-1"], "rl_exit_gate_coef and rl_exit_entropy_coef must be >= 0"),
+    (["--rl-exit-entropy-coef", "-1"], "rl_exit_entropy_coef must be >= 0, got -1.0"),
+    (["--rl-top-p", "0"], r"rl_top_p must be in \(0, 1\], got 0.0"),
     (["--grpo-entropy-term-weight", "-0.1"], "grpo_entropy_term_weight must be >= 0, got -0.1"),
     (["--recompute-method", "uniform"],
      "recompute_method 'uniform' .--recompute-method. needs recompute_granularity 'full'"),
@@ -308,7 +313,7 @@ def test_every_field_has_a_docstring():
         assert list(field_docs(cls)) == [f.name for f in dataclasses.fields(cls)]
 
 
-# ---- the library's dataclasses are the source of the keys --------------------------------
+# ---- the keys are fields declared in source, with the library's types and defaults ---------
 
 
 def _library_keys() -> dict:
@@ -324,12 +329,32 @@ def test_every_looped_field_and_objective_field_is_a_key():
               if f.name.startswith("looped_")}
     # the app's own loop options (pretrained retrofit, loop curriculum) are not model fields
     app_only = {"looped_retrofit", "looped_loops_warmup_iters", "looped_num_loops_sampling"}
-    assert looped == {k for k in KEYS if k.startswith("looped_")} - app_only == set(LOOPED_FLAGS)
+    assert looped == {k for k in KEYS if k.startswith("looped_")} - app_only == {
+        f.name for f in dataclasses.fields(LoopedFields)}
     assert "looped_initial_state" in looped  # the field the app had left out
     # every RLObjective field has a key: a new field without one fails here
     assert sorted(OBJECTIVE_FLAGS.values()) == sorted(
         f.name for f in dataclasses.fields(RLObjective))
     assert set(OBJECTIVE_FLAGS) <= set(KEYS)
+    assert set(SAMPLING_FLAGS.values()) <= {f.name for f in dataclasses.fields(Sampling)}
+    assert set(SAMPLING_FLAGS) <= set(KEYS)
+    defaults = {f.name: f.default for f in dataclasses.fields(Sampling)}
+    rl = RunConfig().rl
+    assert {k: getattr(rl, k) for k in SAMPLING_FLAGS} == {
+        k: defaults[name] for k, name in SAMPLING_FLAGS.items()}
+    assert KEYS["rl_rollout_exit"][1] == typing.get_type_hints(Sampling)["exit_mode"]
+
+
+def test_every_key_is_a_field_declared_in_source():
+    """An IDE finds every key: each field is annotated in the source of its section or of a
+    base class of it (``LoopedFields``), none made at run time."""
+    for section in dataclasses.fields(RunConfig):
+        cls = section.default_factory
+        for f in dataclasses.fields(cls):
+            owner = next(k for k in cls.__mro__ if f.name in vars(k).get("__annotations__", {}))
+            assert re.search(rf"^\s+{f.name}: ", inspect.getsource(owner), re.M), (
+                cls.__name__, f.name)
+            assert typing.get_type_hints(cls)[f.name] is not None
 
 
 def test_library_keys_have_the_library_type_default_and_doc():
@@ -344,6 +369,25 @@ def test_library_keys_have_the_library_type_default_and_doc():
     rl_docs = field_docs(type(RunConfig().rl))
     assert rl_docs["grpo_clamp_eps_lower"] == (
         "PPO ratio clip below: ratio >= 1 - grpo_clamp_eps_lower.")
+    assert field_docs(ModelArgs)["looped_num_loops"].startswith("R: how many times")
+
+
+def test_one_default_of_the_prompt_mode():
+    """The planner's default prompt mode is the schedule's (which declares none) and the
+    flag's; the shared-prefix flags' other defaults are the planner's."""
+    from scalerlt_mcore.shared_prefix import SharedPrefixSchedule
+    from scalerlt_mcore.shared_prefix.planner import Planner
+
+    default = inspect.signature(Planner).parameters["prompt"].default
+    assert "prompt" not in inspect.signature(SharedPrefixSchedule).parameters
+    assert RunConfig().shared_prefix.shared_prefix_prompt == default
+    assert SharedPrefixSchedule(2).chooser.prompt == default
+    assert "wave_size" not in vars(SharedPrefixSchedule(2))  # the planner's, read there
+    planner = inspect.signature(Planner).parameters
+    flat = to_dict(RunConfig())
+    for key in ("shared_prefix_schedule", "shared_prefix_checkpoint_waves",
+                "shared_prefix_memory_budget"):  # the same defaults where both have one
+        assert flat[key] == planner[SCHEDULE_FLAGS[key]].default, key
 
 
 def test_every_literal_library_field_is_a_choice_key():
@@ -357,40 +401,32 @@ def test_every_literal_library_field_is_a_choice_key():
     assert CHOICES["normalization"] == ("LayerNorm", "RMSNorm")  # MCore's Literal
 
 
-@dataclass
-class _Library:
-    """A library dataclass."""
+def test_a_library_error_names_the_key_of_its_field():
+    """The library raises a ``FieldError`` naming its field; the app says it in the key's name
+    through the key's map, also where the field is one word that is another key's name
+    (``normalization``, the model's norm layers)."""
+    cfg = parse_args([])
+    cfg.rl.rl_loss_normalization = "sum"
+    assert library_errors(objective_from, cfg, OBJECTIVE_FLAGS) == [
+        "rl_loss_normalization must be one of ('token_mean', 'seq_mean', 'constant'), got 'sum'"]
+    with pytest.raises(FieldError) as e:
+        RLObjective(clip_high=0.0)
+    assert (e.value.field, str(e.value)) == ("clip_high", "clip_high must be > 0, got 0.0")
+    assert in_key_names(e.value, OBJECTIVE_FLAGS) == "grpo_clamp_eps_upper must be > 0, got 0.0"
+    assert in_key_names(ValueError("clip_high"), OBJECTIVE_FLAGS) == "clip_high"  # not a field's
 
-    size: int = 3
-    """How many (``size`` >= 1); at most max_extra."""
-    mode: Literal["a", "b"] = "a"
-    """Which mode."""
-    cap: Optional[float] = None
-    """An optional cap."""
-    max_extra: int = 0
-    """Set by the app from its own key."""
 
-
-def test_a_new_library_field_becomes_a_key_with_its_type_default_doc_and_choices():
-    flags = {"x_size": "size", "x_mode": "mode", "x_cap": "cap", "x_own": "max_extra"}
-
-    @with_library_fields(_Library, flags)
-    @dataclass
-    class Section:
-        """An app section."""
-
-        x_own: int = 7
-        """Declared by the app (also the library's ``max_extra``)."""
-
-    assert [f.name for f in dataclasses.fields(Section)] == ["x_own", "x_size", "x_mode", "x_cap"]
-    assert Section() == Section(x_own=7, x_size=3, x_mode="a", x_cap=None)
-    assert field_docs(Section) == {
-        "x_own": "Declared by the app (also the library's ``max_extra``).",
-        "x_size": "How many (``x_size`` >= 1); at most x_own.", "x_mode": "Which mode.",
-        "x_cap": "An optional cap."}
-    hints = typing.get_type_hints(Section)
-    assert hints["x_mode"] == Literal["a", "b"] and hints["x_cap"] == Optional[float]
-    assert [s[0] for s in library_fields(_Library, {"y": "mode"})] == ["y"]
+def test_sampling_from_builds_the_runs_sampling():
+    cfg = parse_args(["--rl-temperature", "0.7", "--rl-top-p", "0.9", "--looped-exit-gate",
+                      "true", "--rl-exit-gate-coef", "0.1", "--rl-rollout-exit", "threshold",
+                      "--rl-exit-threshold", "0.6", "--rl-stop-check-interval", "3"])
+    validate(cfg, world_size=1)
+    gen = torch.Generator()
+    s = sampling_from(cfg, generator=gen, banned=(0, 1), vocab_size=40)
+    assert s == Sampling(temperature=0.7, top_p=0.9, generator=gen, banned=(0, 1), vocab_size=40,
+                         exit_mode="threshold", exit_threshold=0.6, stop_check_interval=3)
+    greedy = sampling_from(cfg, loop=0, temperature=0.0)  # one readout: no exit mode
+    assert (greedy.loop, greedy.exit_mode, greedy.temperature) == (0, "none", 0.0)
 
 
 def test_values_reach_the_library_objects():
@@ -399,7 +435,7 @@ def test_values_reach_the_library_objects():
                       "--shared-prefix-checkpoint-waves",
                       "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
     kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
-    assert set(kwargs) == set(LOOPED_FLAGS) | {
+    assert set(kwargs) == {f.name for f in dataclasses.fields(LoopedFields)} | {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
         "ffn_hidden_size", "normalization", "bf16", "fp16", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "transformer_impl", "kv_channels", "add_qkv_bias",
@@ -416,9 +452,9 @@ def test_values_reach_the_library_objects():
     assert objective.normalization == "constant" and objective.kl_coef == 0.05
     assert objective.entropy_weight == 0.01
     schedule = schedule_from(cfg)
-    assert (schedule.wave_size, schedule.checkpoint_waves, schedule.max_response_length) == (
-        8, True, 12)
-    assert schedule.prompt == flat["shared_prefix_prompt"]
+    assert (schedule.chooser.wave_size, schedule.checkpoint_waves,
+            schedule.max_response_length) == (8, True, 12)
+    assert schedule.chooser.prompt == flat["shared_prefix_prompt"]
     assert sorted(SCHEDULE_FLAGS) == ["micro_batch_size", "rl_max_response_length",
                                       "shared_prefix_checkpoint_waves",
                                       "shared_prefix_memory_budget", "shared_prefix_prompt",
@@ -454,7 +490,7 @@ def test_library_errors_name_the_key_not_the_library_field():
         validate(parse_args(["--grpo-clamp-eps-upper", "0", "--shared-prefix-wave-size", "0"]), 1)
     lines = str(e.value).splitlines()[1:]
     assert [line.strip() for line in lines] == [
-        "grpo_clamp_eps_lower and grpo_clamp_eps_upper must be > 0",
+        "grpo_clamp_eps_upper must be > 0, got 0.0",
         "shared_prefix_wave_size must be >= 1, got 0"]
 
 

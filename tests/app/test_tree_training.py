@@ -19,7 +19,7 @@ from helpers.train_runs import SFT, TINY, TRAIN, _flags, _records, _run, _traine
 from scalerlt_mcore.app.config.rl import parse_tree_branches
 from scalerlt_mcore.app.trainer import TreeSample
 from scalerlt_mcore.rl.batch import leaf_answers
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 from scalerlt_mcore.rl.tasks import Problem
 from scalerlt_mcore.shared_prefix import TreeSegment
 from scalerlt_mcore.testing import model_parallel_context
@@ -48,9 +48,9 @@ def per_row_tree_rollout(tr, step: int, problems, num_loops=None) -> list:
             last, grown = depth == len(branches) - 1, []
             for node, path in frontier:
                 ro = generate(tr.model, [path], b, tr.cfg.rl.rl_max_response_length,
-                              eos_id=tr.tok.eos_id, pad_id=tr.tok.pad_id, generator=gen,
-                              banned=tr.banned, vocab_size=tr.tok.vocab_size,
-                              num_loops=num_loops)
+                              eos_id=tr.tok.eos_id, pad_id=tr.tok.pad_id, num_loops=num_loops,
+                              sampling=Sampling(generator=gen, banned=tr.banned,
+                                                vocab_size=tr.tok.vocab_size))
                 for i in range(b):
                     L = int(ro.lengths[0, i])
                     answer, lp = ro.responses[0, i, :L].tolist(), ro.loop_logprobs[:, 0, i, :L]

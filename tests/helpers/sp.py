@@ -186,6 +186,10 @@ def naive_step(model, groups, spec: LossSpec, per_mb: int, forward_only: bool = 
 
 def joint_step(model, groups, spec: LossSpec, wave_size: int, checkpoint_waves: bool = False,
                forward_only: bool = False, **kw):
+    """A joint-replay step of ``groups``; the prompt recomputed unless ``kw`` says otherwise
+    (a ``prompt`` or a ``chooser``)."""
+    if "chooser" not in kw:
+        kw.setdefault("prompt", "recompute")
     fb = get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves=checkpoint_waves,
                                                  **kw)
     step = rl_forward_step(spec.objective())

@@ -19,7 +19,7 @@ from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import HostSyncCounter, count_host_syncs
-from scalerlt_mcore.rl.rollout import draw, generate
+from scalerlt_mcore.rl.rollout import Sampling, draw, generate
 from scalerlt_mcore.rl.tree_rollout import generate_tree, tree_logprobs
 from scalerlt_mcore.shared_prefix import TreeSegment
 
@@ -98,23 +98,24 @@ def test_rollouts_upload_without_blocking_on_meta(mcore_single):
     labels. Each runs to its first read: the flat rollout's one read of its results, the
     tree's of its first level's answers and scores."""
     model = _meta_model("rope")
-    flat = partial(generate, model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, banned=(0,),
-                   stop_check_interval=100)
+    sampling = Sampling(banned=(0,), stop_check_interval=100)
+    flat = partial(generate, model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, sampling=sampling)
     for kw in ({}, dict(prompt_once=True, prompt_kv="shared"),
                dict(prompt_once=True, prompt_kv="copied")):
         assert _counts_to_the_first_read(partial(flat, **kw)) == {"h2d": 2, "d2h": 1}, kw
     tree = partial(generate_tree, model, PROMPTS, [2, 2], [2, 2], eos_id=VOCAB + 1, pad_id=0,
-                   banned=(0,), stop_check_interval=100)
+                   sampling=sampling)
     assert _counts_to_the_first_read(tree) == {"h2d": 3, "d2h": 1}
     segments = [TreeSegment([1, 2, 3], None), TreeSegment([4, 5], 0), TreeSegment([6], 0)]
     assert _counts_to_the_first_read(partial(tree_logprobs, model, [segments])) == {
         "h2d": 2, "d2h": 1}
 
 
-def _syncs(model, steps: int, **kwargs) -> int:
+def _syncs(model, steps: int, prompt_once: bool, prompt_kv, **sampling) -> int:
+    sampling = Sampling(generator=torch.Generator().manual_seed(0), **sampling)
     _, counter = count_host_syncs(generate, model, PROMPTS, 2, steps, eos_id=VOCAB + 1,
-                                  pad_id=0, generator=torch.Generator().manual_seed(0),
-                                  **kwargs)
+                                  pad_id=0, prompt_once=prompt_once, prompt_kv=prompt_kv,
+                                  sampling=sampling)
     return counter.total
 
 
@@ -175,12 +176,13 @@ def test_static_cache_decode_matches_reference(mcore_single, pe, prompt_once):
 
 def test_rollout_without_banned_ids_or_padding(mcore_single):
     model, _, _ = build("learned_absolute", torch.float32)
-    out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0)
+    out = generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0,
+                   sampling=Sampling(temperature=0.0))
     assert out.responses.shape == (3, 2, 3)
 
 
 def test_cuda_graph_decoding_needs_a_static_cuda_cache(mcore_single):
     model, _, _ = build("rope", torch.float32)
     with pytest.raises(ValueError, match="needs a CUDA cache; this one is on cpu"):
-        generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, temperature=0.0,
-                 cuda_graph=True)
+        generate(model, PROMPTS, 2, 3, eos_id=VOCAB + 1, pad_id=0, cuda_graph=True,
+                 sampling=Sampling(temperature=0.0))

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from scalerlt_mcore.model.hf_export import ExportError, save_hf
 from scalerlt_mcore.model.hf_import import looped_gpt_from_hf, read_hf_architecture
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained, read_looped_source
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 
 TOL = 1e-10
 VOCAB = 64
@@ -141,8 +141,8 @@ def test_ouro_threshold_rollout_matches_reference(mcore_single, ouro_dir):
     cfg, w = load_ouro(ouro_dir)
     model = imported(ouro_dir, 4)
     prompts = [[5, 9, 11, 3], [7, 8]]
-    out = generate(model, prompts, 1, 5, eos_id=-1, pad_id=0, temperature=0.0,
-                   exit_mode="threshold", exit_threshold=0.6)
+    out = generate(model, prompts, 1, 5, eos_id=-1, pad_id=0,
+                   sampling=Sampling(temperature=0.0, exit_mode="threshold", exit_threshold=0.6))
     loops_used = set()
     for n, prompt in enumerate(prompts):
         seq = list(prompt)
@@ -543,7 +543,7 @@ def test_huginn_greedy_rollout_matches_reference(mcore_single, huginn_dir):
     cfg, w = load_huginn(huginn_dir)
     model = huginn_model(huginn_dir, 3)
     prompts = [[5, 9, 11, 3], [7, 8]]
-    out = generate(model, prompts, 1, 4, eos_id=-1, pad_id=0, temperature=0.0)
+    out = generate(model, prompts, 1, 4, eos_id=-1, pad_id=0, sampling=Sampling(temperature=0.0))
     for n, prompt in enumerate(prompts):
         seq = list(prompt)
         for t in range(4):

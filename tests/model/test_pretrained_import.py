@@ -40,7 +40,7 @@ from scalerlt_mcore.model.retrofit import (
     load_converted_state_dict,
     retrofit_state_dict,
 )
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 
 TOL = 1e-10
 
@@ -202,7 +202,8 @@ def test_retrofit_rollouts_are_the_model_policy(retrofit_r3):
     model = retrofit_r3.eval()
     prompts = [[1, 5, 9, 12], [1, 7, 3]]
     gen = torch.Generator().manual_seed(0)
-    ro = generate(model, prompts, 3, 5, eos_id=2, pad_id=0, generator=gen, banned=(0, 1))
+    ro = generate(model, prompts, 3, 5, eos_id=2, pad_id=0,
+                  sampling=Sampling(generator=gen, banned=(0, 1)))
     assert ro.responses.shape == (2, 3, 5) and (ro.lengths >= 1).all()
     for n, prompt in enumerate(prompts):
         for i in range(3):

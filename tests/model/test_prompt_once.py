@@ -14,7 +14,7 @@ import torch
 from helpers.decode import LOOPS, VOCAB, build
 from helpers.reference_looped import reference_forward
 
-from scalerlt_mcore.rl.rollout import default_prompt_kv, generate
+from scalerlt_mcore.rl.rollout import Sampling, default_prompt_kv, generate
 
 LENGTHS = torch.tensor([3, 7, 5])  # prompt lengths; prompts right-padded to 7
 G, STEPS = 2, 4  # samples per prompt; teacher-forced decode steps after the prefill
@@ -116,8 +116,9 @@ def test_generate_prompt_once_samples_as_per_row(mcore_single, pe, dtype, group_
     for prompt_once in (False, True):
         gen = torch.Generator().manual_seed(11)
         runs.append(generate(model, _prompts(2), group_size, 8, eos_id=eos, pad_id=0,
-                             temperature=temperature, top_p=top_p, generator=gen,
-                             banned=(0, 1), prompt_once=prompt_once, prompt_kv=prompt_kv))
+                             prompt_once=prompt_once, prompt_kv=prompt_kv,
+                             sampling=Sampling(temperature=temperature, top_p=top_p, generator=gen,
+                                               banned=(0, 1))))
     per_row, once = runs
     assert torch.equal(per_row.responses, once.responses)
     assert torch.equal(per_row.lengths, once.lengths)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.exit_gate import _gated
 
-from scalerlt_mcore.rl.rollout import exit_loop_at, generate
+from scalerlt_mcore.rl.rollout import Sampling, exit_loop_at, generate
 
 PROMPTS = [[3, 9, 4, 7, 1], [5, 2, 8]]
 G, STEPS, EOS, PAD = 3, 6, 2, 0
@@ -31,10 +31,10 @@ def _training_readouts(model, prompt: list, response: list) -> tuple:
 def test_rollout_logprobs_are_the_training_ones(mcore_single, mode, prompt_once, prompt_kv):
     model = _gated(R=3).eval()
     gen = torch.Generator().manual_seed(5)
-    ro = generate(model, PROMPTS, G, STEPS, eos_id=EOS, pad_id=PAD, temperature=1.0,
-                  generator=gen, banned=(PAD,), prompt_once=prompt_once, prompt_kv=prompt_kv,
-                  exit_mode=mode,
-                  exit_threshold=0.6)
+    ro = generate(model, PROMPTS, G, STEPS, eos_id=EOS, pad_id=PAD, prompt_once=prompt_once,
+                  prompt_kv=prompt_kv,
+                  sampling=Sampling(temperature=1.0, generator=gen, banned=(PAD,), exit_mode=mode,
+                                    exit_threshold=0.6))
     used = set()
     for n, prompt in enumerate(PROMPTS):
         for g in range(G):
@@ -66,6 +66,8 @@ def test_exit_modes_need_the_gate(mcore_single):
     from helpers.sp import build_model
 
     with pytest.raises(ValueError, match="exit_mode 'mixture' needs the model's exit gate"):
-        generate(build_model(R=2), PROMPTS, 2, 3, eos_id=EOS, pad_id=PAD, exit_mode="mixture")
+        generate(build_model(R=2), PROMPTS, 2, 3, eos_id=EOS, pad_id=PAD,
+                 sampling=Sampling(exit_mode="mixture"))
     with pytest.raises(ValueError, match="exit_mode must be one of"):
-        generate(build_model(R=2), PROMPTS, 2, 3, eos_id=EOS, pad_id=PAD, exit_mode="cdf")
+        generate(build_model(R=2), PROMPTS, 2, 3, eos_id=EOS, pad_id=PAD,
+                 sampling=Sampling(exit_mode="cdf"))

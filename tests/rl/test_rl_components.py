@@ -343,11 +343,13 @@ def test_loop_credit_registry_is_the_one_source(monkeypatch):
     assert loss.item() == pytest.approx(-(adv[:, None] * mask).sum().item() / mask.sum().item())
     model = type("Model", (), {"looped_exit_gate": False, "looped_learned_loop_weights": True,
                                "looped_num_loops": R})()
-    assert objective.model_errors(model, max_loops=R) == [
-        "looped_learned_loop_weights needs loop_weights learned (otherwise its parameters get "
-        "no gradient)"]
-    assert RLObjective(loop_weights="learned").model_errors(model, max_loops=R + 1) == [
-        f"looped_learned_loop_weights holds looped_num_loops = {R} per-loop weights, but "
-        f"looped_num_loops_sampling draws up to {R + 1} loops"]
-    with pytest.raises(ValueError, match="loop weights must be one of .*'first'"):
+    [error] = objective.model_errors(model, max_loops=R)
+    assert (error.field, str(error)) == ("loop_weights", (
+        "loop_weights must be learned with looped_learned_loop_weights (otherwise its "
+        "parameters get no gradient)"))
+    assert list(map(str, RLObjective(loop_weights="learned").model_errors(
+        model, max_loops=R + 1))) == [
+        f"loop_weights learned: looped_learned_loop_weights holds looped_num_loops = {R} "
+        f"per-loop weights, but looped_num_loops_sampling draws up to {R + 1} loops"]
+    with pytest.raises(ValueError, match="loop_weights must be one of .*'first'"):
         RLObjective(loop_weights="last")

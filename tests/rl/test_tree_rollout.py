@@ -20,7 +20,7 @@ from helpers.reference_looped import reference_forward
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
 from scalerlt_mcore.rl.batch import RLGroup
-from scalerlt_mcore.rl.rollout import exit_loop_at, generate
+from scalerlt_mcore.rl.rollout import Sampling, exit_loop_at, generate
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.rl.tree_rollout import generate_tree
 
@@ -56,10 +56,10 @@ def test_greedy_tree_is_greedy_per_row_decoding(mcore_single, pe):
     model, _, _ = build(pe, torch.float64)
     model.eval()
     budgets = [4, 3]
-    tree = generate_tree(model, PROMPTS, [2, 3], budgets, eos_id=EOS, pad_id=PAD,
-                         temperature=0.0, banned=(PAD,), reply_fn=reply)
-    first = generate(model, PROMPTS, 1, budgets[0], eos_id=EOS, pad_id=PAD, temperature=0.0,
-                     banned=(PAD,))
+    tree = generate_tree(model, PROMPTS, [2, 3], budgets, eos_id=EOS, pad_id=PAD, reply_fn=reply,
+                         sampling=Sampling(temperature=0.0, banned=(PAD,)))
+    first = generate(model, PROMPTS, 1, budgets[0], eos_id=EOS, pad_id=PAD,
+                     sampling=Sampling(temperature=0.0, banned=(PAD,)))
     ulp = torch.finfo(torch.float32).eps * 8
     for n, prompt in enumerate(PROMPTS):
         check_segments(tree, n, reply)
@@ -68,7 +68,7 @@ def test_greedy_tree_is_greedy_per_row_decoding(mcore_single, pe):
         answer = first.responses[n, 0].tolist()
         path = prompt + answer + reply(n, prompt, answer)
         second = generate(model, [path], 1, budgets[1], eos_id=EOS, pad_id=PAD,
-                          temperature=0.0, banned=(PAD,))
+                          sampling=Sampling(temperature=0.0, banned=(PAD,)))
         for i in (1, 5):  # the two depth-1 nodes (depth-first: 1, its 3 leaves, 5, ...)
             assert segs[i].parent == 0 and segs[i].tokens == path[len(prompt):]
             lp = tree.loop_logprobs[n][i]  # [R, L]
@@ -94,8 +94,9 @@ def test_sampled_tree_logprobs_match_every_row(mcore_single, static):
     model, ref, weights = build("rope", torch.float64)
     gen = torch.Generator().manual_seed(3)
     tree = generate_tree(model, PROMPTS[:2], [2, 2, 2], [3, 2, 3], eos_id=EOS, pad_id=PAD,
-                         temperature=0.9, top_p=0.95, generator=gen, banned=(PAD,),
-                         reply_fn=reply, static_cache=static)
+                         reply_fn=reply, static_cache=static,
+                         sampling=Sampling(temperature=0.9, top_p=0.95, generator=gen,
+                                           banned=(PAD,)))
     err = 0.0
     for n in range(2):
         check_segments(tree, n, reply)
@@ -125,8 +126,9 @@ def test_exit_gate_trees_record_the_training_readouts(mcore_single, mode):
     model = _gated(R=3).eval()
     gen = torch.Generator().manual_seed(5)
     tree = generate_tree(model, [[3, 9, 4, 7, 1], [5, 2, 8]], [2, 2], [4, 3], eos_id=EOS,
-                         pad_id=PAD, generator=gen, banned=(PAD,), exit_mode=mode,
-                         exit_threshold=0.6, reply_fn=reply)
+                         pad_id=PAD, reply_fn=reply,
+                         sampling=Sampling(generator=gen, banned=(PAD,), exit_mode=mode,
+                                           exit_threshold=0.6))
     for n in range(2):
         segs = tree.segments[n]
         for leaf, row in zip(tree.leaves[n], tree.leaf_tokens(n)):
@@ -155,8 +157,8 @@ def test_segments_build_the_rl_group(mcore_single):
     log-prob, and ``old_logprobs`` fits its [R, G, T] layout."""
     model, _, _ = build("rope", torch.float64)
     gen = torch.Generator().manual_seed(1)
-    tree = generate_tree(model, PROMPTS[:2], [2, 3], [3, 2], eos_id=EOS, pad_id=PAD,
-                         generator=gen, banned=(PAD,), reply_fn=reply)
+    tree = generate_tree(model, PROMPTS[:2], [2, 3], [3, 2], eos_id=EOS, pad_id=PAD, reply_fn=reply,
+                         sampling=Sampling(generator=gen, banned=(PAD,)))
     for n in range(2):
         G = len(tree.leaves[n])
         rows = tree.leaf_tokens(n)
@@ -182,8 +184,8 @@ def test_reply_fn_is_told_the_prompt_of_the_node(mcore_single):
         calls.append((prompt, path))
         return [10 + prompt, 20 + prompt]  # the problem's own reply
 
-    tree = generate_tree(model, prompts, [2, 2], [2, 2], eos_id=EOS, pad_id=PAD,
-                         temperature=0.0, banned=(PAD,), reply_fn=env)
+    tree = generate_tree(model, prompts, [2, 2], [2, 2], eos_id=EOS, pad_id=PAD, reply_fn=env,
+                         sampling=Sampling(temperature=0.0, banned=(PAD,)))
     assert sorted({n for n, _ in calls}) == [0, 1, 2] and len(calls) == 3 * 2
     assert all(path[: len(prompts[n])] == prompts[n] for n, path in calls)
     for n in range(len(prompts)):
@@ -197,11 +199,11 @@ def test_reply_fn_is_told_the_prompt_of_the_node(mcore_single):
 def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
     model, _, _ = build("learned_absolute", torch.float64)
     model.eval()
-    greedy = generate(model, PROMPTS, 1, 1, eos_id=EOS, pad_id=PAD, temperature=0.0,
-                      banned=(PAD,))
+    greedy = generate(model, PROMPTS, 1, 1, eos_id=EOS, pad_id=PAD,
+                      sampling=Sampling(temperature=0.0, banned=(PAD,)))
     eos = int(greedy.responses[0, 0, 0])  # prompt 0's first greedy token ends its answers
     tree = generate_tree(model, PROMPTS, [2, 2], [3, 3], eos_id=eos, pad_id=PAD,
-                         temperature=0.0, banned=(PAD,))
+                         sampling=Sampling(temperature=0.0, banned=(PAD,)))
     segs = tree.segments[0]
     assert len(segs) == 3 and tree.leaves[0] == [1, 2]
     assert all(s.tokens == [eos] and s.loss_mask == [1] for s in segs[1:])
@@ -213,7 +215,7 @@ def test_a_node_ended_by_eos_without_a_reply_is_a_leaf(mcore_single):
     assert len(tree.segments[1]) > 3 or len(tree.segments[2]) > 3  # not every tree stopped
     # alone, prompt 0's rows all stop at their first token, before any decode step fed it
     alone = generate_tree(model, PROMPTS[:1], [2, 2], [3, 3], eos_id=eos, pad_id=PAD,
-                          temperature=0.0, banned=(PAD,), stop_check_interval=1)
+                          sampling=Sampling(temperature=0.0, banned=(PAD,), stop_check_interval=1))
     assert len(alone.segments[0]) == 3 and alone.leaves[0] == [1, 2]
 
 
@@ -222,18 +224,18 @@ def test_num_loops_is_the_decoding_count(mcore_single):
     are greedy per-row decoding's with 2 loops."""
     model, _, _ = build("rope", torch.float64)
     model.eval()
-    tree = generate_tree(model, PROMPTS[:1], [1, 2], [2, 2], eos_id=EOS, pad_id=PAD,
-                         temperature=0.0, banned=(PAD,), num_loops=2)
-    rows = generate(model, PROMPTS[:1], 1, 4, eos_id=EOS, pad_id=PAD, temperature=0.0,
-                    banned=(PAD,), num_loops=2)
+    tree = generate_tree(model, PROMPTS[:1], [1, 2], [2, 2], eos_id=EOS, pad_id=PAD, num_loops=2,
+                         sampling=Sampling(temperature=0.0, banned=(PAD,)))
+    rows = generate(model, PROMPTS[:1], 1, 4, eos_id=EOS, pad_id=PAD, num_loops=2,
+                    sampling=Sampling(temperature=0.0, banned=(PAD,)))
     assert all(lp.shape[0] == 2 for lp in tree.loop_logprobs[0])
     assert tree.leaf_tokens(0) == [PROMPTS[0] + rows.responses[0, 0].tolist()] * 2
 
 
 def _syncs(model, steps: int, **kwargs) -> int:
+    sampling = Sampling(banned=(PAD,), generator=torch.Generator().manual_seed(0), **kwargs)
     _, counter = count_host_syncs(generate_tree, model, PROMPTS, [2, 2], [steps, steps],
-                                  eos_id=EOS, pad_id=PAD, banned=(PAD,), reply_fn=reply,
-                                  generator=torch.Generator().manual_seed(0), **kwargs)
+                                  eos_id=EOS, pad_id=PAD, reply_fn=reply, sampling=sampling)
     return counter.total
 
 
@@ -252,11 +254,11 @@ BAD_INPUTS = [
     (dict(prompts=[3, 4]), "prompt 0 must be a list of token ids"),
     (dict(max_new_tokens=[2]), "max_new_tokens has 1 entries for 2 depths"),
     (dict(max_new_tokens=[2, 0]), "max_new_tokens at depth 1 is 0"),
-    (dict(exit_mode="sometimes"), "exit_mode must be one of"),
-    (dict(exit_mode="mixture"), "needs the model's exit gate"),
+    (dict(sampling=dict(exit_mode="sometimes")), "exit_mode must be one of"),
+    (dict(sampling=dict(exit_mode="mixture")), "needs the model's exit gate"),
     (dict(reply_fn=lambda n, path, answer: "ok"), "reply_fn must return a list of token ids"),
     (dict(reply_fn=lambda path, answer: []), "reply_fn must take \\(prompt, path, answer\\)"),
-    (dict(stop_check_interval=-1), "stop_check_interval must be >= 1"),
+    (dict(sampling=dict(stop_check_interval=-1)), "stop_check_interval must be >= 1"),
     (dict(reply_fn=lambda n, path, answer: [1, VOCAB]), "outside the model's vocabulary"),
 ]
 
@@ -266,5 +268,6 @@ def test_bad_input_is_named(mcore_single):
     for kwargs, message in BAD_INPUTS:
         args = {**dict(prompts=PROMPTS, branches=[2, 2], max_new_tokens=[2, 2]), **kwargs}
         with pytest.raises(ValueError, match=message):
+            args["sampling"] = Sampling(**args.get("sampling", {}))
             generate_tree(model, args.pop("prompts"), args.pop("branches"),
                           args.pop("max_new_tokens"), eos_id=EOS, pad_id=PAD, **args)

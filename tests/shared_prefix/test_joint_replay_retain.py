@@ -152,7 +152,7 @@ def test_plan_arguments_are_checked(mcore_single):
             get_shared_prefix_forward_backward_func(bad)
     with pytest.raises(ValueError, match="prompt must be one of"):
         get_shared_prefix_forward_backward_func(2, prompt="keep")
-    with pytest.raises(ValueError, match="wave_size 'auto' needs memory_budget"):
+    with pytest.raises(ValueError, match="memory_budget must be set when the wave size is 'auto'"):
         get_shared_prefix_forward_backward_func("auto")
     with pytest.raises(ValueError, match="GroupPlan.wave_size must be an integer >= 1"):
         GroupPlan(0)

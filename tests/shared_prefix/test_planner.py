@@ -251,10 +251,11 @@ def test_app_flags_parse_and_validate():
     assert (sp.shared_prefix_wave_size, sp.shared_prefix_memory_budget) == ("auto", 64.0)
     schedule = schedule_from(cfg)  # the budget reaches the library in bytes
     assert isinstance(schedule.chooser, Planner) and schedule.chooser.budget == 64 * 2**20
-    assert (schedule.wave_size, schedule.prompt) == ("auto", "retain")
+    assert (schedule.chooser.wave_size, schedule.chooser.prompt) == ("auto", "retain")
     assert parse_args(["--shared-prefix-wave-size", "6"]).shared_prefix.shared_prefix_wave_size == 6
     for argv, message in (
-            (["--shared-prefix-wave-size", "auto"], "'auto' needs shared_prefix_memory_budget"),
+            (["--shared-prefix-wave-size", "auto"],
+             "shared_prefix_memory_budget must be set when the wave size is 'auto'"),
             (["--shared-prefix-wave-size", "many"],
              r"shared_prefix_wave_size must be INT or \{auto\}, got 'many'"),
             (["--shared-prefix-wave-size", "0"], "shared_prefix_wave_size must be >= 1, got 0"),

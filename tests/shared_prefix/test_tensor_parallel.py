@@ -206,12 +206,13 @@ ROLLOUT_MODES = {"per_row": (False, None), "prompt_once_shared": (True, "shared"
 
 
 def _rollout(model, prompt_once: bool = False, prompt_kv=None):
-    from scalerlt_mcore.rl.rollout import generate
+    from scalerlt_mcore.rl.rollout import Sampling, generate
 
     gen = torch.Generator().manual_seed(ROLLOUT_SEED)
-    return generate(model, [list(p) for p in ROLLOUT_PROMPTS], ROLLOUT_G, ROLLOUT_NEW,
-                    eos_id=EOS, pad_id=PAD, temperature=1.0, generator=gen, banned=(PAD,),
-                    vocab_size=REAL_VOCAB, prompt_once=prompt_once, prompt_kv=prompt_kv)
+    return generate(model, [list(p) for p in ROLLOUT_PROMPTS], ROLLOUT_G, ROLLOUT_NEW, eos_id=EOS,
+                    pad_id=PAD, prompt_once=prompt_once, prompt_kv=prompt_kv,
+                    sampling=Sampling(temperature=1.0, generator=gen, banned=(PAD,),
+                                      vocab_size=REAL_VOCAB))
 
 
 def _rollout_model(tp: int):

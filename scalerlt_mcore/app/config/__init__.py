@@ -5,10 +5,10 @@
 - ``run.py``: ``RunConfig`` (the sections), the flat key table (``KEYS``) and ``validate``;
 - ``parsing.py``: defaults < flat YAML file < Megatron-style command line, and the help;
 - ``values.py``: one value read as its key's type; ``ConfigError``;
-- ``library.py``: keys taken from the library's dataclasses (types, defaults, docstrings) and
-  the library's error messages in the keys' names;
+- ``library.py``: the sections' help (their fields' docstrings), the maps from key to library
+  field and the library's errors (``FieldError``) in the keys' names;
 - ``builders.py``: one builder per library object (``model_config``, ``objective_from``,
-  ``schedule_from``, ``task_from``, ``tokenizer_from``).
+  ``schedule_from``, ``sampling_from``, ``task_from``, ``tokenizer_from``).
 
     cfg = parse_args(["--config", "configs/cpu_2rank.yaml", "--lr", "1e-3"])
     validate(cfg, world_size)          # every check, once, before any process group exists
@@ -23,19 +23,19 @@ from .builders import (
     objective_from,
     pretrained_tokenizer_json,
     prompts_per_step,
+    sampling_from,
     schedule_from,
     task_from,
     tokenizer_args,
     tokenizer_from,
 )
 from .library import (
-    LOOPED_FLAGS,
     OBJECTIVE_FLAGS,
+    SAMPLING_FLAGS,
     SCHEDULE_FLAGS,
     field_docs,
-    library_fields,
+    in_key_names,
     to_dict,
-    with_library_fields,
 )
 from .logs import LoggingArgs
 from .model import ModelArgs
@@ -60,12 +60,12 @@ from .training import TrainingArgs
 from .values import ConfigError, choices
 
 __all__ = [
-    "CHOICES", "DEMO_CONFIG", "KEYS", "LOOPED_FLAGS", "OBJECTIVE_FLAGS", "SCHEDULE_FLAGS",
+    "CHOICES", "DEMO_CONFIG", "KEYS", "OBJECTIVE_FLAGS", "SAMPLING_FLAGS", "SCHEDULE_FLAGS",
     "SECTIONS", "ConfigError", "LoggingArgs", "ModelArgs", "RLArgs", "RunConfig",
     "SharedPrefixArgs", "TokenizerArgs", "TrainingArgs", "apply_overrides", "choices",
     "cli_flags", "default_run_dir", "demo_config_text", "eval_prompts", "field_docs",
-    "help_text", "library_fields", "library_kwargs", "load_config", "looped_kwargs",
+    "help_text", "in_key_names", "library_kwargs", "load_config", "looped_kwargs",
     "model_config", "objective_from", "parse_args", "pretrained_tokenizer_json",
-    "prompts_per_step", "read_yaml", "save_resolved", "schedule_from", "split_cli", "task_from",
-    "to_dict", "tokenizer_args", "tokenizer_from", "validate", "with_library_fields",
+    "prompts_per_step", "read_yaml", "sampling_from", "save_resolved", "schedule_from",
+    "split_cli", "task_from", "to_dict", "tokenizer_args", "tokenizer_from", "validate",
 ]

@@ -2,6 +2,7 @@
 through exactly one of them: ``model_config`` (``looped_*`` and Megatron model keys ->
 ``LoopedTransformerConfig``), ``objective_from`` (``OBJECTIVE_FLAGS`` -> ``RLObjective``),
 ``schedule_from`` (``SCHEDULE_FLAGS`` -> the shared-prefix schedule and its ``Planner``),
+``sampling_from`` (``SAMPLING_FLAGS`` -> ``Sampling``, how rollouts draw tokens),
 ``task_from`` and ``tokenizer_from``. The checks (``validate``) build the same objects, so
 each library check is written once, in the library."""
 
@@ -17,11 +18,12 @@ import torch.nn.functional as F
 
 from ...model.config import LoopedTransformerConfig
 from ...rl.objective import RLObjective
+from ...rl.rollout import Sampling
 from ...rl.task_registry import get_task
 from ...rl.tokenizer import build_tokenizer
 from ...shared_prefix import get_shared_prefix_forward_backward_func
 from ...shared_prefix.planner import shared_cost_model
-from .library import OBJECTIVE_FLAGS, SCHEDULE_FLAGS, to_dict
+from .library import OBJECTIVE_FLAGS, SAMPLING_FLAGS, SCHEDULE_FLAGS, to_dict
 
 if TYPE_CHECKING:
     from .model import ModelArgs
@@ -62,6 +64,17 @@ def library_kwargs(cfg: RunConfig, flags: dict[str, str]) -> dict:
 def objective_from(cfg: RunConfig) -> RLObjective:
     """The run's RL loss (``OBJECTIVE_FLAGS``)."""
     return RLObjective(**library_kwargs(cfg, OBJECTIVE_FLAGS))
+
+
+def sampling_from(cfg: RunConfig, loop: int = -1, **given) -> Sampling:
+    """How the run's rollouts draw tokens (``SAMPLING_FLAGS``); ``given``: the other
+    ``Sampling`` fields (the generator, the banned ids, the vocabulary size) and a call's own
+    values (e.g. temperature 0: greedy). A readout ``loop`` other than the last (-1) samples
+    from that loop alone: no exit mode."""
+    kwargs = library_kwargs(cfg, SAMPLING_FLAGS)
+    if loop != -1:
+        kwargs["exit_mode"] = "none"
+    return Sampling(**{**kwargs, **given}, loop=loop)
 
 
 def schedule_from(cfg: RunConfig, model=None, loss_per_position: Optional[float] = None,

@@ -1,40 +1,36 @@
-"""The reflection layer: config fields taken from the library's dataclasses, their help, and
-the library's error messages in the keys' names.
+"""The keys' route to the library: each section's help (its fields' docstrings), one map per
+library object from key to field, and the library's own checks reported in the keys' names.
 
-The library's dataclasses are the source of truth: the ``looped_*`` keys are the fields of
-``LoopedTransformerConfig`` and the RL loss keys those of ``RLObjective`` (``OBJECTIVE_FLAGS``),
-with their types, defaults and docstrings (``with_library_fields``); a choice is a ``Literal``
-written once in the library. A key reaches its library object through one map (``LOOPED_FLAGS``,
-``OBJECTIVE_FLAGS``, ``SCHEDULE_FLAGS``) and one builder (``builders.py``), and the object's own
-check reaches the user with the key's name (``library_errors``)."""
+Every key is a field declared in its section's source: the ``looped_*`` keys are inherited
+from ``LoopedFields`` (the ``looped_*`` fields of ``LoopedTransformerConfig``, declared once),
+the other library keys are declared with the library's default (``RLObjective.clip_low``).
+A key whose library field has another name reaches it through one map (``OBJECTIVE_FLAGS``,
+``SCHEDULE_FLAGS``, ``SAMPLING_FLAGS``) and one builder (``builders.py``); a library object
+checks itself and raises a ``FieldError`` naming its field, which ``library_errors`` says in
+the key's name through the same map."""
 
 import ast
 import dataclasses
 import inspect
-import re
 import textwrap
-import typing
 from collections.abc import Callable
-from dataclasses import field
 
-from ...model.config import LoopedTransformerConfig
+from ...model.config import FieldError
 
 
 def field_docs(cls: type) -> dict[str, str]:
     """Help text of each field of dataclass ``cls`` that has one: the attribute docstring (the
-    string under the field in the source of ``cls`` or a base class), or the ``doc`` metadata
-    of a field taken from a library dataclass."""
+    string under the field in the source of ``cls`` or a base class)."""
     docs = {}
     for klass in reversed(cls.__mro__):
         docs.update(_source_docs(klass))
-    docs.update({f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata})
     return {f.name: docs[f.name] for f in dataclasses.fields(cls) if f.name in docs}
 
 
 def _source_docs(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # builtins, classes made at run time
+    except (OSError, TypeError):  # builtins
         return {}
     body = ast.parse(source).body[0].body
     docs = {}
@@ -44,56 +40,6 @@ def _source_docs(cls: type) -> dict[str, str]:
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
-
-def rename(text: str, flags: dict[str, str]) -> str:
-    """``text`` with the library names of ``{flag: name}`` turned into their flags: a
-    snake_case name anywhere, a one-word name only in ``code`` quotes (else it is a word)."""
-    names = {name: flag for flag, name in flags.items() if name != flag}
-    if not names:
-        return text
-    alt = "|".join(map(re.escape, names))
-
-    def sub(m: re.Match) -> str:
-        quoted, bare = m.group(1), m.group(2)
-        if bare and "_" not in bare:
-            return bare
-        return f"``{names[quoted]}``" if quoted else names[bare]
-
-    return re.sub(rf"``({alt})``|\b({alt})\b", sub, text)
-
-
-def library_fields(library: type, flags: dict[str, str]) -> list[tuple]:
-    """``make_dataclass`` specs of the flags ``{flag: field of library}``: each has the field's
-    type and default, and its docstring (field names turned into flags) as metadata ``doc``."""
-    hints, docs = typing.get_type_hints(library), field_docs(library)
-    fields = {f.name: f for f in dataclasses.fields(library)}
-    specs = []
-    for flag, name in flags.items():
-        f = fields[name]
-        meta = {"doc": rename(docs[name], flags)} if name in docs else {}
-        specs.append((flag, hints[name], field(default=f.default,
-                                               default_factory=f.default_factory, metadata=meta)))
-    return specs
-
-
-def with_library_fields(library: type, flags: dict[str, str]) -> Callable[[type], type]:
-    """Class decorator: dataclass ``cls`` plus a field for each flag of ``{flag: field of
-    library}`` that ``cls`` does not declare itself (``library_fields``)."""
-
-    def extend(cls: type) -> type:
-        own = {f.name for f in dataclasses.fields(cls)}
-        specs = [s for s in library_fields(library, flags) if s[0] not in own]
-        new = dataclasses.make_dataclass(cls.__name__, specs, bases=(cls,))
-        new.__module__, new.__qualname__, new.__doc__ = (
-            cls.__module__, cls.__qualname__, cls.__doc__)
-        return new
-
-    return extend
-
-
-LOOPED_FLAGS = {f.name: f.name for f in dataclasses.fields(LoopedTransformerConfig)
-                if f.name.startswith("looped_")}
-"""The model section's ``looped_*`` keys: every ``looped_*`` field of LoopedTransformerConfig."""
 
 OBJECTIVE_FLAGS = {
     "rl_loss_normalization": "normalization",
@@ -106,9 +52,8 @@ OBJECTIVE_FLAGS = {
     "rl_exit_entropy_coef": "exit_entropy_coef",
     "rl_max_response_length": "constant_length",
 }
-"""Key -> ``RLObjective`` field, one entry per field. Each key is that field, except
-``rl_max_response_length``, which ``RLArgs`` declares (the rollout length) and which is also
-the length of the ``constant`` normalisation."""
+"""Key -> ``RLObjective`` field, one entry per field. ``rl_max_response_length`` (the rollout
+length, an ``RLArgs`` key of its own) is also the length of the ``constant`` normalisation."""
 
 SCHEDULE_FLAGS = {
     "shared_prefix_schedule": "schedule",
@@ -123,19 +68,37 @@ SCHEDULE_FLAGS = {
 ``Planner``): the only route of these keys into the library (the memory budget is in MiB here,
 in bytes there: ``schedule_from`` converts it)."""
 
+SAMPLING_FLAGS = {
+    "rl_temperature": "temperature",
+    "rl_top_p": "top_p",
+    "rl_rollout_exit": "exit_mode",
+    "rl_exit_threshold": "exit_threshold",
+    "rl_stop_check_interval": "stop_check_interval",
+}
+"""Key -> field of ``rl.rollout.Sampling``, how rollouts draw tokens (``sampling_from``)."""
+
 
 LIBRARY_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)
 """What a library constructor raises for a bad argument."""
 
 
 def library_errors(build: Callable, cfg, flags: dict[str, str]) -> list[str]:
-    """[] when ``build(cfg)`` constructs its library object, else the library's message with
-    its names turned into the keys of ``{key: library name}``."""
+    """[] when ``build(cfg)`` constructs its library object, else the library's message; a
+    ``FieldError`` in the name of its key (``flags``: key -> library field)."""
     try:
         build(cfg)
     except LIBRARY_ERRORS as e:
-        return [rename(str(e), flags)]
+        return [in_key_names(e, flags)]
     return []
+
+
+def in_key_names(error: Exception, flags: dict[str, str]) -> str:
+    """The message of ``error``; a ``FieldError`` of a field of ``{key: field}`` names the
+    key instead."""
+    if not isinstance(error, FieldError):
+        return str(error)
+    key = {field: key for key, field in flags.items()}.get(error.field, error.field)
+    return f"{key} {error.reason}"
 
 
 def positive(section, *keys: str, minimum: float = 1) -> list[str]:

@@ -6,23 +6,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional
 
 from ...model.config import (
-    LoopedTransformerConfig,
+    LoopedFields,
     Normalization,
     PositionEmbeddingType,
     parse_loop_sampling,
 )
 from .builders import model_config, tokenizer_from
-from .library import LOOPED_FLAGS, library_errors, positive, with_library_fields
+from .library import library_errors, positive
 
 if TYPE_CHECKING:
     from .run import RunConfig
 
 
-@with_library_fields(LoopedTransformerConfig, LOOPED_FLAGS)
 @dataclass
-class ModelArgs:
+class ModelArgs(LoopedFields):
     """The looped GPT (Megatron names where Megatron has them; ``looped_*``: the fields of
-    ``LoopedTransformerConfig``)."""
+    ``LoopedTransformerConfig``, inherited from ``LoopedFields``, and the app's own loop
+    options)."""
 
     num_layers: int = 2
     """Core layers (L_core): the block applied ``looped_num_loops`` times with shared weights."""
@@ -155,7 +155,8 @@ def _check_sizes(cfg: "RunConfig", world_size: int) -> list[str]:
                       f"tensor_model_parallel_size ({m.tensor_model_parallel_size}): the "
                       f"output layer splits the vocabulary (leave vocab_size unset to pad the "
                       f"tokenizer's by make_vocab_size_divisible_by)")
-    return errors + library_errors(lambda c: model_config(c, "cpu"), cfg, LOOPED_FLAGS)
+    # the model's own fields are the keys' names: no map
+    return errors + library_errors(lambda c: model_config(c, "cpu"), cfg, {})
 
 
 def _check_architecture(cfg: "RunConfig") -> list[str]:

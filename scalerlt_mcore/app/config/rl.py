@@ -1,6 +1,7 @@
-"""The RL section: task, sampling and the policy-gradient loss (its ``RLObjective`` keys
-through ``OBJECTIVE_FLAGS``) and their checks: the loss's own, what it needs of the model,
-and the task against the lengths."""
+"""The RL section: task, sampling (its ``Sampling`` keys through ``SAMPLING_FLAGS``) and the
+policy-gradient loss (its ``RLObjective`` keys through ``OBJECTIVE_FLAGS``) and their checks:
+the library objects' own, what the loss needs of the model, and the task against the
+lengths."""
 
 import math
 from dataclasses import dataclass, field
@@ -8,30 +9,31 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from ...model.config import parse_loop_sampling
 from ...rl.advantages import AdvantageMode
-from ...rl.objective import RLObjective
+from ...rl.loop_credit import LoopWeights
+from ...rl.objective import Normalization, RLObjective
+from ...rl.rollout import ExitMode, Sampling
 from ...rl.tasks import is_multiturn, measure_lengths
 from ...rl.tokenizer import CharTokenizer
 from ...rl.user_task import DatasetTask
-from .builders import objective_from, task_from, tokenizer_args, tokenizer_from
+from .builders import objective_from, sampling_from, task_from, tokenizer_args, tokenizer_from
 from .library import (
     LIBRARY_ERRORS,
     OBJECTIVE_FLAGS,
+    SAMPLING_FLAGS,
+    in_key_names,
     library_errors,
     positive,
-    rename,
-    with_library_fields,
 )
 
 if TYPE_CHECKING:
     from .run import RunConfig
 
 
-@with_library_fields(RLObjective, OBJECTIVE_FLAGS)
 @dataclass
 class RLArgs:
     """Task, sampling and the policy-gradient loss (``rl_loss_normalization``,
-    ``grpo_clamp_eps_*``, ``grpo_kl_beta``, ``rl_loop_weights``: the fields of ``RLObjective``;
-    Megatron-LM's ``grpo_*`` names where it has the flag)."""
+    ``grpo_clamp_eps_*``, ``grpo_kl_beta``, ``rl_loop_weights``: the fields of ``RLObjective``,
+    with its defaults; Megatron-LM's ``grpo_*`` names where it has the flag)."""
 
     rl_task: str = "modular_arithmetic"
     """Task: a built-in name (``scalerlt_mcore.rl.task_registry.TASKS``), ``mix``,
@@ -54,9 +56,9 @@ class RLArgs:
     rl_max_response_length: int = 4
     """Most tokens sampled per response (eos included); also the length of the ``constant``
     loss normalisation."""
-    rl_temperature: float = 1.0
+    rl_temperature: float = Sampling.temperature
     """Sampling temperature."""
-    rl_top_p: float = 1.0
+    rl_top_p: float = Sampling.top_p
     """Nucleus-sampling threshold; 1 disables it."""
     rl_advantage: AdvantageMode = "grpo"
     """``grpo`` ((r - mean) / std per group), ``dr_grpo`` (r - mean) or ``none`` (r)."""
@@ -82,14 +84,14 @@ class RLArgs:
     ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
     environment's reply between them: a multi-turn task such as ``multiturn``), 16 leaves,
     which must equal ``grpo_group_size``. A text: in YAML quote a single level (``"4"``)."""
-    rl_rollout_exit: Literal["none", "mixture", "threshold"] = "none"
+    rl_rollout_exit: ExitMode = Sampling.exit_mode
     """How rollouts use the exit gate (needs looped_exit_gate): ``none`` (sample from the last
     loop's readout), ``mixture`` (from the exit-weighted mixture sum_r p(r) pi_r, Ouro/RLTT)
     or ``threshold`` (per token, from the first loop whose exit CDF reaches
     rl_exit_threshold: Ouro's early exit)."""
-    rl_exit_threshold: float = 0.5
+    rl_exit_threshold: float = Sampling.exit_threshold
     """Exit CDF threshold of ``rl_rollout_exit: threshold``, in (0, 1]."""
-    rl_stop_check_interval: Optional[int] = None
+    rl_stop_check_interval: Optional[int] = Sampling.stop_check_interval
     """Rollouts ask whether every response has stopped every this many tokens (each ask
     makes the host wait for the device; tokens after a stop are padding either way); None:
     by device (8 on CUDA, 1 elsewhere)."""
@@ -107,13 +109,41 @@ class RLArgs:
     """Constant learning rate of the supervised warm-up steps, which then leave the schedule
     alone (``lr``, ``lr_warmup_iters`` and the decay start with RL); None: the warm-up steps
     follow the schedule like RL steps."""
+    rl_loss_normalization: Normalization = RLObjective.normalization
+    """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
+    token means; constant: / (G * rl_max_response_length) (Dr. GRPO)."""
+    grpo_clamp_eps_lower: float = RLObjective.clip_low
+    """PPO ratio clip below: ratio >= 1 - grpo_clamp_eps_lower."""
+    grpo_clamp_eps_upper: float = RLObjective.clip_high
+    """PPO ratio clip above: ratio <= 1 + grpo_clamp_eps_upper."""
+    grpo_kl_beta: float = RLObjective.kl_coef
+    """Weight of the k3 KL to the reference policy (needs ref log-probs when > 0). The main
+    job's reference is the policy at the start of RL (after the supervised warm-up), saved with
+    checkpoints."""
+    grpo_entropy_term_weight: float = RLObjective.entropy_weight
+    """Weight of Megatron-LM's GRPO entropy term: minus grpo_entropy_term_weight * (-p log p)
+    of every sampled token is added to its loss, p the token's probability under the current
+    policy; it lowers tokens with p > 1/e and raises rarer ones, against the entropy collapse
+    that leaves groups all right or all wrong (0: off)."""
+    rl_loop_weights: LoopWeights = RLObjective.loop_weights
+    """Per-loop credit over all-loop readouts (``loop_credit.LOOP_CREDIT``): final | uniform |
+    progressive (fixed), exit_pdf (per token, the exit gate's p(r), detached: credit follows
+    the gate but the policy loss does not move the gate, which a policy loss could otherwise
+    push to whichever loop's surrogate is lowest; the gate learns from its own term,
+    ``rl_exit_gate_coef``) | learned (RLTT: softmax of trainable per-loop logits, trained with
+    the policy)."""
+    rl_exit_gate_coef: float = RLObjective.exit_gate_coef
+    """Weight of the exit gate's entropy-regularised expected loss (0: off); needs the gate."""
+    rl_exit_entropy_coef: float = RLObjective.exit_entropy_coef
+    """Entropy bonus (beta) of the exit distribution inside the gate's objective."""
 
 
 def check_rl(cfg: "RunConfig") -> list[str]:
     """Sampling and the update, the loss's own checks (``RLObjective``), its needs of the
     model (loop credit, exit gate), the rollout tree and the task."""
-    return (_check_sampling(cfg.rl) + library_errors(objective_from, cfg, OBJECTIVE_FLAGS)
-            + _check_loop_credit(cfg) + _check_tree(cfg.rl) + _check_task(cfg))
+    return (_check_sampling(cfg.rl) + library_errors(sampling_from, cfg, SAMPLING_FLAGS)
+            + library_errors(objective_from, cfg, OBJECTIVE_FLAGS) + _check_loop_credit(cfg)
+            + _check_tree(cfg.rl) + _check_task(cfg))
 
 
 def parse_tree_branches(text: str) -> tuple:
@@ -146,24 +176,18 @@ def _check_tree(rl: RLArgs) -> list[str]:
 
 
 def _check_sampling(rl: RLArgs) -> list[str]:
-    """Rollout lengths and sampling, the updates per batch, the warm-up and the advantage."""
+    """Rollout lengths, RL's temperature (``Sampling`` checks the rest), the updates per
+    batch, the warm-up and the advantage."""
     errors = positive(rl, "rl_max_response_length", "grpo_iterations")
-    if rl.rl_stop_check_interval is not None and rl.rl_stop_check_interval < 1:
-        errors.append(f"rl_stop_check_interval must be >= 1 or null, got "
-                      f"{rl.rl_stop_check_interval}")
-    errors += positive(rl, "rl_warmup_sft_steps", "grpo_kl_beta", minimum=0)
+    errors += positive(rl, "rl_warmup_sft_steps", minimum=0)
     if rl.rl_warmup_sft_lr is not None and rl.rl_warmup_sft_lr <= 0:
         errors.append(f"rl_warmup_sft_lr must be > 0 or null, got {rl.rl_warmup_sft_lr}")
     if rl.rl_temperature <= 0:
         errors.append(f"rl_temperature must be > 0, got {rl.rl_temperature}")
-    if not 0 < rl.rl_top_p <= 1:
-        errors.append(f"rl_top_p must be in (0, 1], got {rl.rl_top_p}")
     if rl.rl_old_logprobs == "rollout" and rl.grpo_iterations != 1:
         errors.append(f"rl_old_logprobs 'rollout' needs grpo_iterations 1, got "
                       f"{rl.grpo_iterations} (the rollout's log-probs replace the scoring pass "
                       f"of a single update)")
-    if not 0 < rl.rl_exit_threshold <= 1:
-        errors.append(f"rl_exit_threshold must be in (0, 1], got {rl.rl_exit_threshold}")
     if rl.rl_reward is not None and rl.rl_partial_credit:
         errors.append("rl_partial_credit applies to the exact-match reward, not to rl_reward "
                       "(its function's value is the reward)")
@@ -182,7 +206,7 @@ def _check_loop_credit(cfg: "RunConfig") -> list[str]:
     except ValueError:
         high = None  # reported by the model section's check
     try:
-        errors += [rename(e, OBJECTIVE_FLAGS)
+        errors += [in_key_names(e, OBJECTIVE_FLAGS)
                    for e in objective_from(cfg).model_errors(m, max_loops=high)]
     except LIBRARY_ERRORS:
         pass  # an invalid objective: reported by its own check

@@ -4,6 +4,7 @@ prompt (its keys reach the schedule and its ``Planner`` through ``SCHEDULE_FLAGS
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
+from ...shared_prefix.planner import DEFAULT_PROMPT
 from .builders import schedule_from
 from .library import SCHEDULE_FLAGS, library_errors
 
@@ -23,7 +24,7 @@ class SharedPrefixArgs:
     predicted activations and prefix adjoints fit ``shared_prefix_memory_budget``."""
     shared_prefix_checkpoint_waves: bool = False
     """Recompute each wave in backward instead of keeping its activations."""
-    shared_prefix_prompt: Literal["retain", "recompute", "auto"] = "auto"
+    shared_prefix_prompt: Literal["retain", "recompute", "auto"] = DEFAULT_PROMPT
     """``retain`` (keep the prompt's graph: the prompt is computed once), ``recompute`` (run
     it again in the joint replay), or ``auto`` (retain unless only recompute fits the budget)."""
     shared_prefix_memory_budget: Optional[float] = None
