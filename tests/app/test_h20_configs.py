@@ -39,7 +39,7 @@ from scalerlt_mcore.app.pretrained import (
 from scalerlt_mcore.model.looped_import import read_looped_source
 from scalerlt_mcore.rl import rollout
 from scalerlt_mcore.rl.objective import rl_forward_step
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 from scalerlt_mcore.shared_prefix.group import ReplayGuard, SharedPrefixGroup
 from scalerlt_mcore.shared_prefix.planner import ModelShape
 from scalerlt_mcore.testing import model_parallel_context
@@ -162,10 +162,10 @@ def test_full_size_rl_step_on_meta(name, tmp_path, data_checks_off):
         assert abs(count / params - 1) < 0.01, count
         plan, parts = _memory(cfg, model, R)
         assert not plan.naive and sum(parts.values()) <= 0.85 * H20_BYTES, (plan, parts)
+        sampling = Sampling(temperature=cfg.rl.rl_temperature, stop_check_interval=4,
+                            vocab_size=model.vocab_size, exit_mode=cfg.rl.rl_rollout_exit)
         record = generate(model, [[5, 6, 7, 8], [9, 10, 11]], 2, 2, eos_id=2, pad_id=0,
-                          temperature=cfg.rl.rl_temperature, stop_check_interval=4,
-                          prompt_once=True, num_loops=R, vocab_size=model.vocab_size,
-                          exit_mode=cfg.rl.rl_rollout_exit)
+                          sampling=sampling, prompt_once=True, num_loops=R)
         assert record.out.shape == (4, 2) and record.out.device == META
         assert record.loops.shape == (R, 4, 2) and record.loops.device == META
         group = make_group(4, 6, 3, R, seed=0, dtype=torch.float32, kl=False,

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from scalerlt_mcore.model.hf_export import save_hf
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained, read_looped_source
-from scalerlt_mcore.rl.rollout import generate
+from scalerlt_mcore.rl.rollout import Sampling, generate
 
 TOL = 1e-10
 VOCAB = 64
@@ -110,7 +110,7 @@ def test_greedy_rollout_uses_a_cache_slot_per_loop(mcore_single, nanbeige_dir):
     cfg, w = load_nanbeige(nanbeige_dir)
     model = imported(nanbeige_dir, 2)
     prompts = [[5, 9, 11, 3], [7, 8]]
-    out = generate(model, prompts, 1, 5, eos_id=-1, pad_id=0, temperature=0.0)
+    out = generate(model, prompts, 1, 5, eos_id=-1, pad_id=0, sampling=Sampling(temperature=0.0))
     for n, prompt in enumerate(prompts):
         seq = list(prompt)
         for t in range(5):
