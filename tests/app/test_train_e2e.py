@@ -367,9 +367,9 @@ def _record_calls(trainer, method: str, log: list) -> None:
 def _record_rollouts(trainer, log: list) -> None:
     rollout = trainer.rollout
 
-    def record(step, problems, group_size, temperature, loop=-1, num_loops=None):
+    def record(step, problems, group_size, temperature=None, loop=-1, num_loops=None):
         out = rollout(step, problems, group_size, temperature, loop, num_loops)
-        if temperature > 0:
+        if temperature is None or temperature > 0:  # None: rl_temperature; 0: greedy evals
             log.append(out)
         return out
 
