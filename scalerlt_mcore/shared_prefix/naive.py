@@ -65,7 +65,7 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     joint replay checks it (a row with no trained token would give 0 / 0 = NaN)."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
-    inner = unwrap_model(model)
+    inner = unwrap_model(model[0] if isinstance(model, (list, tuple)) else model)  # MCore: chunks
     R = inner.config.with_loops(num_loops).looped_num_loops
     check_group = getattr(forward_step_func, "check_group", None)  # the loss's own needs
     loss_runs = not (forward_only and collect_non_loss_data)
