@@ -102,9 +102,10 @@ def prefix_attention(model, mode: str):
 def joint_step(model, group: SharedPrefixGroup, objective: RLObjective, wave_size,
                checkpoint_waves: bool = False, attention: str = "cascade",
                prompt: str = "recompute", chooser=None, memory_budget=None):
+    plan = {} if chooser is not None else {"prompt": prompt}  # a chooser carries its own
     schedule = get_shared_prefix_forward_backward_func(
-        wave_size, checkpoint_waves=checkpoint_waves, prompt=prompt, chooser=chooser,
-        memory_budget=memory_budget)
+        wave_size, checkpoint_waves=checkpoint_waves, chooser=chooser,
+        memory_budget=memory_budget, **plan)
     with prefix_attention(model, attention):
         out = schedule(forward_step_func=rl_forward_step(objective),
                        data_iterator=iter([group]), model=model, num_microbatches=1,
