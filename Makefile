@@ -32,7 +32,8 @@ MCORE_PYTEST_ARGS ?=  # more pytest options for test-mcore
 # MCORE_SUBSET=1: only MCORE_CI_TESTS, the tests that meet MCore's API: the CPU-backend patches
 # and version checks, GPTModel parity, stock-schedule parity, MCore DDP + distributed optimizer,
 # tensor parallelism, the layer specs, MCore's linears' and layer's direct forwards, the
-# checkpoint importers, the prefix and decode paths
+# checkpoint importers (Nanbeige's too), activation recompute through MCore's checkpoint, the
+# prefix and decode paths
 # through MCore's TransformerLayer, Megatron-LM's train_step, and the main job end to end
 # (torchrun, checkpoints, resume, SIGTERM). `.ci/run` runs them against 0.19.2 after `make
 # test`'s whole suite: 254 passed, 1 skipped (the TE spec test) in 453 s (7 min 33 s; 467 s
@@ -45,7 +46,8 @@ MCORE_CI_TESTS := \
 	tests/model/test_model_anchor.py tests/model/test_model_specs.py \
 	tests/model/test_core_attention_spec.py tests/model/test_model_prefix.py \
 	tests/model/test_linear.py tests/model/test_layer.py tests/model/test_model_decode.py tests/model/test_looped_import.py \
-	tests/model/test_pretrained_import.py \
+	tests/model/test_pretrained_import.py tests/model/test_nanbeige_import.py \
+	tests/app/test_nanbeige_app.py tests/shared_prefix/test_recompute.py \
 	tests/shared_prefix/test_joint_replay_exact.py tests/shared_prefix/test_joint_replay_sft.py \
 	tests/shared_prefix/test_joint_replay_ddp.py tests/shared_prefix/test_looped_features_ddp.py \
 	tests/shared_prefix/test_tensor_parallel.py \
