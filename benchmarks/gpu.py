@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 import warnings
+from functools import partial
 
 import torch
 
@@ -259,6 +260,10 @@ def _f(x):
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def _ms(seconds):
+    return None if seconds is None else 1e3 * seconds
+
+
 def _mib(b):
     return "n/a" if b is None else f"{b / 2**20:.0f}"
 
@@ -350,7 +355,7 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     modes = decode_modes(device)
 
-    def wall(mode: str, tokens: int, graph: bool = False) -> list:
+    def wall(mode: str, tokens: int, graph=False) -> list:
         out = []
         for _ in range(1 + reps):  # the first is a warm-up
             sampler = torch.Generator(device=device).manual_seed(2)
@@ -377,14 +382,28 @@ def decode_benchmark(wl, spec, backend, device, prompts: int = 2, new_tokens: in
                         "tokens_per_s": samples * new_tokens / median(full),
                         "decode_step_s": step,
                         "decode_tokens_per_s": samples / step if step > 0 else None}
-        if device.type == "cuda":  # the decode step captured as a CUDA graph and replayed
-            graphed = median(wall(mode, new_tokens, graph=True))
-            result[mode]["graphed_wall_s"] = graphed
-            result[mode]["graphed_tokens_per_s"] = samples * new_tokens / graphed
+        if device.type == "cuda":  # decode steps replayed from graphs kept across rollouts
+            result[mode].update(graphed_decode(partial(wall, mode, new_tokens),
+                                               samples * new_tokens))
     from .decode import train_step_syncs
 
     result["train_step_host_syncs"] = {str(w): train_step_syncs(w, device) for w in (2, 8)}
     return result
+
+
+def graphed_decode(wall, tokens: int) -> dict:
+    """Rollouts through one ``DecodeGraphs`` (as ``--rl-decode-cuda-graph`` keeps them):
+    ``wall(graphs)`` times its warm-up (which captures) and then rollouts that replay; the
+    capture's seconds are reported apart from the replays' tokens/s."""
+    from scalerlt_mcore.model.decode_graph import DecodeGraphs
+
+    from .measure import median
+
+    graphs = DecodeGraphs()
+    graphed = median(wall(graphs))
+    return {"graphed_wall_s": graphed, "graphed_tokens_per_s": tokens / graphed,
+            "graph_captures": graphs.captures,
+            "graph_capture_s": graphs.capture_s / max(graphs.captures, 1)}
 
 
 def decode_table(d: dict) -> str:
@@ -392,13 +411,14 @@ def decode_table(d: dict) -> str:
              f"{d['new_tokens']} new tokens, {d['dtype']}, hidden {d['hidden']}, "
              f"{d['num_loops']} loops", "",
              "| rollout | wall ms | response tokens/s | decode step ms | decode tokens/s "
-             "| CUDA-graph response tokens/s |",
-             "|---|---|---|---|---|---|"]
+             "| CUDA-graph response tokens/s | graph captures | capture ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode in d["modes"]:
         m = d[mode]
         lines.append(f"| {mode} | {1e3 * m['wall_s']:.1f} | {m['tokens_per_s']:.0f} "
                      f"| {1e3 * m['decode_step_s']:.2f} | {_f(m['decode_tokens_per_s'])} "
-                     f"| {_f(m.get('graphed_tokens_per_s'))} |")
+                     f"| {_f(m.get('graphed_tokens_per_s'))} | {m.get('graph_captures', 'n/a')} "
+                     f"| {_f(_ms(m.get('graph_capture_s')))} |")
     return "\n".join(lines)
 
 

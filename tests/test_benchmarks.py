@@ -371,3 +371,21 @@ def test_sweep_workloads_leave_out_the_variant_rows(mcore_single):
     assert "auto_plan" not in result and "recompute_over_retain" not in result
     assert retain_table({"x": result}).count("\n") == 1  # the header only
     assert not [t for t in check_targets({"x": result}) if "auto" in t["figure"]]
+
+
+def test_graphed_decode_reports_the_capture_apart():
+    """The GPU decode bench times replays through one kept ``DecodeGraphs`` and reports the
+    capture's seconds apart from their tokens/s."""
+    def wall(graphs):  # a warm-up that captured once, then three replayed rollouts
+        graphs.captures, graphs.capture_s = 1, 0.5
+        return [0.1, 0.2, 0.3]
+
+    row = gpu.graphed_decode(wall, tokens=40)
+    assert row == {"graphed_wall_s": 0.2, "graphed_tokens_per_s": 200.0, "graph_captures": 1,
+                   "graph_capture_s": 0.5}
+    modes = {"wall_s": 1.0, "tokens_per_s": 40.0, "decode_step_s": 0.01,
+             "decode_tokens_per_s": 100.0, **row}
+    table = gpu.decode_table({"prompts": 2, "group_size": 2, "prompt_length": 8,
+                              "new_tokens": 10, "dtype": "bfloat16", "hidden": 32, "heads": 4,
+                              "num_loops": 2, "modes": ["per_row"], "per_row": modes})
+    assert "| per_row | 1000.0 | 40 | 10.00 | 100.00 | 200.00 | 1 | 500.00 |" in table

@@ -175,7 +175,8 @@ def test_joint_replay_bf16_within_2x_naive_bf16_error(mcore_single):
 def test_main_job_two_steps_on_cuda(tmp_path):
     cmd = [sys.executable, "-m", "scalerlt_mcore.train", "--config",
            str(ROOT / "configs" / "gpu_check.yaml"), "--run-dir", str(tmp_path / "run"),
-           "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", "2"]
+           "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", "2",
+           "--rl-decode-cuda-graph", "true"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"

@@ -52,6 +52,24 @@ def test_graphed_decoding_yields_the_eager_tokens(mcore_single, prompt_once, tem
     assert torch.allclose(eager.loop_logprobs, graphed.loop_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("prompt_once", [False, True])
+def test_kept_graphs_capture_once_per_shape(mcore_single, prompt_once):
+    """Rollouts through one ``DecodeGraphs`` (``--rl-decode-cuda-graph``): prompts that pad
+    to the same width replay the first rollout's graph and sample the eager tokens."""
+    from scalerlt_mcore.model.decode_graph import DecodeGraphs
+
+    model = build("rope", torch.float32)[0].cuda().eval()
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.cuda()
+    graphs = DecodeGraphs()
+    for prompts in (PROMPTS, [[3, 4], [5, 6, 7, 8, 9, 10], [11]]):
+        graphed, eager = (generate(model, prompts, 2, 8, eos_id=VOCAB + 1, pad_id=0,
+                                   prompt_once=prompt_once, cuda_graph=graph,
+                                   sampling=Sampling(temperature=0.0, banned=(0,)))
+                          for graph in (graphs, False))
+        assert torch.equal(eager.responses, graphed.responses)
+    assert graphs.captures == 1
+
+
 def test_graphed_step_rejects_a_sliced_cache(mcore_single):
     from scalerlt_mcore.model.decode_graph import DecodeGraph
 

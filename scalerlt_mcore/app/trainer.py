@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..mcore_compat import mcore_workaround
 from ..model.config import step_num_loops, step_seed
+from ..model.decode_graph import DecodeGraphs
 from ..rl.advantages import group_advantages, tree_advantages
 from ..rl.batch import (
     build_groups,
@@ -92,6 +93,17 @@ class KLReference:
         self.taken_at = taken_at
 
 
+def decode_graphs_for(cfg, device: torch.device):
+    """The decode graphs rollouts keep across steps (``rl_decode_cuda_graph``; False: eager
+    decoding); a run off CUDA that asks for them is refused by name."""
+    if not cfg.rl.rl_decode_cuda_graph:
+        return False
+    if device.type != "cuda":
+        raise ValueError(f"rl_decode_cuda_graph needs a CUDA device (decode steps are captured "
+                         f"as CUDA graphs); this run is on {device.type}")
+    return DecodeGraphs()
+
+
 class RLTrainer:
     """GRPO/PPO over all-loop readouts of a looped GPT on MCore DDP + distributed Adam."""
 
@@ -121,6 +133,7 @@ class RLTrainer:
         # never sampled; nor the ids past the tokenizer's (a pretrained vocabulary, Megatron's
         # padding): ``Sampling.vocab_size``
         self.banned = (self.tok.pad_id, self.tok.bos_id)
+        self.decode_graphs = decode_graphs_for(cfg, self.device)
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring
@@ -187,7 +200,8 @@ class RLTrainer:
                        pad_id=self.tok.pad_id,
                        sampling=self.sampling(step, loop=loop, **given),
                        prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
-                       num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv)
+                       num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv,
+                       cuda_graph=self.decode_graphs)
         self.model.train()
         return out
 

@@ -6,8 +6,14 @@ step and reads the host nothing (``model/host_syncs.py``), so it is captured onc
 (``torch.cuda.CUDAGraph``) and replayed. Its inputs live in static device buffers: the tokens,
 the positions and cache slots of the step (computed on the host from the cache's lengths and
 copied in before each replay) and, prompt once (or down a tree), the prefix caches' lengths;
-the masks are derived from them inside the graph.
+the masks are derived from them inside the graph. ``DecodeGraphs`` keeps graphs and their
+caches across rollouts, so that a training run captures once per rollout shape.
 """
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -39,16 +45,7 @@ class DecodeGraph:
     def _capture(self, warmup: int) -> tuple:
         """Warm-up runs on a side stream (they write the K/V of the current slots, which the
         first real step rewrites), then the capture."""
-        side = torch.cuda.Stream(device=self.cache.device)
-        side.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._run()
-        torch.cuda.current_stream(self.cache.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = self._run()
-        return graph, outputs
+        return capture(self._run, self.cache.device, warmup)
 
     def __call__(self, tokens: Tensor) -> tuple:
         """Append one token per sequence (tokens [B] on the device) -> (logits [R, B, V],
@@ -71,12 +68,109 @@ class DecodeGraph:
 
 
 def _check_graphable(model, cache: DepthKVCache) -> None:
-    if cache.device.type != "cuda":
-        raise ValueError(f"a CUDA graph of the decode step needs a CUDA cache; this one is on "
-                         f"{cache.device}")
+    _check_cuda(cache)
     if not cache.static:
         raise ValueError("a CUDA graph of the decode step needs a static cache "
                          "(DepthKVCache(static=True): the same shapes every step)")
     if model.pg_collection.tp.size() != 1:
         raise NotImplementedError("CUDA-graph decoding runs without tensor parallelism (the "
                                   "vocabulary gather is not captured)")
+
+
+def _check_cuda(cache: DepthKVCache) -> None:
+    if cache.device.type != "cuda":
+        raise ValueError(f"a CUDA graph of the decode step needs a CUDA cache; this one is on "
+                         f"{cache.device}")
+
+
+def capture(run, device, warmup: int) -> tuple:
+    """``run()`` captured as a CUDA graph on ``device`` after ``warmup`` runs on a side
+    stream -> (the graph, ``run``'s outputs: the graph's output buffers)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    return graph, outputs
+
+
+@dataclass
+class _Shape:
+    """What ``DecodeGraphs`` keeps for one rollout shape."""
+
+    caches: list = field(default_factory=list)
+    graph: Optional[DecodeGraph] = None
+    weights: tuple = ()
+
+
+class DecodeGraphs:
+    """Decode graphs kept across rollouts (``generate(cuda_graph=...)``), one per rollout
+    shape. A graph reads the buffers of the caches it was captured on, so those caches are
+    kept with it and emptied for the next rollout of the same shape: a run captures once per
+    shape, not once per rollout (each capture synchronises and empties the caching
+    allocator). Prompts are padded to a multiple of ``bucket`` tokens (``room``), so that
+    nearby prompt lengths share a shape. A graph is captured again when the parameters moved
+    to new storage (a reload). At most ``capacity`` shapes are kept, the least recently used
+    dropped: kept caches stay allocated between rollouts, memory the training step lacks."""
+
+    def __init__(self, capacity: int = 2, bucket: int = 64):
+        if capacity < 1 or bucket < 1:
+            raise ValueError(f"DecodeGraphs needs capacity >= 1 and bucket >= 1, got "
+                             f"{capacity} and {bucket}")
+        self.capacity, self.bucket = capacity, bucket
+        self._shapes: OrderedDict = OrderedDict()  # key -> _Shape, least recent first
+        self.captures, self.capture_s = 0, 0.0
+
+    def room(self, prompt_width: int) -> int:
+        """Cache positions for prompts of ``prompt_width`` tokens: rounded up to ``bucket``."""
+        return -(-prompt_width // self.bucket) * self.bucket
+
+    def keys(self) -> list:
+        """The kept shapes' keys, least recently used first."""
+        return list(self._shapes)
+
+    def cache_maker(self, model, key):
+        """``model.new_kv_cache`` for one rollout of shape ``key`` (static caches): the caches
+        kept for that shape, emptied, in the order they were first asked for; else new ones,
+        kept."""
+        shape = self._enter(key)
+        kept = iter(list(shape.caches))
+
+        def new_cache(batch: int, max_length: int, prefix=None, static=None, num_loops=None):
+            cache = next(kept, None)
+            if cache is None:
+                cache = model.new_kv_cache(batch, max_length, prefix=prefix, static=True,
+                                           num_loops=num_loops)
+                shape.caches.append(cache)
+            elif (cache.batch, cache.max_length, cache.prefix) != (batch, max_length, prefix):
+                raise RuntimeError(f"decode graph shape {key}: a kept cache does not match the "
+                                   f"rollout's ({batch} rows x {max_length} positions)")
+            cache.lengths.zero_()
+            return cache
+
+        return new_cache
+
+    def step(self, model, key, cache: DepthKVCache) -> DecodeGraph:
+        """The graph of shape ``key``'s decode step on ``cache``: the kept one, or captured
+        now (the first rollout of the shape, or the parameters moved to new storage)."""
+        shape = self._shapes[key]
+        weights = tuple(p.data_ptr() for p in model.parameters())
+        if shape.graph is None or shape.graph.cache is not cache or shape.weights != weights:
+            start = time.perf_counter()
+            shape.graph, shape.weights = DecodeGraph(model, cache), weights
+            self.captures += 1
+            self.capture_s += time.perf_counter() - start
+        return shape.graph
+
+    def _enter(self, key) -> _Shape:
+        """The kept shape of ``key`` (new if unseen), now the most recent; the least recent
+        dropped beyond ``capacity``."""
+        shape = self._shapes.pop(key, None) or _Shape()
+        self._shapes[key] = shape
+        while len(self._shapes) > self.capacity:
+            self._shapes.popitem(last=False)
+        return shape

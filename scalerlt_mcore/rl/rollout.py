@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..model.config import FieldError
-from ..model.decode_graph import DecodeGraph
+from ..model.decode_graph import DecodeGraphs
 from ..model.host_syncs import mark_host, upload
 
 
@@ -189,11 +189,12 @@ def check_generator(generator, device: torch.device) -> None:
                          f"model's device")
 
 
-def _right_pad(rows: list, pad_id: int) -> tuple:
+def _right_pad(rows: list, pad_id: int, width: Optional[int] = None) -> tuple:
     """Host tensors: rows right-padded [B, Tp] and their lengths [B] (moved once by the
-    caller)."""
+    caller); Tp: ``width`` (None: the longest row)."""
     lengths = mark_host(torch.tensor([len(r) for r in rows], device="cpu"))
-    out = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long, device="cpu")
+    width = width or int(lengths.max())
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, device="cpu")
     return out, lengths
@@ -245,8 +246,9 @@ class Sampling:
 @torch.no_grad()
 def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_id: int,
              pad_id: int, sampling: Optional[Sampling] = None, prompt_once: bool = False,
-             static_cache: Optional[bool] = None, cuda_graph: bool = False,
-             num_loops: Optional[int] = None, prompt_kv: Optional[str] = None) -> Rollout:
+             static_cache: Optional[bool] = None,
+             cuda_graph: Union[bool, DecodeGraphs] = False, num_loops: Optional[int] = None,
+             prompt_kv: Optional[str] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) as ``sampling`` says
     (a ``Sampling``; None: its defaults). Log-probs are the policy's own (temperature 1, no
     ban, over the model's whole padded vocabulary, as training scores them). The returned
@@ -254,32 +256,52 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     each prompt once and decode its samples against that one copy (the same samples and
     log-probs up to rounding; rows are ordered as per row); ``prompt_kv`` (``PROMPT_KV``;
     None: by device) how its samples read the prompt's K/V. ``num_loops``: R of the decoding
-    (None: the config's ``looped_num_loops``)."""
+    (None: the config's ``looped_num_loops``). ``cuda_graph``: decode steps replay a CUDA
+    graph, captured for this call (True) or kept across calls (``DecodeGraphs``)."""
     device = next(model.parameters()).device
     sampling = sampling or Sampling()
     check_generator(sampling.generator, device)
     prompt_kv = prompt_kv or default_prompt_kv(device)
     if prompt_kv not in PROMPT_KV:
         raise ValueError(f"prompt_kv must be one of {PROMPT_KV} or None, got {prompt_kv!r}")
+    graphs = DecodeGraphs() if cuda_graph is True else (cuda_graph or None)
+    shape = (prompt_once, prompt_kv, len(prompts), group_size, max_new_tokens, num_loops)
+    width, key, new_cache = _cache_route(model, prompts, graphs, static_cache, shape)
     if prompt_once:
         cache, logits, exit_lp = prefill_prompt_once(model, prompts, group_size,
                                                      max_new_tokens, pad_id, static_cache,
-                                                     num_loops, prompt_kv)
+                                                     num_loops, prompt_kv, width, new_cache)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
-        tokens, lengths = _right_pad(rows, pad_id)  # [B, Tp] host
-        cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
-                                   static=static_cache, num_loops=num_loops)
+        tokens, lengths = _right_pad(rows, pad_id, width)  # [B, Tp] host
+        cache = new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
+                          static=static_cache, num_loops=num_loops)
         logits, exit_lp = model.prefill(cache, upload(tokens, device), lengths, with_exit=True,
                                         num_loops=num_loops)  # [R, B, V]
     check_exit_gate(sampling, exit_lp)
-    step = (DecodeGraph(model, cache) if cuda_graph
+    step = (graphs.step(model, key, cache) if graphs is not None
             else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
     rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
     decode_tokens(step, logits, exit_lp, rec, max_new_tokens,
                   sampling.on(logits.shape[-1], device))
     return rec.rollout(prompts, group_size, sampling.exit_mode)
+
+
+def _cache_route(model, prompts: list, graphs: Optional[DecodeGraphs], static_cache,
+                 shape: tuple) -> tuple:
+    """Where ``generate``'s caches come from -> (the prompts' padded width, the graph key,
+    a ``new_kv_cache``): the model, or with ``graphs`` the caches kept for the rollout's
+    ``shape`` (ending in the new tokens and loops), the prompt width rounded up
+    (``DecodeGraphs.room``) within the model's positions."""
+    width = max(len(p) for p in prompts)
+    if graphs is None:
+        return width, None, model.new_kv_cache
+    if static_cache is False:
+        raise ValueError("cuda_graph decoding needs static caches (static_cache True or None)")
+    width = max(width, min(graphs.room(width), model.max_sequence_length - shape[-2]))
+    key = (id(model), width, *shape)
+    return width, key, graphs.cache_maker(model, key)
 
 
 def check_exit_gate(sampling: Sampling, exit_lp: Optional[Tensor]) -> None:
@@ -360,26 +382,29 @@ class _Record:
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,
                         pad_id: int, static: Optional[bool] = None,
-                        num_loops: Optional[int] = None, prompt_kv: str = "shared") -> tuple:
+                        num_loops: Optional[int] = None, prompt_kv: str = "shared",
+                        width: Optional[int] = None, new_cache=None) -> tuple:
     """Each of the N prompts prefilled once. -> (a cache for the N * G samples that continue
     them, holding ``max_new_tokens`` of their own; per-loop logits [R, N * G, V] of every
     sample's first token, the prompt's repeated G times; their exit distribution [R, N * G]
     or None without a gate). ``static``: the caches' ``static`` (``DepthKVCache``).
     ``prompt_kv`` (``PROMPT_KV``): ``shared``, the cache continues the prompts' cache;
-    ``copied``, it is a per-row cache holding each prompt's K/V in its G rows."""
+    ``copied``, it is a per-row cache holding each prompt's K/V in its G rows. ``width``:
+    the prompts' padded width (None: the longest); ``new_cache``: makes the caches (None:
+    ``model.new_kv_cache``)."""
     device = next(model.parameters()).device
-    tokens, lengths = _right_pad(prompts, pad_id)  # [N, Tp] host
-    prefix = model.new_kv_cache(len(prompts), tokens.shape[1], static=static,
-                                num_loops=num_loops)
+    new_cache = new_cache or model.new_kv_cache
+    tokens, lengths = _right_pad(prompts, pad_id, width)  # [N, Tp] host
+    prefix = new_cache(len(prompts), tokens.shape[1], static=static, num_loops=num_loops)
     logits, exit_lp = model.prefill(prefix, upload(tokens, device), lengths, with_exit=True,
                                     num_loops=num_loops)  # [R, N, V], [R, N]
     if prompt_kv == "copied":
-        cache = model.new_kv_cache(len(prompts) * group_size, prefix.max_length + max_new_tokens,
-                                   static=static, num_loops=num_loops)
+        cache = new_cache(len(prompts) * group_size, prefix.max_length + max_new_tokens,
+                          static=static, num_loops=num_loops)
         cache.copy_rows_of(prefix)
     else:
-        cache = model.new_kv_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
-                                   static=static, num_loops=num_loops)
+        cache = new_cache(len(prompts) * group_size, max_new_tokens, prefix=prefix,
+                          static=static, num_loops=num_loops)
     if exit_lp is not None:
         exit_lp = exit_lp.repeat_interleave(group_size, dim=1)  # [R, N * G]
     return cache, logits.repeat_interleave(group_size, dim=1), exit_lp  # [R, N * G, V]

@@ -28,6 +28,7 @@ class _Trainer(RLTrainer):
             cfg, tokenizer_from(cfg), torch.device("cpu"), 0, cfg.rl.rl_max_response_length)
         self.banned = (self.tok.pad_id, self.tok.bos_id)
         self.model = torch.nn.Linear(1, 1)
+        self.decode_graphs = False
 
 
 def _recorded(monkeypatch) -> list:

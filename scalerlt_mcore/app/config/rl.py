@@ -79,6 +79,12 @@ class RLArgs:
     each sample's cache once, then decoded as per row: one attention part per step, the CPU's
     choice, where a step is bound by host time per op); None: by device (``copied`` on CPU,
     ``shared`` elsewhere). The same samples up to rounding."""
+    rl_decode_cuda_graph: bool = False
+    """Rollouts replay every decode step as a CUDA graph (``model/decode_graph.py``), kept
+    across steps: captured once per rollout shape (prompts padded to a multiple of 64
+    tokens; the two most recent shapes kept) and again only when the weights move to new
+    storage. CUDA only, without tensor parallelism, not with ``rl_rollout: tree``; the kept
+    static caches stay allocated through the training step (memory it does not have)."""
     rl_tree_branches: str = "4,4"
     """Branch factor per depth below the root of ``rl_rollout: tree``, comma-separated:
     ``4,4`` samples 4 first answers per prompt and 4 second answers after each (with the
@@ -143,7 +149,21 @@ def check_rl(cfg: "RunConfig") -> list[str]:
     model (loop credit, exit gate), the rollout tree and the task."""
     return (_check_sampling(cfg.rl) + library_errors(sampling_from, cfg, SAMPLING_FLAGS)
             + library_errors(objective_from, cfg, OBJECTIVE_FLAGS) + _check_loop_credit(cfg)
-            + _check_tree(cfg.rl) + _check_task(cfg))
+            + _check_tree(cfg.rl) + _check_task(cfg) + _check_decode_graph(cfg))
+
+
+def _check_decode_graph(cfg: "RunConfig") -> list[str]:
+    """What graphed decoding runs without (the device is checked by the trainer)."""
+    if not cfg.rl.rl_decode_cuda_graph:
+        return []
+    if cfg.rl.rl_rollout == "tree":
+        return ["rl_decode_cuda_graph decodes rl_rollout prompt_once or per_row; tree "
+                "rollouts decode eagerly"]
+    if cfg.model.tensor_model_parallel_size != 1:
+        return [f"rl_decode_cuda_graph runs without tensor parallelism (the vocabulary gather "
+                f"is not captured), got tensor_model_parallel_size "
+                f"{cfg.model.tensor_model_parallel_size}"]
+    return []
 
 
 def parse_tree_branches(text: str) -> tuple:
