@@ -261,9 +261,11 @@ class RLTrainer:
     def _run_schedule(self, model, groups: list, forward_step_func, num_loops: int,
                       forward_only: bool = False) -> list:
         """The shared-prefix schedule over ``groups``, one group per microbatch, with
-        ``num_loops`` loops."""
+        ``num_loops`` loops; every log-prob (old, reference, new) at the temperature of the run's
+        sampling (``sampling_from``: the rollouts' own), as the rollouts record them."""
         return self.schedule(forward_step_func=forward_step_func, data_iterator=iter(groups),
                              model=model, num_microbatches=len(groups), num_loops=num_loops,
+                             temperature=sampling_from(self.cfg).temperature,
                              seq_length=groups[0].tokens.shape[1],
                              micro_batch_size=groups[0].group_size, forward_only=forward_only,
                              collect_non_loss_data=forward_only)

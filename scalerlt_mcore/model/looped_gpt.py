@@ -1,5 +1,6 @@
 """The looped GPT: MCore embedding -> recurrent block -> shared readout after every loop."""
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +21,7 @@ from .host_syncs import mark_host
 from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature, upload
 from .linear import ColumnParallelLinear
 from .specs import get_looped_gpt_block_spec, is_block_spec
-from .vocab_parallel import gather_vocab, token_logprobs
+from .vocab_parallel import gather_vocab, logprob_temperature, token_logprobs
 
 INITIAL_STATE_SALT = 271_828
 """``step_seed``'s salt of the drawn initial state."""
@@ -67,7 +68,13 @@ class LoopedGPTModel(LanguageModule):
 
     Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
     multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
-    caches are per rank; log-probs use MCore's vocab-parallel cross entropy."""
+    caches are per rank; log-probs use MCore's vocab-parallel cross entropy.
+
+    Log-probs of labels are those of the distribution the tokens were sampled from at the
+    temperature of ``logprobs_at`` (default 1: the logits as they are)."""
+
+    _logprob_temperature = 1.0
+    """T of every log-prob of labels (``_logprobs``): log_softmax(logits / T)."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
@@ -210,7 +217,20 @@ class LoopedGPTModel(LanguageModule):
             return (logits if labels is None else self._logprobs(logits, labels)), gate
 
     def _logprobs(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return token_logprobs(logits, labels, self.pg_collection.tp)
+        return token_logprobs(logits, labels, self.pg_collection.tp, self._logprob_temperature)
+
+    @contextlib.contextmanager
+    def logprobs_at(self, temperature: float):
+        """Within: every log-prob of labels (forward, ``suffix_readouts``, ``extend``, ...) is
+        that of tokens sampled at ``temperature``, log_softmax(logits / T) (top-p not applied;
+        greedy, 0: T = 1; ``logprob_temperature``), so that the ratio of a PPO update compares
+        the distribution the samples were drawn from. Logits (decoding) are never scaled."""
+        previous, self._logprob_temperature = (self._logprob_temperature,
+                                               logprob_temperature(temperature))
+        try:
+            yield
+        finally:
+            self._logprob_temperature = previous
 
     def readout(self, hidden: Tensor) -> Tensor:
         """Shared readout: hidden [S, B, H] (pre-final-norm) -> logits [B, S, V / tp]."""

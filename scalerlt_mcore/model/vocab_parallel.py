@@ -2,7 +2,7 @@
 ``ColumnParallelLinear`` output layer), each rank holding V / tp of them.
 
 - ``token_logprobs``: log p(label), by MCore's vocab-parallel cross entropy when the vocabulary
-  is split (by log-softmax otherwise);
+  is split (by log-softmax otherwise), at a sampling temperature (``logprob_temperature``);
 - ``gather_vocab``: the full-vocabulary logits on every rank of the group (for sampling);
 - ``padded_vocab_size``: the vocabulary padded as Megatron pads it, so that it splits evenly.
 """
@@ -39,16 +39,36 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, tp_group=None) -> Tensor:
+def logprob_temperature(temperature: float) -> float:
+    """The T of the log-probs of tokens sampled at ``temperature``: log_softmax(logits / T) is
+    the distribution they were drawn from (before top-p). Greedy (0) has no such distribution:
+    its tokens are scored at T = 1, the policy's own."""
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    return float(temperature) or 1.0
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, tp_group=None,
+                   temperature: float = 1.0) -> Tensor:
     """log p(labels) from logits [..., V / tp] split over ``tp_group`` (default: MCore's
     tensor-parallel group; size 1: not split), in fp32 or wider: fp64 logits give fp64
-    log-probs."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
+    log-probs. ``temperature``: of the distribution log_softmax(logits / T) (T =
+    ``logprob_temperature(temperature)``; 1: the logits as they are)."""
+    logits = tempered(logits, temperature)
     tp_group = _group(tp_group)
     if _size(tp_group) == 1:
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return _VocabParallelLogprobs.apply(logits.to(acc), labels, tp_group)
+    return _VocabParallelLogprobs.apply(logits, labels, tp_group)
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """``logits`` in fp32 or wider divided by T = ``logprob_temperature(temperature)``: one
+    scaled copy (the cast's, when it casts), never the caller's tensor changed; at T = 1 the
+    cast alone."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    T = logprob_temperature(temperature)
+    return logits.to(acc) if T == 1.0 else logits.to(acc, copy=True).div_(T)
 
 
 def gather_vocab(logits: Tensor, tp_group=None) -> Tensor:

@@ -8,6 +8,12 @@ per token from the exit gate (exit_pdf: w_{r,i,t} = p(r | i, t)), or learned (RL
 trainable logits). With ``exit_gate_coef`` the gate's own objective is added: exit_gate_coef *
 sum_{i,t} c_{i,t} (sum_r p_r sg(l_{r,i,t}) - exit_entropy_coef * H(p_{i,t})), l the per-token loss
 above and sg stop-gradient (Ouro's entropy-regularised expected loss).
+
+Every log-prob the loss reads (new, old, reference) is that of the distribution the responses
+were sampled from, log_softmax(logits / T) at the sampling temperature T (the schedule's
+``temperature``; top-p not applied), as verl and OpenRLHF compute them: the first update's
+ratio is 1, the entropy term is the sampling distribution's and the KL is to the reference
+at the same temperature.
 """
 
 from dataclasses import dataclass

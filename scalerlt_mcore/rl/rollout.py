@@ -1,16 +1,19 @@
 """Batched rollouts from the looped model with the depth-indexed KV cache.
 
 Samples from the final loop's readout (the number of loops equals training's), with
-temperature and top-p, a stop token and a maximum length. Records the policy's log-prob of
-every sampled token (temperature 1) under every loop's readout: for comparison with the
+temperature and top-p, a stop token and a maximum length. Records the log-prob of every
+sampled token under every loop's readout at the sampling temperature T, log_softmax(logits / T)
+(top-p not applied; greedy, T = 0: at T = 1; ``logprob_temperature``), as training scores
+them at the same temperature (``LoopedGPTModel.logprobs_at``): for comparison with the
 training forward, or as the old log-probs of the update.
 
 With the model's exit gate (``exit_mode``): ``mixture`` samples every token from the
 exit-weighted mixture sum_r p(r) pi_r of the loops' readouts, ``threshold`` from the readout
 of the first loop whose exit CDF reaches ``exit_threshold`` (per sequence and token, Ouro's
 early exit; every loop is still computed, since later tokens attend to every depth's K/V).
-The recorded log-prob of a sampled token is then that of the sampling distribution
-(temperature 1): log sum_r p(r) pi_r(y), or log pi_{r*}(y) of the exit loop r*.
+The recorded log-prob of a sampled token is then that of the sampling distribution (each
+pi_r at the sampling temperature, before top-p): log sum_r p(r) pi_r(y), or log pi_{r*}(y) of
+the exit loop r*.
 
 How tokens are drawn is one ``Sampling`` (``generate(..., sampling=Sampling(...))``). Two
 ways to hold the prompts, the same samples (``generate(..., prompt_once=...)``):
@@ -46,6 +49,7 @@ from torch import Tensor
 from ..model.config import FieldError
 from ..model.decode_graph import DecodeGraphs
 from ..model.host_syncs import mark_host, upload
+from ..model.vocab_parallel import tempered
 
 
 @dataclass
@@ -250,8 +254,8 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              cuda_graph: Union[bool, DecodeGraphs] = False, num_loops: Optional[int] = None,
              prompt_kv: Optional[str] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) as ``sampling`` says
-    (a ``Sampling``; None: its defaults). Log-probs are the policy's own (temperature 1, no
-    ban, over the model's whole padded vocabulary, as training scores them). The returned
+    (a ``Sampling``; None: its defaults). Log-probs at the sampling temperature (greedy: 1; no
+    top-p, no ban, over the whole padded vocabulary, as training scores them). The returned
     tensors are on the host (rewards and decoding read them there). ``prompt_once``: prefill
     each prompt once and decode its samples against that one copy (the same samples and
     log-probs up to rounding; rows are ordered as per row); ``prompt_kv`` (``PROMPT_KV``;
@@ -327,7 +331,7 @@ def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "_Record
         else:
             rows = logits[s.loop] if chosen is None else logits[chosen, rows_index]  # [B, V]
             nxt = sample_next(rows, s.temperature, s.top_p, s.generator, s.banned)
-        rec.add(t, nxt, logits, exit_lp, s.exit_mode, chosen, s.loop)
+        rec.add(t, nxt, logits, exit_lp, s.exit_mode, chosen, s.loop, s.temperature)
         if t == steps - 1 or ((t + 1) % every == 0 and bool(rec.done.all())):
             return t
         logits, exit_lp = step(rec.out[:, t])
@@ -349,10 +353,14 @@ class _Record:
         self.exit_loop = torch.zeros(B, steps, dtype=torch.long, device=device)
         self.done = torch.zeros(B, dtype=torch.bool, device=device)
 
-    def add(self, t: int, nxt, logits, exit_lp, exit_mode: str, chosen, loop: int) -> None:
+    def add(self, t: int, nxt, logits, exit_lp, exit_mode: str, chosen, loop: int,
+            temperature: float = 1.0) -> None:
+        """Token ``t`` of every row: ``nxt`` [B] sampled from ``logits`` [R, B, V] at
+        ``temperature``, recorded with its log-probs at that temperature (as training scores
+        them, ``token_logprobs``)."""
         nxt = torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
         R = logits.shape[0]
-        lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        lp = torch.log_softmax(tempered(logits, temperature), -1)  # [R, B, V], all of V
         picked = lp.gather(-1, nxt[None, :, None].expand(R, -1, 1)).squeeze(-1)  # [R, B]
         if exit_mode == "mixture":
             sampled = torch.logsumexp(exit_lp.to(picked.dtype) + picked, dim=0)  # [B]

@@ -50,9 +50,9 @@ def rollout_exit_metrics(ro) -> dict:
 
 
 def sampled_entropy(ro) -> float:
-    """Mean -log p of the sampled response tokens under the policy (temperature 1): an unbiased
-    estimate of its per-token entropy when sampling at temperature 1; falling towards 0 is
-    entropy collapse."""
+    """Mean -log p of the sampled response tokens under the sampling distribution (the
+    policy at the sampling temperature, as rollouts record it): an unbiased estimate of that
+    distribution's per-token entropy when top-p is 1; falling towards 0 is entropy collapse."""
     return float(-ro.logprobs.double().sum() / ro.lengths.sum())
 
 

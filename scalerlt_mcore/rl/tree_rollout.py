@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..model.host_syncs import mark_host, upload
+from ..model.vocab_parallel import tempered
 from ..shared_prefix import TreeSegment
 from .rollout import (
     Sampling,
@@ -366,14 +367,21 @@ class _TreeGrower:
 
 @torch.no_grad()
 def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
-                  num_loops: Optional[int] = None) -> list:
+                  num_loops: Optional[int] = None, temperature: float = 1.0) -> list:
     """Teacher-forced tree decoding: every node's tokens prefilled once against its cached
     path (one ``LoopedGPTModel.extend`` per depth, the levels chained as in
     ``generate_tree``). ``trees``: one ``TreeSegment`` list per prompt, any shape (a level
     has as many rows per row above as the widest node of that depth has children; missing
     children are one-token placeholders, scored and dropped). -> per tree, per node, the
     per-loop log-probs [R, L] of the node's tokens (the root's: 0; token 0 of a node from its
-    parent's last position)."""
+    parent's last position) at sampling ``temperature`` (as ``generate_tree`` records them:
+    ``LoopedGPTModel.logprobs_at``)."""
+    with model.logprobs_at(temperature):
+        return _tree_logprobs(model, trees, static_cache, num_loops, temperature)
+
+
+def _tree_logprobs(model, trees: list, static_cache, num_loops, temperature: float) -> list:
+    """``tree_logprobs`` inside the model's ``logprobs_at(temperature)``."""
     device = next(model.parameters()).device
     levels = _levels(trees)  # per depth: (tree, node) or None, in row order
     prompts = [list(_ids(trees[n][i].tokens)) for n, i in levels[0]]
@@ -388,8 +396,8 @@ def tree_logprobs(model, trees: list, static_cache: Optional[bool] = None,
         rows = [[0] if e is None else list(_ids(trees[e[0]][e[1]].tokens)) for e in level]
         padded, counts = _right_pad(rows, 0)  # [B, s] host
         on_device = upload(padded, device)  # [B, s]
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        first = torch.log_softmax(logits.to(wide), -1).repeat_interleave(G, dim=1)  # [R, B, V]
+        first = torch.log_softmax(tempered(logits, temperature), -1)
+        first = first.repeat_interleave(G, dim=1)  # [R, B, V]
         first = first.gather(-1, on_device[:, :1][None].expand(R, -1, -1))  # [R, B, 1]
         labels = torch.cat([on_device[:, 1:], on_device[:, :1]], dim=1)  # label j = token j + 1
         cache = model.new_kv_cache(len(rows), padded.shape[1], prefix=cache,

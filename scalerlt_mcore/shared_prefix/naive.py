@@ -2,6 +2,7 @@
 stock MCore ``get_forward_backward_func()``, with the same per-wave ``forward_step_func`` as
 joint replay (a microbatch of full sequences is a ``WaveBatch`` of the group)."""
 
+import contextlib
 from functools import partial
 from typing import Optional
 
@@ -9,6 +10,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
+from ..model.vocab_parallel import logprob_temperature
 from .group import SharedPrefixGroup, WaveBatch
 
 
@@ -39,6 +41,19 @@ class FullSequenceModel:
         return result
 
 
+def logprobs_at(model, temperature: float):
+    """The context in which ``model`` (DDP-wrapped, or MCore's list of chunks) scores labels at
+    sampling ``temperature`` (``LoopedGPTModel.logprobs_at``); nothing to do at temperature 1
+    (or greedy, 0), whatever the model."""
+    if logprob_temperature(temperature) == 1.0:
+        return contextlib.nullcontext()
+    inner = unwrap_model(model[0] if isinstance(model, (list, tuple)) else model)
+    if not hasattr(inner, "logprobs_at"):
+        raise TypeError(f"temperature {temperature} needs a model that scores at a sampling "
+                        f"temperature (LoopedGPTModel.logprobs_at), got {type(inner).__name__}")
+    return inner.logprobs_at(temperature)
+
+
 def naive_microbatches(groups: list, micro_batch_size: int) -> list:
     """Every group split into ``WaveBatch``es of ``micro_batch_size`` full sequences."""
     return [wave for g in groups for wave in g.waves(micro_batch_size)]
@@ -58,11 +73,13 @@ def _forward_step(forward_step_func, scale: float, num_loops, data_iterator, mod
 
 def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
                forward_only: bool = False, collect_non_loss_data: bool = False,
-               num_loops: Optional[int] = None) -> list:
+               num_loops: Optional[int] = None, temperature: float = 1.0) -> list:
     """One step of the groups' full sequences through the stock MCore schedule; one result
     per microbatch. ``forward_step_func`` is the per-wave one joint replay takes; ``num_loops``:
-    R of the step (None: the config's ``looped_num_loops``). Every group is checked first as
-    joint replay checks it (a row with no trained token would give 0 / 0 = NaN)."""
+    R of the step (None: the config's ``looped_num_loops``); ``temperature``: the sampling
+    temperature of the groups' responses, at which their log-probs are computed
+    (``logprobs_at``). Every group is checked first as joint replay checks it (a row with no
+    trained token would give 0 / 0 = NaN)."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
     inner = unwrap_model(model[0] if isinstance(model, (list, tuple)) else model)  # MCore: chunks
@@ -77,9 +94,10 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     # MCore divides every microbatch loss by their number; the step loss is the mean over
     # groups, as in joint replay.
     scale = len(batches) / len(groups)
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, forward_step_func, scale, num_loops),
-        data_iterator=iter(batches), model=model, num_microbatches=len(batches),
-        seq_length=groups[0].tokens.shape[1], micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-    )
+    with logprobs_at(model, temperature):
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, forward_step_func, scale, num_loops),
+            data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+            seq_length=groups[0].tokens.shape[1], micro_batch_size=micro_batch_size,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        )

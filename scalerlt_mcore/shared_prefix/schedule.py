@@ -41,7 +41,8 @@ step the optimizer; the error message says so.
 
 The step's loop count R is the call's keyword ``num_loops`` (None: the model config's
 ``looped_num_loops``): the prompt producer, the waves and naive microbatches run R loops; the
-model's config is never changed.
+model's config is never changed. Its keyword ``temperature`` (default 1) is the sampling
+temperature of the responses: every log-prob the step computes is log_softmax(logits / T).
 
 Each group is trained by its plan (``planner.GroupPlan``: wave size and prompt mode, or naive:
 full sequences in microbatches, the last one sync-enabled), chosen per group by the schedule's
@@ -66,7 +67,7 @@ from torch.utils.checkpoint import checkpoint
 from ..mcore_compat import stock_schedule_kwargs
 from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
-from .naive import FullSequenceModel
+from .naive import FullSequenceModel, logprobs_at
 from .planner import GroupPlan, Planner
 from .tree_schedule import TreeReplay, is_tree
 
@@ -170,12 +171,15 @@ class SharedPrefixSchedule:
         self.max_response_length = max_response_length
         self.phase_callback = phase_callback or (lambda phase, group: None)
 
-    def __call__(self, *, num_loops: Optional[int] = None, **kwargs):
+    def __call__(self, *, num_loops: Optional[int] = None, temperature: float = 1.0, **kwargs):
         """Takes every keyword argument of the installed MCore's forward-backward function
         (``stock_schedule_kwargs``) and hands a step of plain microbatches to it unchanged;
-        ``num_loops``: R of a step of groups (None: the config's ``looped_num_loops``)."""
+        ``num_loops``: R of a step of groups (None: the config's ``looped_num_loops``);
+        ``temperature``: the sampling temperature of the responses, at which every log-prob of
+        the step is computed (``naive.logprobs_at``; 1: as the logits are)."""
         stock_kwargs = stock_schedule_kwargs(get_forward_backward_func(), kwargs)
-        return self._step(stock_kwargs, num_loops, **stock_kwargs)
+        with logprobs_at(kwargs.get("model"), temperature):
+            return self._step(stock_kwargs, num_loops, **stock_kwargs)
 
     def _step(self, stock_kwargs: dict, num_loops, *, forward_step_func, data_iterator, model,
               num_microbatches: int, forward_only: bool = False,

@@ -4,7 +4,8 @@
   greedy per-row decoding (``generate``) continuing each path, with the same log-probs up to
   fp32 rounding; the segments' parents, starts and loss masks describe the rows.
 - Sampled trees' recorded per-loop log-probs (node by node, and laid out as the group's old
-  log-probs) equal the plain-PyTorch reference forward of every root-to-leaf row.
+  log-probs) equal the plain-PyTorch reference forward of every root-to-leaf row at the
+  sampling temperature.
 - The segments build the RL group (``RLGroup.from_tree``) with the rollout's old log-probs.
 - A node ended by eos with no reply is a leaf (its children are dropped).
 - No host sync per decoded token in steady state (``HostSyncCounter``).
@@ -90,7 +91,8 @@ def test_greedy_tree_is_greedy_per_row_decoding(mcore_single, pe):
 def test_sampled_tree_logprobs_match_every_row(mcore_single, static):
     """Three levels below the root (2, 2, 2), replies after depths 1 and 2, sampled with
     temperature and top-p: each node's recorded per-loop log-probs and the group layout of
-    ``old_logprobs`` equal the reference forward of every row (fp64 model, fp32 records)."""
+    ``old_logprobs`` equal the reference forward of every row at the sampling temperature,
+    log_softmax(logits / 0.9) (fp64 model, fp32 records)."""
     model, ref, weights = build("rope", torch.float64)
     gen = torch.Generator().manual_seed(3)
     tree = generate_tree(model, PROMPTS[:2], [2, 2, 2], [3, 2, 3], eos_id=EOS, pad_id=PAD,
@@ -106,7 +108,7 @@ def test_sampled_tree_logprobs_match_every_row(mcore_single, static):
         assert old.shape == (LOOPS, 8, max(len(r) for r in rows))
         for g, (leaf, row) in enumerate(zip(tree.leaves[n], rows)):
             logits, _ = reference_forward(weights, ref, torch.tensor(row)[None])
-            want = torch.stack([lg[0].log_softmax(-1)[:-1].gather(
+            want = torch.stack([(lg[0] / 0.9).log_softmax(-1)[:-1].gather(
                 -1, torch.tensor(row[1:])[:, None])[:, 0] for lg in logits])  # [R, S - 1]
             mask = torch.tensor([m for i in tree.path(n, leaf)[1:] for m in segs[i].loss_mask])
             trained = torch.cat([torch.zeros(len(PROMPTS[n]) - 1), mask]).bool()  # [S - 1]

@@ -57,7 +57,8 @@ class RLArgs:
     """Most tokens sampled per response (eos included); also the length of the ``constant``
     loss normalisation."""
     rl_temperature: float = Sampling.temperature
-    """Sampling temperature."""
+    """Sampling temperature T; the old, new and KL-reference log-probs of the update are those
+    of the distribution sampled, log_softmax(logits / T) (top-p not applied)."""
     rl_top_p: float = Sampling.top_p
     """Nucleus-sampling threshold; 1 disables it."""
     rl_advantage: AdvantageMode = "grpo"
