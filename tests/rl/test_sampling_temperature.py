@@ -228,12 +228,25 @@ def test_tree_rollouts_score_and_train_at_the_sampling_temperature(mcore_single)
 
 
 def test_the_step_temperature_is_named_when_wrong(mcore_single):
-    """A negative or infinite temperature is refused by name before any compute."""
+    """A negative or infinite temperature is refused by name before any compute; a model that
+    cannot score at a temperature is named; a refused step leaves the model scoring at 1."""
     model, _, _ = build("rope", torch.float64)
     _, groups = _rollout_groups(model.eval(), True)
     for bad in (-0.5, float("inf")):
         with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
             _score(model, groups, temperature=bad)
+    with pytest.raises(TypeError, match="needs a model that scores at a sampling temperature"):
+        _schedule("joint_replay")(
+            forward_step_func=capturing([]), data_iterator=iter(groups),
+            model=torch.nn.Linear(2, 2), num_microbatches=len(groups), seq_length=0,
+            micro_batch_size=1, temperature=T)
+    groups[0].old_logprobs = None
+    with pytest.raises(ValueError, match="training needs advantages and old_logprobs"):
+        _train(model.train(), groups, "joint_replay")
+    g = groups[1]
+    got = model(g.tokens, labels=g.labels).logprobs.detach()
+    on = _trained(g).expand_as(got)
+    assert (got - plain_logprobs(model, g.tokens, g.labels, 1.0))[on].abs().max() <= 1e-12
 
 
 @pytest.mark.parametrize("rollout", ["prompt_once", "tree"])
