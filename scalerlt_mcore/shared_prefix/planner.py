@@ -17,14 +17,19 @@ and for naive training of the same group. Peaks per phase of the joint replay:
 
 The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
 positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
-attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``); a test
-holds the sum to within 10% of the probe on a grid of shapes. Time: ``CostModel`` (a fixed
+attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``). What a
+family adds or saves beyond that (sandwich norms, adapters, loop-boundary norms, exit gates,
+activation recompute, tensor-parallel shards) is measured on the live model: ``calibration``
+runs a few short forwards under ``SavedTensorProbe`` and fits bytes per token of the prelude,
+of each loop and of each readout. A test holds the sum to within 10% of the probe for every
+family. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
 
 import math
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -32,6 +37,7 @@ import torch.distributed as dist
 
 from ..model.attention import LoopedCoreAttention
 from ..model.config import FieldError
+from .probe import SavedTensorProbe
 from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
@@ -111,17 +117,29 @@ class ModelShape:
     core_attention: type = LoopedCoreAttention
     """The layers' core attention: its ``saved_bytes(shape, rows, s, mode, prefix)`` is the
     memory model of every attention call (a swapped-in core attention brings its own)."""
+    token_bytes: tuple = (0.0, 0.0, 0.0)
+    """Measured saved bytes per token beyond the op-by-op model: (the embedding and prelude,
+    each trained loop, each trained loop's readout); see ``calibration``."""
 
     @classmethod
     def from_model(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
-        """The shape of ``model`` running ``num_loops`` loops (None: ``looped_num_loops``)."""
+        """The shape of ``model`` running ``num_loops`` loops (None: ``looped_num_loops``),
+        calibrated on the model (``calibration``, once per model, dtype and device)."""
+        return replace(cls.uncalibrated(model, num_loops), token_bytes=calibration(model))
+
+    @classmethod
+    def uncalibrated(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
+        """The op-by-op shape of ``model``, read from its config (``token_bytes`` 0): per
+        rank, with heads, K/V groups, FFN width and vocabulary split over tensor parallelism."""
         c = model.config.with_loops(num_loops)
         dtype = next(model.parameters()).dtype
         rope = getattr(model, "rotary_pos_emb", None)
+        tp = c.tensor_model_parallel_size
         return cls(
-            hidden=c.hidden_size, ffn=c.ffn_hidden_size, gated=bool(c.gated_linear_unit),
-            heads=c.num_attention_heads, kv_groups=c.num_query_groups or c.num_attention_heads,
-            kv_channels=c.kv_channels, vocab=model.vocab_size, loops=c.looped_num_loops,
+            hidden=c.hidden_size, ffn=c.ffn_hidden_size // tp, gated=bool(c.gated_linear_unit),
+            heads=c.num_attention_heads // tp,
+            kv_groups=(c.num_query_groups or c.num_attention_heads) // tp,
+            kv_channels=c.kv_channels, vocab=model.vocab_size // tp, loops=c.looped_num_loops,
             prelude=c.looped_num_prelude_layers, core=c.num_layers,
             coda=c.looped_num_coda_layers, injection=c.looped_injection != "none",
             zero_initial_state=c.looped_initial_state == "zeros",
@@ -280,6 +298,71 @@ def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: i
             y = _layer(m, live, y, rows, s, kind, prefix)
         if readout:
             _readout(m, live, y, n)
+    prelude, loop, read = m.token_bytes
+    saved.add(round(n * (prelude + m.trained_loops * (loop + read * readout))))
+
+
+# ---- calibration on the live model ----------------------------------------------------------
+
+
+CALIBRATION_TOKENS = (8, 16)
+"""Token counts of the calibration forwards (one row each): two, so that a fixed cost per call
+does not count as a cost per token."""
+
+_CALIBRATIONS = weakref.WeakKeyDictionary()  # model -> {(dtype, device): token_bytes}
+
+
+def calibration(model) -> tuple:
+    """``ModelShape.token_bytes`` of ``model``: measured once per (model, dtype, device)."""
+    p = next(model.parameters())
+    cached = _CALIBRATIONS.setdefault(model, {})
+    key = (p.dtype, p.device)
+    if key not in cached:
+        cached[key] = _calibrate(model)
+    return cached[key]
+
+
+def _calibrate(model) -> tuple:
+    """Saved bytes per token the op-by-op model misses (negative: counts in excess), from
+    causal forwards at 1 and 2 loops, with and without readouts: the per-token difference of
+    measured and predicted bytes is linear in the trained loops (k) and readouts."""
+    (fixed1, k1), (fixed2, k2), (read1, _) = (_excess_per_token(model, R, readout)
+                                              for R, readout in ((1, False), (2, False),
+                                                                 (1, True)))
+    loop = (fixed2 - fixed1) / (k2 - k1) if k2 != k1 else 0.0
+    return (fixed1 - k1 * loop, loop, (read1 - fixed1) / k1)
+
+
+def _excess_per_token(model, R: int, readout: bool) -> tuple:
+    """(measured - predicted saved bytes per token of an R-loop forward, its trained loops)."""
+    m = ModelShape.uncalibrated(model, R)
+    lengths = [min(s, model.max_sequence_length) for s in CALIBRATION_TOKENS]
+    if lengths[0] == lengths[1]:
+        lengths[0] //= 2
+    excess = []
+    for s in lengths:
+        saved = _Saved()
+        _block(m, saved, 1, s, "causal", readout=readout)
+        ids = s * INT64 * (1 + readout) + s * INT64 * (not m.rope_dim)  # ids, labels, positions
+        excess.append(_measured_forward(model, R, s, readout) - saved.total - ids)
+    return (excess[1] - excess[0]) / (lengths[1] - lengths[0]), m.trained_loops
+
+
+def _measured_forward(model, R: int, s: int, readout: bool) -> int:
+    """Peak saved bytes of a training-mode forward of one row of ``s`` tokens, R loops; the
+    labels are a tensor of their own, as a group's are. Leaves the model and RNGs as they were."""
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, s, dtype=torch.long, device=device)
+    labels = torch.zeros_like(tokens) if readout else None
+    training = model.training
+    model.train()
+    try:
+        with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+              torch.enable_grad(), SavedTensorProbe(model) as probe):
+            model(tokens, labels=labels, readout=readout, num_loops=R)
+        return probe.peak_bytes
+    finally:
+        model.train(training)
 
 
 # ---- the pieces of a step -------------------------------------------------------------------

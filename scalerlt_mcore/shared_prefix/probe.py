@@ -1,8 +1,9 @@
 """Saved-tensor probe: peak bytes of tensors that autograd holds for backward during a step.
 
 Counts each storage once while any graph node holds it; parameters are excluded (they are
-resident anyway). Tensors recomputed by activation checkpointing during backward are not
-saved through these hooks and are not counted.
+resident anyway). Storages are told apart by identity, not address, so that tensors on
+``meta`` (which have no address) count too. Tensors recomputed by activation checkpointing
+during backward are not saved through these hooks and are not counted.
 """
 
 import torch
@@ -23,7 +24,7 @@ class SavedTensorProbe:
 
     def __init__(self, model=None):
         params = model.parameters() if model is not None else []
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {p.untyped_storage()._cdata for p in params}
         self._live = {}  # storage ptr -> [bytes, refs]
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -38,7 +39,7 @@ class SavedTensorProbe:
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata
         if key in self._params or storage.nbytes() == 0:
             return tensor
         entry = self._live.setdefault(key, [storage.nbytes(), 0])

@@ -6,13 +6,19 @@ nodes it retains under a memory budget (none, some, all) and its error below the
 A group's row indices (every node's rows, every leaf wave's) are one non-blocking upload,
 and a one-level microbatch result's count tensors are filled on the device."""
 
+import tempfile
+
 import pytest
 import torch
+from helpers.reference_huginn import write_huginn_checkpoint, write_retrofit_checkpoint
+from helpers.reference_nanbeige import write_nanbeige_checkpoint
+from helpers.reference_ouro import write_ouro_checkpoint
 from helpers.replay_exact import _assert_close_rel
 from helpers.sp import LossSpec, build_model, grads, joint_step, naive_step, rel_errors
 from helpers.tree import DEPTH3, tree_group
 
 from scalerlt_mcore.model.host_syncs import HostSyncCounter
+from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.planner import GroupPlan, ModelShape, Planner, tree_memory
 from scalerlt_mcore.shared_prefix.schedule import _merge
@@ -141,6 +147,16 @@ def test_the_budget_decides_which_nodes_are_retained(mcore_single, attn):
         assert max(rel_errors(grads(model), ref).values()) <= 1e-12
 
 
+def _family(write, dtype, **config):
+    """A tiny random checkpoint of a public family, imported, in ``dtype``, at R = 2."""
+    def build():
+        with tempfile.TemporaryDirectory() as d:
+            write(d)
+            return looped_gpt_from_pretrained(d, num_loops=R, use_cpu_initialization=True,
+                                              **config).to(dtype)
+    return build
+
+
 MODELS = {
     "f32": lambda: build_model(R=2),
     "rms-gqa-f32": lambda: build_model(R=2, arch=True, normalization="RMSNorm",
@@ -150,6 +166,11 @@ MODELS = {
     "concat-bf16": lambda: build_model(R=2, attn="concat").to(torch.bfloat16),
     # truncated backprop: graph-free depths save nothing and are no leaves
     "truncated-f64": lambda: build_model(R=3, arch=True, looped_backprop_loops=1).double(),
+    # the public families' own layers, measured on the live model (planner.calibration)
+    "ouro-bf16": _family(write_ouro_checkpoint, torch.bfloat16),
+    "huginn-f32": _family(write_huginn_checkpoint, torch.float32),
+    "retrofit-bf16": _family(write_retrofit_checkpoint, torch.bfloat16),
+    "nanbeige-f32": _family(write_nanbeige_checkpoint, torch.float32, looped_backprop_loops=1),
 }
 PLANS = (("none", False), ("mixed", False), ("all", True))
 """(retained nodes, checkpointed waves): a mixed plan retains BUSHY's root and its chain
