@@ -14,10 +14,21 @@ per-group token means; the tests assert that it does, so a schedule that normali
 would fail them.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from helpers.ddp import _build, _global_rel_error, _reduced_grads
-from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, ref_rl_loss, rel_errors
+from helpers.sp import (
+    LossSpec,
+    build_model,
+    grads,
+    joint_step,
+    make_group,
+    ref_loop_weights,
+    ref_rl_loss,
+    rel_errors,
+)
 from helpers.tree import DEPTH2, DEPTH3, tree_group
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -311,3 +322,40 @@ def test_per_token_under_ddp_matches_stock_mcore():
     print(f"\n[per-token DDP] max reduced-gradient error "
           f"{max(max(r['errors']) for r in reports):.3e}")
 
+
+
+# ---- the supervised warm-up and the step's summary -----------------------------------------
+
+
+def test_warmup_nll_is_the_step_token_mean(mcore_single):
+    """``sft_forward_step`` under the per-token config through stock MCore: two microbatches
+    of different answer lengths give the gradient of the NLL summed over both, divided by
+    their answer tokens (plain PyTorch here), not the mean of the two token means."""
+    from scalerlt_mcore.rl.sft import sft_batch, sft_forward_step
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [sft_batch([torch.randint(1, 40, (p,), generator=gen).tolist() for p in ps],
+                         [torch.randint(1, 40, (a,), generator=gen).tolist() for a in ans], 0)
+               for ps, ans in (((4, 6), (2, 5)), ((5, 3, 4), (1, 1, 3)))]
+    model = _model()
+    get_forward_backward_func()(
+        forward_step_func=partial(sft_forward_step, SPEC.objective()), model=model,
+        data_iterator=iter(batches), num_microbatches=2, seq_length=0, micro_batch_size=1)
+    got = grads(model)
+    assert model.config.finalize_model_grads_func.calls == [7 + 5]
+    model.zero_grad(set_to_none=True)
+    w = torch.tensor(ref_loop_weights(SPEC.loop_weights, R), dtype=torch.float64)[:, None, None]
+    nll = [-(w * model(b["tokens"], labels=b["labels"]).logprobs * b["mask"]).sum()
+           for b in batches]
+    (sum(nll) / 12).backward()
+    assert max(rel_errors(got, grads(model)).values()) <= TOL
+    means = [float(n) / float(b["mask"].sum()) for n, b in zip(nll, batches)]
+    assert abs(sum(means) / 2 - float(sum(nll)) / 12) > 1e-3
+
+
+def test_summary_loss_is_the_token_mean_of_the_reports():
+    from scalerlt_mcore.rl.stats import summarise
+
+    out = [{"loss": torch.tensor([3.0, 2.0]), "tokens": 2.0, "clipped": 0.0, "kl": 0.0},
+           {"loss": torch.tensor([1.0, 6.0]), "tokens": 6.0, "clipped": 0.0, "kl": 0.0}]
+    assert summarise(out, 2)["loss"] == 0.5  # (3 + 1) / (2 + 6), not (1.5 + 1/6) / 2
