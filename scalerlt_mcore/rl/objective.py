@@ -31,7 +31,7 @@ from .loop_credit import FIXED_LOOP_WEIGHTS, LOOP_WEIGHTS, LoopWeights, loop_wei
 __all__ = ["FIXED_LOOP_WEIGHTS", "LOOP_WEIGHTS", "LoopWeights", "NORMALIZATIONS",
            "RLObjective", "exit_stats", "loop_weights", "rl_forward_step"]
 
-Normalization = Literal["token_mean", "seq_mean", "constant"]
+Normalization = Literal["token_mean", "seq_mean", "constant", "step_token_mean"]
 NORMALIZATIONS = get_args(Normalization)
 
 
@@ -46,7 +46,10 @@ class RLObjective:
 
     normalization: Normalization = "token_mean"
     """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
-    token means; constant: / (G * constant_length) (Dr. GRPO)."""
+    token means; constant: / (G * constant_length) (Dr. GRPO); step_token_mean: / valid tokens
+    of the whole step, every group and data-parallel rank (DAPO's token-level loss): each wave
+    returns its unnormalised token sum and token count, MCore's per-token-loss contract, and
+    needs the model config's ``calculate_per_token_loss``."""
 
     constant_length: int = 0
     """Denominator length for ``constant`` normalisation (0: the group's padded length)."""
@@ -107,6 +110,8 @@ class RLObjective:
         G, T = mask.shape
         if self.normalization == "token_mean":
             return mask / mask.sum()
+        if self.normalization == "step_token_mean":  # the step's token count divides later
+            return mask
         if self.normalization == "seq_mean":
             return mask / (mask.sum(dim=1, keepdim=True) * G)
         return mask / (G * (self.constant_length or T))
@@ -204,7 +209,9 @@ class RLObjective:
         per-loop log-probs [R, W, T'] of the wave's positions (``wave.span``: all T of a
         one-level group; a tree node's) (or the wave model's ``readouts`` dict: ``logprobs``,
         ``exit_logprobs``, ``loop_weights``) -> (the wave's share of the group loss, stats).
-        Token weights come from the whole group's loss mask. ``non_loss_data``: the log-probs."""
+        Token weights come from the whole group's loss mask. ``non_loss_data``: the log-probs.
+        ``step_token_mean``: (the wave's token sum, its trained tokens, stats) as MCore's
+        per-token-loss contract, the reported ``loss`` its [sum, tokens] pair."""
         out = output if isinstance(output, dict) else {"logprobs": output}
         logprobs = out["logprobs"]
         if non_loss_data:
@@ -215,6 +222,10 @@ class RLObjective:
         loss, stats = self.loss(logprobs, old, wave.rows(g.advantages), weights, ref,
                                 exit_logprobs=out.get("exit_logprobs"),
                                 learned=out.get("loop_weights"))
+        if self.normalization == "step_token_mean":
+            num_tokens = (weights != 0).sum().to(torch.int)
+            pair = torch.stack([loss.detach(), num_tokens.to(loss.dtype)])
+            return loss, num_tokens, {"loss": pair, **stats}
         return loss, {"loss": loss.detach(), **stats}
 
 

@@ -4,9 +4,15 @@ import torch
 
 
 def summarise(out: list, num_groups: int) -> dict:
-    """Mean group loss, and clip fraction and k3 KL per response token, from either schedule's
+    """Mean group loss (with a per-token loss's [sum, count] reports: the token mean of the
+    microbatches), and clip fraction and k3 KL per response token, from either schedule's
     per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
-    loss = sum(float(o["loss"]) for o in out) / num_groups
+    first = out[0]["loss"]
+    if torch.is_tensor(first) and first.numel() == 2:  # per-token: MCore's reporting form
+        pairs = torch.stack([o["loss"].detach().double() for o in out]).sum(0)
+        loss = float(pairs[0] / pairs[1])
+    else:
+        loss = sum(float(o["loss"]) for o in out) / num_groups
     tokens = sum(float(o["tokens"]) for o in out)
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens

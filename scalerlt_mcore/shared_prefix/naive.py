@@ -59,13 +59,41 @@ def naive_microbatches(groups: list, micro_batch_size: int) -> list:
     return [wave for g in groups for wave in g.waves(micro_batch_size)]
 
 
-def _forward_step(forward_step_func, scale: float, num_loops, data_iterator, model):
+def split_loss(outputs: tuple, per_token: bool) -> tuple:
+    """A per-wave ``loss_func``'s result -> (loss, num_tokens or None, stats). With MCore's
+    ``calculate_per_token_loss`` it must be (the wave's token sum, its token count, stats),
+    else (the wave's share of the group loss, stats): a per-wave count cannot normalise a
+    group split into waves, and a group share cannot be divided by the step's count."""
+    if per_token and len(outputs) != 3:
+        raise ValueError(f"config.calculate_per_token_loss: the loss_func must return (loss "
+                         f"summed over the wave's tokens, num_tokens, stats), got "
+                         f"{len(outputs)} values (e.g. RLObjective normalization "
+                         f"'step_token_mean')")
+    if not per_token and len(outputs) != 2:
+        raise ValueError(f"a shared-prefix loss_func returns (loss, stats): the wave's share of "
+                         f"the group loss, normalised over the whole group (a per-wave token "
+                         f"count cannot normalise a group split into waves; (loss, num_tokens, "
+                         f"stats) needs config.calculate_per_token_loss), got {len(outputs)} "
+                         f"values")
+    return (outputs[0], outputs[1], outputs[2]) if per_token else (outputs[0], None, outputs[1])
+
+
+def is_report_pair(value: torch.Tensor, per_token: bool) -> bool:
+    """Whether a loss_func's stat is MCore's reporting form of a per-token loss, a [sum,
+    count] pair (shape [2]) summed over microbatches: only with ``per_token``."""
+    return per_token and tuple(value.shape) == (2,)
+
+
+def _forward_step(forward_step_func, scale: float, num_loops, per_token: bool, data_iterator,
+                  model):
     output, loss_func = forward_step_func(data_iterator, FullSequenceModel(model, num_loops))
 
     def scaled_loss(output_tensor, non_loss_data: bool = False):
         if non_loss_data:
             return loss_func(output_tensor, non_loss_data=True)
-        loss, stats = loss_func(output_tensor)
+        loss, num_tokens, stats = split_loss(loss_func(output_tensor), per_token)
+        if per_token:  # MCore sums; finalize_model_grads divides by the step's token count
+            return loss, num_tokens, stats
         return loss * scale, stats
 
     return output, scaled_loss
@@ -79,7 +107,9 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
     R of the step (None: the config's ``looped_num_loops``); ``temperature``: the sampling
     temperature of the groups' responses, at which their log-probs are computed
     (``logprobs_at``). Every group is checked first as joint replay checks it (a row with no
-    trained token would give 0 / 0 = NaN)."""
+    trained token would give 0 / 0 = NaN). With the config's ``calculate_per_token_loss`` the
+    loss_func returns (token sum, num_tokens, stats) and MCore normalises by the step's
+    tokens (``split_loss``)."""
     if not all(isinstance(g, SharedPrefixGroup) for g in groups):
         raise TypeError("naive_step takes SharedPrefixGroup objects")
     inner = unwrap_model(model[0] if isinstance(model, (list, tuple)) else model)  # MCore: chunks
@@ -92,11 +122,14 @@ def naive_step(model, groups: list, forward_step_func, micro_batch_size: int,
             check_group(g)
     batches = naive_microbatches(groups, micro_batch_size)
     # MCore divides every microbatch loss by their number; the step loss is the mean over
-    # groups, as in joint replay.
+    # groups, as in joint replay. With calculate_per_token_loss MCore divides by the step's
+    # token count instead (finalize_model_grads), and the losses are token sums.
     scale = len(batches) / len(groups)
+    per_token = bool(getattr(inner.config, "calculate_per_token_loss", False))
     with logprobs_at(model, temperature):
         return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, forward_step_func, scale, num_loops),
+            forward_step_func=partial(_forward_step, forward_step_func, scale, num_loops,
+                                      per_token),
             data_iterator=iter(batches), model=model, num_microbatches=len(batches),
             seq_length=groups[0].tokens.shape[1], micro_batch_size=micro_batch_size,
             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,

@@ -20,7 +20,14 @@ The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data
 model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
 iterator yielding one ``WaveBatch`` and, as ``model``, a ``WaveModel`` whose call returns the
 wave's per-loop log-probs. ``loss_func(output)`` returns ``(loss, stats)``: the wave's share of
-the group's loss (normalised over the whole group) and a dict of tensors.
+the group's loss (normalised over the whole group) and a dict of tensors. With the config's
+``calculate_per_token_loss`` (MCore's per-token-loss contract) it returns ``(loss, num_tokens,
+stats)``: the wave's loss summed over its tokens and their count; as MCore's schedule, the
+schedule then neither divides by the number of groups nor by any count, sums the token counts
+of the step and passes them to ``config.finalize_model_grads_func(..., num_tokens)``, which
+all-reduces them over data-parallel ranks and divides the gradients by the total: the step's
+loss is the mean over every trained token of the step. A group's reported [sum, count] pairs
+(shape [2], MCore's reporting form of a per-token loss) are summed over its waves.
 
 Up-front checks, before any compute (no phase runs, no grad changes when one fails): every
 group's ``SharedPrefixGroup.check`` (shapes, shared prompt, token ids and labels in the model's
@@ -67,7 +74,7 @@ from torch.utils.checkpoint import checkpoint
 from ..mcore_compat import stock_schedule_kwargs
 from ..model.kv import PrefixState, trained_depths
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
-from .naive import FullSequenceModel, logprobs_at
+from .naive import FullSequenceModel, is_report_pair, logprobs_at, split_loss
 from .planner import GroupPlan, Planner
 from .tree_schedule import TreeReplay, is_tree
 
@@ -134,8 +141,10 @@ class _GroupRun:
     guard: ReplayGuard
     config: object
     forward_step_func: Callable
-    scale: float  # 1 / number of groups, as MCore divides every microbatch loss
+    scale: float  # 1 / number of groups, as MCore divides every microbatch loss (per-token: 1)
     num_loops: int  # R of the step
+    per_token: bool = False  # config.calculate_per_token_loss: losses are token sums
+    num_tokens: dict = field(default_factory=dict)  # wave number -> its loss_func's num_tokens
     first_microbatch: bool = False
     collect_non_loss_data: bool = False
     plan: Optional[GroupPlan] = None
@@ -223,7 +232,8 @@ class SharedPrefixSchedule:
         except ReplayInputError as e:
             raise ReplayInputError(f"{e}. {PARTIAL_GRADS}") from e
         if config.finalize_model_grads_func is not None:
-            config.finalize_model_grads_func([model], None, pg_collection=pg_collection,
+            num_tokens = _step_tokens(runs, groups[0].tokens.device) if runs[0].per_token else None
+            config.finalize_model_grads_func([model], num_tokens, pg_collection=pg_collection,
                                              force_all_reduce=force_all_reduce)
         return results
 
@@ -231,9 +241,6 @@ class SharedPrefixSchedule:
 
     def _check_groups(self, groups, inner, forward_only, config, check_group,
                       num_loops: int) -> None:
-        if getattr(config, "calculate_per_token_loss", False):
-            raise NotImplementedError("shared-prefix joint replay normalises per group; "
-                                      "calculate_per_token_loss is not supported")
         if not forward_only or inner.training:
             _check_deterministic(inner)
         for g in groups:
@@ -249,8 +256,10 @@ class SharedPrefixSchedule:
         """One ``_GroupRun`` per group. Every group is fingerprinted now, right after the
         up-front checks: a later group changed while an earlier one trains is caught."""
         first = first_val_step if forward_only and first_val_step is not None else True
+        per_token = bool(getattr(config, "calculate_per_token_loss", False))
         return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
-                          1.0 / len(groups), num_loops, first_microbatch=first and n == 0,
+                          1.0 if per_token else 1.0 / len(groups), num_loops,
+                          per_token=per_token, first_microbatch=first and n == 0,
                           collect_non_loss_data=collect_non_loss_data,
                           plan=self._plan(g, inner, num_loops))
                 for n, g in enumerate(groups)]
@@ -283,8 +292,8 @@ class SharedPrefixSchedule:
         waves = run.group.waves(plan.wave_size)
         if is_tree(run.group) and not plan.naive:
             num_waves = TreeReplay(self, run).train(waves_context)
-            return _merge(run.results, num_waves=num_waves, wave_size=plan.wave_size,
-                          retain=int(plan.retain), naive=0)
+            return _merge(run.results, run.per_token, num_waves=num_waves,
+                          wave_size=plan.wave_size, retain=int(plan.retain), naive=0)
         if plan.naive:
             self._train_naive(run, waves, waves_context)
         else:
@@ -294,8 +303,9 @@ class SharedPrefixSchedule:
                     state, leaves = self._produce_prompt(run, plan.retain)
                     adjoints = self._run_waves(run, leaves, waves[:-1])
             self._joint_replay(run, waves[-1], adjoints, state)
-        return _merge(run.results, num_waves=len(waves), wave_size=plan.wave_size,
-                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
+        return _merge(run.results, run.per_token, num_waves=len(waves),
+                      wave_size=plan.wave_size, retain=int(plan.retain and not plan.naive),
+                      naive=int(plan.naive))
 
     def _produce_prompt(self, run: _GroupRun, retain: bool) -> tuple:
         """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain);
@@ -370,17 +380,15 @@ class SharedPrefixSchedule:
     def _wave_objective(self, run: _GroupRun, wave: WaveBatch, wave_no: int,
                         state: PrefixState, model=None) -> Tensor:
         """One wave's share of the group loss, divided as MCore divides a microbatch's loss
-        (re-run on recompute, so it re-verifies the inputs); ``model``: what the loss's
+        (re-run on recompute, so it re-verifies the inputs; its token count is kept per wave,
+        so a recompute does not count it twice); ``model``: what the loss's
         ``forward_step_func`` gets (default: the wave against ``state``)."""
         run.guard.verify("wave recompute" if wave_no in run.results else "wave")
         output, loss_func = self._forward_step(run, wave, state, wave_no, model)
-        outputs = loss_func(output)
-        if len(outputs) != 2:
-            raise ValueError("a shared-prefix loss_func returns (loss, stats): the wave's share "
-                             "of the group loss, normalised over the whole group (a per-wave "
-                             "token count cannot normalise a group split into waves)")
-        loss, stats = outputs
+        loss, num_tokens, stats = split_loss(loss_func(output), run.per_token)
         run.results[wave_no] = stats
+        if run.per_token:
+            run.num_tokens[wave_no] = num_tokens
         return loss * run.scale
 
     def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
@@ -408,7 +416,7 @@ class SharedPrefixSchedule:
         state = None if is_tree(run.group) else self._prompt_state(run)
         for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
             run.results[n] = self.score_call(run, wave, state, n)
-        return _merge(run.results)
+        return _merge(run.results, run.per_token)
 
     def score_call(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
                    wave_no: int, model=None):
@@ -418,7 +426,7 @@ class SharedPrefixSchedule:
         output, loss_func = self._forward_step(run, wave, state, wave_no, model)
         if run.collect_non_loss_data:
             return loss_func(output, non_loss_data=True)
-        return loss_func(output)[1]
+        return split_loss(loss_func(output), run.per_token)[2]
 
 
 def _with_loop_weights(result: dict, inner, num_loops: int) -> dict:
@@ -429,14 +437,15 @@ def _with_loop_weights(result: dict, inner, num_loops: int) -> dict:
     return result
 
 
-def _merge(per_wave: dict, **extra) -> object:
+def _merge(per_wave: dict, per_token: bool = False, **extra) -> object:
     """One microbatch result from the waves' results: 0-dim tensors are summed; tensors with
     a response dimension ([R, W, ...] as the wave model's output, or [W]) are concatenated
-    over it; dicts merge key by key. ``extra`` adds 0-dim floating tensors (e.g. num_waves)
+    over it, except, with ``per_token``, [2] ones: [sum, count] pairs, summed; dicts merge
+    key by key. ``extra`` adds 0-dim floating tensors (e.g. num_waves)
     in the dtype of the stats, so that a training loop can average every value as Megatron-LM
     averages loss dicts (``torch.cat([d[k].view(-1) ...]).mean()``)."""
     items = [per_wave[k] for k in sorted(per_wave)]
-    merged = _merge_values(items)
+    merged = _merge_values(items, per_token)
     if extra and isinstance(merged, dict):
         ref = next((v for v in merged.values()
                     if isinstance(v, Tensor) and v.is_floating_point()), None)
@@ -446,17 +455,27 @@ def _merge(per_wave: dict, **extra) -> object:
     return merged
 
 
-def _merge_values(items: list):
+def _merge_values(items: list, per_token: bool = False):
     first = items[0]
     if isinstance(first, dict):
-        return {k: _merge_values([it[k] for it in items]) for k in first}
+        return {k: _merge_values([it[k] for it in items], per_token) for k in first}
     if isinstance(first, Tensor):
-        if first.dim() == 0:
-            return torch.stack(items).sum()
+        if first.dim() == 0 or is_report_pair(first, per_token):
+            return torch.stack(items).sum(0)
         return torch.cat(items, dim=0 if first.dim() == 1 else 1)
     if isinstance(first, (int, float)):
         return sum(items)
     return items
+
+
+def _step_tokens(runs: list, device) -> Tensor:
+    """The step's token count, the sum of every loss call's ``num_tokens``, as MCore's
+    schedule accumulates it (an int tensor)."""
+    total = torch.zeros([], dtype=torch.int, device=device)
+    for run in runs:
+        for num_tokens in run.num_tokens.values():
+            total += num_tokens
+    return total
 
 
 def _check_deterministic(inner) -> None:

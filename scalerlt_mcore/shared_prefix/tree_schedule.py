@@ -43,6 +43,7 @@ from torch import Tensor
 from ..model.host_syncs import upload_indices
 from ..model.kv import PrefixState, trained_depths
 from .group import WaveBatch
+from .naive import is_report_pair
 
 
 def leaf_waves(tree, n: int, size: int) -> list:
@@ -136,7 +137,7 @@ class TreeReplay:
         same weights bit for bit, as a one-level group's do (docs/prefix_trees.md, Scoring)."""
         self.calls, calls = 0, []
         self._score_node(0, None, calls)
-        return lay_out(calls, self.group)
+        return lay_out(calls, self.group, self.run.per_token)
 
     def _score_node(self, n: int, prefix: Optional[PrefixState], calls: list) -> None:
         """Node n's own-token call (when trained) and its units against its path, as in
@@ -342,25 +343,26 @@ def nodes_with_loss(group) -> list:
     return flags.tolist()
 
 
-def lay_out(calls: list, group) -> object:
+def lay_out(calls: list, group, per_token: bool = False) -> object:
     """A tree group's forward_only result from its loss calls' (``WaveBatch``, result): a
     tensor [..., W, L] of a call's W rows and L positions (``wave.span``) is written into
     [..., G, T] of the group's rows and positions (a node's values in every row below it;
-    0 where no call wrote: the prompt, padding, T-1), 0-dim tensors are summed, dicts are
-    merged key by key."""
+    0 where no call wrote: the prompt, padding, T-1), 0-dim tensors (and with ``per_token``
+    [sum, count] pairs) are summed, dicts are merged key by key."""
     waves, results = zip(*calls)
-    return _lay_out_values(list(waves), list(results), group, "result")
+    return _lay_out_values(list(waves), list(results), group, "result", per_token)
 
 
-def _lay_out_values(waves: list, items: list, group, name: str):
+def _lay_out_values(waves: list, items: list, group, name: str, per_token: bool = False):
     first = items[0]
     if isinstance(first, dict):
-        return {k: _lay_out_values(waves, [it[k] for it in items], group, f"{name}[{k!r}]")
+        return {k: _lay_out_values(waves, [it[k] for it in items], group, f"{name}[{k!r}]",
+                                   per_token)
                 for k in first}
     if not isinstance(first, Tensor):
         return items
-    if first.dim() == 0:
-        return torch.stack(items).sum()
+    if first.dim() == 0 or is_report_pair(first, per_token):
+        return torch.stack(items).sum(0)
     G, T = group.tokens.shape
     out = first.new_zeros(*first.shape[:-2], G, T)  # [..., G, T]
     for wave, value in zip(waves, items):

@@ -410,7 +410,8 @@ def test_a_library_error_names_the_key_of_its_field():
     cfg = parse_args([])
     cfg.rl.rl_loss_normalization = "sum"
     assert library_errors(objective_from, cfg, OBJECTIVE_FLAGS) == [
-        "rl_loss_normalization must be one of ('token_mean', 'seq_mean', 'constant'), got 'sum'"]
+        "rl_loss_normalization must be one of ('token_mean', 'seq_mean', 'constant', "
+        "'step_token_mean'), got 'sum'"]
     with pytest.raises(FieldError) as e:
         RLObjective(clip_high=0.0)
     assert (e.value.field, str(e.value)) == ("clip_high", "clip_high must be > 0, got 0.0")
@@ -496,6 +497,29 @@ def test_library_errors_name_the_key_not_the_library_field():
         "shared_prefix_wave_size must be >= 1, got 0"]
 
 
+def test_calculate_per_token_loss_reaches_mcore_with_step_token_mean():
+    cfg = parse_args(["--calculate-per-token-loss", "--rl-loss-normalization", "step_token_mean"])
+    validate(cfg, world_size=1)
+    assert model_config(cfg, "cpu").calculate_per_token_loss
+    assert objective_from(cfg).normalization == "step_token_mean"
+    assert not model_config(parse_args([]), "cpu").calculate_per_token_loss
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--calculate-per-token-loss"], "calculate_per_token_loss needs rl_loss_normalization "
+                                     "step_token_mean (the step-wide token mean), got token_mean"),
+    (["--calculate-per-token-loss", "--rl-loss-normalization", "seq_mean"],
+     "calculate_per_token_loss needs rl_loss_normalization step_token_mean (the step-wide "
+     "token mean), got seq_mean"),
+    (["--rl-loss-normalization", "step_token_mean"], "rl_loss_normalization step_token_mean "
+                                                     "needs calculate_per_token_loss true"),
+])
+def test_per_token_loss_and_normalization_come_together(argv, message):
+    with pytest.raises(ConfigError) as e:
+        validate(parse_args(argv), world_size=1)
+    assert message in str(e.value)
+
+
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
@@ -519,7 +543,8 @@ def test_help_shows_the_values_a_run_without_flags_uses(capsys):
 
 # Adding or renaming a flag is a deliberate change: update this list with it.
 FROZEN_CLI_FLAGS = [
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16", "--clip-grad",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--add-qkv-bias", "--bf16",
+    "--calculate-per-token-loss", "--clip-grad",
     "--config", "--context-parallel-size", "--ddp-bucket-size", "--disable-bias-linear",
     "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower",

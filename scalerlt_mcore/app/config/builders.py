@@ -43,6 +43,7 @@ def model_config(cfg: RunConfig, device: str) -> LoopedTransformerConfig:
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
     return LoopedTransformerConfig(**looped_kwargs(cfg), **_megatron_model_kwargs(m),
+                                   calculate_per_token_loss=cfg.rl.calculate_per_token_loss,
                                    params_dtype=dtype, pipeline_dtype=dtype,
                                    use_cpu_initialization=device == "cpu",
                                    perform_initialization=True)

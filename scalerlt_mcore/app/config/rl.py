@@ -118,7 +118,13 @@ class RLArgs:
     follow the schedule like RL steps."""
     rl_loss_normalization: Normalization = RLObjective.normalization
     """token_mean: / valid tokens of the group; seq_mean: mean over responses of per-response
-    token means; constant: / (G * rl_max_response_length) (Dr. GRPO)."""
+    token means; constant: / (G * rl_max_response_length) (Dr. GRPO); step_token_mean: / valid
+    tokens of the whole step, all groups and ranks (DAPO; needs calculate_per_token_loss)."""
+    calculate_per_token_loss: bool = False
+    """MCore's per-token loss (``TransformerConfig.calculate_per_token_loss``): each RL step's
+    loss is its token sum over every group and data-parallel rank, divided by the step's
+    trained tokens (finalize_model_grads), and so is the supervised warm-up's NLL; needs
+    rl_loss_normalization step_token_mean."""
     grpo_clamp_eps_lower: float = RLObjective.clip_low
     """PPO ratio clip below: ratio >= 1 - grpo_clamp_eps_lower."""
     grpo_clamp_eps_upper: float = RLObjective.clip_high
@@ -150,7 +156,21 @@ def check_rl(cfg: "RunConfig") -> list[str]:
     model (loop credit, exit gate), the rollout tree and the task."""
     return (_check_sampling(cfg.rl) + library_errors(sampling_from, cfg, SAMPLING_FLAGS)
             + library_errors(objective_from, cfg, OBJECTIVE_FLAGS) + _check_loop_credit(cfg)
-            + _check_tree(cfg.rl) + _check_task(cfg) + _check_decode_graph(cfg))
+            + _check_tree(cfg.rl) + _check_task(cfg) + _check_decode_graph(cfg)
+            + _check_per_token(cfg.rl))
+
+
+def _check_per_token(rl: RLArgs) -> list[str]:
+    """The step-wide token mean is MCore's per-token loss: the key and the normalisation come
+    together."""
+    step_mean = rl.rl_loss_normalization == "step_token_mean"
+    if step_mean and not rl.calculate_per_token_loss:
+        return ["rl_loss_normalization step_token_mean needs calculate_per_token_loss true "
+                "(MCore divides the step's token sum by its token count)"]
+    if rl.calculate_per_token_loss and not step_mean:
+        return [f"calculate_per_token_loss needs rl_loss_normalization step_token_mean (the "
+                f"step-wide token mean), got {rl.rl_loss_normalization}"]
+    return []
 
 
 def _check_decode_graph(cfg: "RunConfig") -> list[str]:
