@@ -69,7 +69,9 @@ class LoopedGPTModel(LanguageModule):
 
     Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
     multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
-    caches are per rank; log-probs use MCore's vocab-parallel cross entropy.
+    caches are per rank; log-probs use MCore's vocab-parallel cross entropy, or with
+    ``looped_readout_tile`` > 0 the streamed readout (``streamed_readout.py``: over vocabulary
+    tiles, no logits kept for the backward; decoding's logits are the output layer's either way).
 
     Log-probs of labels are those of the distribution the tokens were sampled from at the
     temperature of ``logprobs_at`` (default 1: the logits as they are)."""

@@ -10,7 +10,9 @@ cross entropy does; it saves only the readout input, the labels and one log-sum-
 The backward recomputes each tile's logits and accumulates the input's gradient and the
 output weight's gradient (a ``.grad``, which MCore DDP's hook adds to ``main_grad``) tile by
 tile. The RL loss needs no other quantity of the full vocabulary: its entropy term (-p log p)
-and k3 KL are functions of the sampled token's log-prob (``rl/objective.py``).
+and k3 KL are functions of the sampled token's log-prob (``rl/objective.py``). The output
+layer has no bias (``LoopedGPTModel`` builds it with ``bias=False``) and the looped config
+refuses sequence parallelism, so neither appears here.
 """
 
 import torch

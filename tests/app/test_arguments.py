@@ -203,6 +203,14 @@ def test_recompute_flags_reach_the_transformer_config():
     assert model_config(parse_args([]), "cpu").recompute_granularity is None
 
 
+def test_readout_tile_flag_reaches_the_transformer_config():
+    """--looped-readout-tile is the model config's ``looped_readout_tile`` (0 without it)."""
+    cfg = parse_args(["--looped-readout-tile", "4096"])
+    validate(cfg, world_size=1)
+    assert model_config(cfg, "cpu").looped_readout_tile == 4096
+    assert model_config(parse_args([]), "cpu").looped_readout_tile == 0
+
+
 def test_tensor_parallel_sizes_checked_against_data_parallel_size():
     """TP is supported: TP=2 on 2 ranks is one data-parallel rank, whose batch checks use DP
     size 1; an explicit vocab_size (not padded) must split over the TP ranks."""

@@ -4,8 +4,9 @@ of labels over vocabulary tiles, with no [.., V] logits or softmax kept for the 
 - the function against plain PyTorch (log_softmax(h W^T / T) gathered, written here), fp64:
   log-probs and the gradients of the input and the weight within 1e-12, tiles that do not
   divide V, one row, the whole vocabulary and more;
-- the model: one-level joint replay and naive steps (PPO + k3 KL + entropy term, T = 1 and
-  0.7, tied and untied embeddings, truncated backprop with the exit gate) with the flag equal
+- the model: one-level joint replay, naive and tree joint replay steps (PPO + k3 KL + entropy
+  term, T = 1 and 0.7, tied and untied embeddings, truncated backprop with the exit gate,
+  vocabulary 50 in tiles of 7) with the flag equal
   the same steps with the plain readout (fp64: loss, new log-probs and every parameter's
   gradient within 1e-12 relative per tensor); decoding's logits bitwise unchanged;
 - tensor parallelism (TP = 2, gloo ranks, MCore DDP): the streamed function against plain
@@ -18,6 +19,7 @@ of labels over vocabulary tiles, with no [.., V] logits or softmax kept for the 
 import pytest
 import torch
 from helpers.sp import grads, make_group
+from helpers.tree import DEPTH2, tree_group
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
 from scalerlt_mcore.model.config import LoopedTransformerConfig
@@ -128,8 +130,8 @@ def _objective(gated: bool) -> RLObjective:
 
 
 def _step(model, group, route: str, objective: RLObjective, T: float) -> tuple:
-    """(the step's loss, the new log-probs [R, G, T'] by a forward-only pass, every
-    parameter's gradient) of one step of ``group`` by ``route``."""
+    """(the step's loss, the new log-probs by a forward-only pass, every parameter's
+    gradient) of one step of ``group`` by ``route`` (``tree``: a tree group's joint replay)."""
     step = rl_forward_step(objective)
     model.zero_grad(set_to_none=True)
     if route == "naive":
@@ -145,6 +147,7 @@ def _step(model, group, route: str, objective: RLObjective, T: float) -> tuple:
         run["data_iterator"] = iter([group])
         new = fb(forward_step_func=step, forward_only=True, collect_non_loss_data=True,
                  **run)[0]
+        new = torch.cat([t.flatten() for t in new]) if isinstance(new, list) else new
     loss = sum(o["loss"] for o in out)
     return loss, new, grads(model)
 
@@ -157,11 +160,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("route", ["joint_replay", "naive"])
+@pytest.mark.parametrize("route", ["joint_replay", "naive", "tree"])
 @pytest.mark.parametrize("name,tied,T,extra", CASES, ids=[c[0] for c in CASES])
 def test_steps_match_the_plain_readout(mcore_single, route, name, tied, T, extra):
     model = _model(tied, **extra)
-    group = make_group(G, P, S, LOOPS, seed=5, kl=True, vocab=VOCAB)
+    group = (tree_group(DEPTH2, LOOPS, seed=6, kl=True) if route == "tree"
+             else make_group(G, P, S, LOOPS, seed=5, kl=True, vocab=VOCAB))
     objective = _objective(bool(extra))
     results = {}
     for tile in (0, TILE):
