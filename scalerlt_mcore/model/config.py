@@ -103,6 +103,13 @@ class LoopedFields:
     """Learned loop credit (RLTT ``learned``): trainable logits, one per loop (initialised
     equal), whose softmax weights the loops' readouts in the RL loss, trained with the policy."""
 
+    looped_readout_tile: int = 0
+    """Streamed readout: > 0 computes the log-probs of labels (training and scoring) over
+    tiles of this many vocabulary rows (``model/streamed_readout.py``), keeping no logits or
+    softmax [R, rows, T, V / tp] for the backward (which recomputes each tile); the same numbers
+    to rounding. 0: the plain readout (logits, then the log-softmax). Decoding's logits are
+    unaffected."""
+
 
 @dataclass
 class LoopedTransformerConfig(LoopedFields, TransformerConfig):
@@ -176,7 +183,8 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
     """All cross-field checks of the ``looped_*`` fields, with errors that name the field."""
     if not isinstance(cfg.looped_num_loops, int) or cfg.looped_num_loops < 1:
         raise ValueError(f"looped_num_loops must be an integer >= 1, got {cfg.looped_num_loops!r}")
-    for name in ("looped_num_prelude_layers", "looped_num_coda_layers", "looped_backprop_loops"):
+    for name in ("looped_num_prelude_layers", "looped_num_coda_layers", "looped_backprop_loops",
+                 "looped_readout_tile"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

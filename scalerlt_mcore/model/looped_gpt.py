@@ -21,6 +21,7 @@ from .host_syncs import mark_host
 from .kv import CacheStep, DepthKVCache, LoopKV, PrefixState, state_signature, upload
 from .linear import ColumnParallelLinear
 from .specs import get_looped_gpt_block_spec, is_block_spec
+from .streamed_readout import streamed_logprobs
 from .vocab_parallel import gather_vocab, logprob_temperature, token_logprobs
 
 INITIAL_STATE_SALT = 271_828
@@ -68,7 +69,9 @@ class LoopedGPTModel(LanguageModule):
 
     Tensor parallelism as in MCore's layers (``vocab_size``: padded as Megatron pads it, to a
     multiple of the TP size): each rank holds its heads' K/V, so prefix states and decoding
-    caches are per rank; log-probs use MCore's vocab-parallel cross entropy.
+    caches are per rank; log-probs use MCore's vocab-parallel cross entropy, or with
+    ``looped_readout_tile`` > 0 the streamed readout (``streamed_readout.py``: over vocabulary
+    tiles, no logits kept for the backward; decoding's logits are the output layer's either way).
 
     Log-probs of labels are those of the distribution the tokens were sampled from at the
     temperature of ``logprobs_at`` (default 1: the logits as they are)."""
@@ -213,8 +216,23 @@ class LoopedGPTModel(LanguageModule):
     def _loop_readout(self, loop: int, hidden: Tensor, labels: Optional[Tensor] = None,
                       config=None):
         with loop_grad_context(config or self.config, loop):
+            if labels is None:
+                return self.readout_and_gate(hidden)
+            return self._labels_readout(hidden, labels)
+
+    def _labels_readout(self, hidden: Tensor, labels: Tensor) -> tuple:
+        """hidden [S, B or 1, H] (pre-final-norm) -> (log-probs [B, S] of labels [B, S],
+        exit-gate logits [B or 1, S] or None): with ``looped_readout_tile`` streamed over
+        vocabulary tiles (``streamed_logprobs``: no logits kept), else from the logits."""
+        tile = self.config.looped_readout_tile
+        if not tile:
             logits, gate = self.readout_and_gate(hidden)
-            return (logits if labels is None else self._logprobs(logits, labels)), gate
+            return self._logprobs(logits.expand(labels.shape[0], -1, -1), labels), gate
+        normed = self._normed(hidden)
+        logprobs = streamed_logprobs(normed.expand(-1, labels.shape[0], -1),
+                                     self._output_weight(), labels, tile, self.pg_collection.tp,
+                                     self._logprob_temperature)
+        return logprobs, self._gate(normed)
 
     def _logprobs(self, logits: Tensor, labels: Tensor) -> Tensor:
         return token_logprobs(logits, labels, self.pg_collection.tp, self._logprob_temperature)
@@ -239,15 +257,26 @@ class LoopedGPTModel(LanguageModule):
     def readout_and_gate(self, hidden: Tensor, gate: bool = True) -> tuple:
         """hidden [S, B, H] -> (logits [B, S, V / tp], exit-gate logits [B, S] from the same
         normed state, or None without a gate or with ``gate=False``)."""
-        normed = (hidden if self.config.looped_normed_state  # the block normed it (Ouro)
-                  else self.decoder.final_layernorm(hidden))
+        normed = self._normed(hidden)
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
         logits, _ = self.output_layer(normed, weight=weight)
-        gate_logits = None
-        if gate and self.decoder.exit_gate is not None:
-            gate_logits = self.decoder.exit_gate(normed).t()  # [B, S]
-        return logits.transpose(0, 1).contiguous(), gate_logits
+        return logits.transpose(0, 1).contiguous(), self._gate(normed) if gate else None
+
+    def _normed(self, hidden: Tensor) -> Tensor:
+        """The readout input: hidden [S, B, H] after the final norm."""
+        return (hidden if self.config.looped_normed_state  # the block normed it (Ouro)
+                else self.decoder.final_layernorm(hidden))
+
+    def _gate(self, normed: Tensor) -> Optional[Tensor]:
+        """Exit-gate logits [B, S] of the readout input [S, B, H], None without a gate."""
+        return None if self.decoder.exit_gate is None else self.decoder.exit_gate(normed).t()
+
+    def _output_weight(self) -> Tensor:
+        """This rank's output rows [V / tp, H]: the output layer's or the tied embedding's."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
 
     def loop_weights(self, num_loops: Optional[int] = None) -> Optional[Tensor]:
         """The learned loop credit [R] (``looped_learned_loop_weights``), else None; R =
@@ -263,28 +292,28 @@ class LoopedGPTModel(LanguageModule):
         ``num_loops`` (None: the config's), the state's own."""
         config = self.config.with_loops(num_loops)
         self._check_inputs(labels[:, None], None, prefix_state, None, config)
-        batch, loops = labels.shape[0], config.looped_num_loops
-        logits, gate = self._boundary_logits(prefix_state.boundary)  # [Bp, R, V/tp], [Bp, R]
-        logits = logits.expand(batch, -1, -1)  # [B, R, V/tp]
-        first = self._logprobs(logits, labels[:, None].expand(batch, loops))  # [B, R]
+        batch = labels.shape[0]
+        first, gate = self._boundary_reads(  # loops play the sequence role: [B, R], [Bp, R]
+            prefix_state.boundary,
+            lambda rows: self._labels_readout(rows, labels[:, None].expand(batch, len(rows))))
         out = LoopedOutput(logprobs=first.t().unsqueeze(-1))  # [R, B, 1]
         if gate is not None:
             gate = gate.expand(batch, -1).t().unsqueeze(-1)  # [R, B, 1]
             out.exit_logprobs = exit_log_distribution(gate)
         return out
 
-    def _boundary_logits(self, boundary: Tensor) -> tuple:
-        """Readout and gate of the per-loop boundary [R, Bp, H] -> ([Bp, R, V/tp], [Bp, R] or
-        None) (loops play the sequence role); the rows of graph-free loops (truncated
-        backprop) under ``no_grad``."""
+    def _boundary_reads(self, boundary: Tensor, read) -> tuple:
+        """``read`` (a readout of loop rows [k, Bp, H] -> ([., k, ...], gate [Bp, k] or None))
+        over the per-loop boundary [R, Bp, H], concatenated along the loops (loops play the
+        sequence role); the rows of graph-free loops (truncated backprop) under ``no_grad``."""
         frozen = self.config.with_loops(boundary.shape[0]).looped_num_graph_free_loops
         if frozen == 0:
-            return self.readout_and_gate(boundary)
+            return read(boundary)
         with torch.no_grad():
-            head = self.readout_and_gate(boundary[:frozen])  # [Bp, R - k, V/tp], [Bp, R - k]
-        tail = self.readout_and_gate(boundary[frozen:])
+            head = read(boundary[:frozen])  # [., R - k, ...], [Bp, R - k]
+        tail = read(boundary[frozen:])
         gate = None if tail[1] is None else torch.cat([head[1], tail[1]], dim=1)  # [Bp, R]
-        return torch.cat([head[0], tail[0]], dim=1), gate  # [Bp, R, V/tp]
+        return torch.cat([head[0], tail[0]], dim=1), gate
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
                         labels: Optional[Tensor] = None,

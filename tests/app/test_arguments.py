@@ -166,6 +166,7 @@ def test_batch_divisibility_names_both_numbers():
      r"looped_num_loops_sampling must be one of .* got 'uniform:3,2'"),
     (["--looped-num-loops-sampling", "poisson"], "looped_num_loops_sampling must be one of"),
     (["--looped-backprop-loops", "-2"], "looped_backprop_loops must be an integer >= 0"),
+    (["--looped-readout-tile", "-1"], "looped_readout_tile must be an integer >= 0, got -1"),
     (["--rl-loop-weights", "exit_pdf"], "rl_loop_weights exit_pdf needs looped_exit_gate true"),
     (["--rl-exit-gate-coef", "0.1"], r"rl_exit_gate_coef > 0 needs looped_exit_gate true"),
     (["--rl-loop-weights", "learned"],
@@ -200,6 +201,14 @@ def test_recompute_flags_reach_the_transformer_config():
     assert (config.recompute_granularity, config.recompute_method,
             config.recompute_num_layers) == ("full", "block", 1)
     assert model_config(parse_args([]), "cpu").recompute_granularity is None
+
+
+def test_readout_tile_flag_reaches_the_transformer_config():
+    """--looped-readout-tile is the model config's ``looped_readout_tile`` (0 without it)."""
+    cfg = parse_args(["--looped-readout-tile", "4096"])
+    validate(cfg, world_size=1)
+    assert model_config(cfg, "cpu").looped_readout_tile == 4096
+    assert model_config(parse_args([]), "cpu").looped_readout_tile == 0
 
 
 def test_tensor_parallel_sizes_checked_against_data_parallel_size():
@@ -555,7 +564,8 @@ FROZEN_CLI_FLAGS = [
     "--looped-initial-state-std", "--looped-injection", "--looped-learned-loop-weights",
     "--looped-loops-warmup-iters", "--looped-num-coda-layers", "--looped-num-loops",
     "--looped-num-loops-sampling", "--looped-num-prelude-layers", "--looped-prefix-attention",
-    "--looped-retrofit", "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
+    "--looped-readout-tile", "--looped-retrofit", "--lr", "--lr-decay-iters",
+    "--lr-decay-style", "--lr-warmup-iters",
     "--make-vocab-size-divisible-by", "--manual-gc", "--manual-gc-interval",
     "--max-position-embeddings", "--micro-batch-size", "--min-lr", "--no-load-optim",
     "--no-load-rng", "--no-plot", "--norm-epsilon", "--normalization", "--num-attention-heads",
