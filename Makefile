@@ -22,9 +22,9 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
-# The suite against another megatron-core (README, "Megatron-Core versions"): its own venv,
-# .venv-mcore<version>, built by tools/mcore_env.py (the cp312 wheel's Python sources unpacked,
-# so it also runs on a Python older than the 3.12 that megatron-core 0.17+ declares).
+# The suite against another megatron-core (docs/testing.md, "Megatron-Core versions"): its own
+# venv, .venv-mcore<version>, built by tools/mcore_env.py (the cp312 wheel's Python sources
+# unpacked, so it also runs on a Python older than the 3.12 that megatron-core 0.17+ declares).
 MCORE       ?= 0.19.2
 MCORE_VENV  := .venv-mcore$(MCORE)
 MCORE_STAMP := $(MCORE_VENV)/.installed
@@ -65,10 +65,10 @@ test-mcore: $(MCORE_STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
-# GPU acceptance check on one CUDA GPU with no network (README, "GPU acceptance check"): the
-# machine's python3 and CUDA torch, megatron-core $(MCORE) and missing pure-Python packages from
-# .wheelhouse/; never creates .venv; everything it writes goes under $(OUT). GPU_CHECK_ARGS:
-# more options of tools/gpu_check.py (e.g. --only A).
+# GPU acceptance check on one CUDA GPU with no network (docs/gpu.md, "The GPU acceptance
+# check"): the machine's python3 and CUDA torch, megatron-core $(MCORE) and missing
+# pure-Python packages from .wheelhouse/; never creates .venv; everything it writes goes under
+# $(OUT). GPU_CHECK_ARGS: more options of tools/gpu_check.py (e.g. --only A).
 # GPU_CHECK_DRY_RUN=1: the same stages on CPU under the interpreter holding megatron-core $(MCORE)
 # (.venv, or .venv-mcore$(MCORE) from `make test-mcore`; refused, naming that, when neither).
 GPU_CHECK_DRY := $(filter-out 0,$(GPU_CHECK_DRY_RUN))

@@ -26,7 +26,7 @@ NAMES = {"naive": "naive (G in one microbatch)",
          "joint_ckpt": "joint replay, checkpointed waves (saved: lower bound)",
          "joint_concat": "joint replay, concat attention",
          "auto": "auto (planner: joint replay or naive)"}
-"""How the README names each schedule."""
+"""How docs/benchmarks.md names each schedule."""
 AUTO_OVER_FASTEST_WALL_MAX = 1.10
 """``auto`` at most 10% slower than the faster of naive and joint replay."""
 
@@ -234,8 +234,9 @@ def raw_table(results: dict) -> str:
 
 
 def readme_tables(doc: dict) -> str:
-    """The README's benchmark tables, from a ``cpu.json`` document: ratios and raw figures of
-    the headline workloads, and the targets: what the README shows after a `make bench`."""
+    """The benchmark tables of docs/benchmarks.md, from a ``cpu.json`` document: ratios and raw
+    figures of the headline workloads, and the targets: what that page shows after a
+    `make bench`."""
     results = {n: doc[n] for n in HEADLINE_NAMES if n in doc}
     lines = ["| workload | G | P | S | W | naive / joint FLOPs, causal [all scores] (design) "
              "| saved bytes | wall | naive_mb1 / joint saved bytes | wall "

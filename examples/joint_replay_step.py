@@ -48,8 +48,9 @@ def main() -> None:
             use_distributed_optimizer=True, overlap_grad_reduce=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
-        # The schedule reaches DDP only through these, as MCore's schedules do.
-        config.no_sync_func, config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+        # The schedule reaches DDP only through these two, as MCore's no-pipelining schedule
+        # does (grad_sync_func, a hook of MCore's pipeline schedules, is not read).
+        config.no_sync_func = ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
 
         forward_backward = get_shared_prefix_forward_backward_func(wave_size=3)

@@ -1,17 +1,24 @@
-"""Every command in the README's ``bash`` blocks works as written, shortened.
+"""Every command in the ``bash`` blocks of README.md and docs/*.md works as written, shortened.
 
-The commands run in README order in one scratch directory (``configs/`` and ``examples/`` linked
-in), so a later command finds what an earlier one wrote (the demo's checkpoint for ``generate``,
-the tiny Llama for the pretrained starts). The main job runs in this process through its
-command-line entry (``cli``) with ``SHORT`` appended (one step, one evaluation batch, no plot);
-a torchrun command is parsed and validated at its world size (its launch is run by
-``tests/app/test_train_e2e.py`` and ``tests/app/test_train_signals.py``). A command the test
-cannot run here is in ``NOT_RUN`` with the reason; any other command is a failure, so a new
-README command needs a runner or a reason.
+Each page's commands run in page order in a scratch directory of their own (``configs/`` and
+``examples/`` linked in), so a later command finds what an earlier one of the same page wrote
+(the demo's checkpoint for ``generate``, the tiny Llama for the pretrained starts). The main
+job runs in this process through its command-line entry (``cli``) with ``SHORT`` appended (one
+step, one evaluation batch, no plot); a torchrun command is parsed and validated at its world
+size (its launch is run by ``tests/app/test_train_e2e.py`` and ``tests/app/test_train_signals.py``).
+
+A command this test cannot run is checked instead (``check``): its flags exist in the parser
+of what it calls, its config, script and data files exist, its ``make`` target and ``pip``
+extra exist. That holds for every command of a block marked ``gpu`` (```` ```bash gpu ````:
+it needs a CUDA GPU, or places a GPU machine's files) and for the commands in ``NOT_RUN``, each
+with the reason. Any other command without a runner is a failure, so a new command needs one,
+a reason, or a ``gpu`` block. ``python`` blocks are compiled and their imports resolved.
 """
 
+import ast
 import contextlib
 import io
+import re
 import runpy
 import shlex
 import sys
@@ -20,62 +27,73 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHORT = ["--train-iters", "1", "--eval-iters", "1", "--eval-interval", "0", "--no-plot", "true"]
 """Appended to every main-job command: one step, one evaluation batch, no plot."""
+TRAIN = ["python", "-m", "scalerlt_mcore.train"]
 
 NOT_RUN = {
     "make test": "the test suite itself",
-    "make wheelhouse": "downloads wheels (needs the network)",
-    "make gpu-check": "needs a CUDA GPU (tests/test_gpu_check.py runs its dry run)",
-    "GPU_CHECK_DRY_RUN=1 make gpu-check": "run by tests/test_gpu_check.py",
-    "python3 tools/gpu_check.py --out": "needs a CUDA GPU (tests/test_gpu_check.py runs its dry "
-                                        "run through the same script)",
-    "pip install -e '.[gpu]'": "Transformer Engine compiles against CUDA (no GPU here)",
-    "examples/launch_h20_8gpu.sh": "8 GPUs (not run)",
-    "torchrun --nnodes 2": "two nodes: tests/app/test_train_signals.py launches a job this way, "
-                           "both agents on localhost",
     "python -m scalerlt_mcore.train --config configs/retrofit_tiny_llama.yaml "
     "--pretrained-checkpoint /path/to/gpt_checkpoint": "a placeholder for the user's stock "
     "GPTModel checkpoint (tests/app/test_pretrained_app.py runs that path)",
-    **dict.fromkeys(
-        [f"torchrun --nproc-per-node 8 -m scalerlt_mcore.train --config configs/{name}"
-         for name in ("ouro_1.4b_h20.yaml", "huginn_0125_h20.yaml", "nanbeige_4.2_3b_h20.yaml")],
-        "8 GPUs and a placeholder for the public checkpoint (a download); "
-        "tests/app/test_h20_configs.py validates each at 8 ranks and runs an RL step on meta"),
     "python -m scalerlt_mcore.train --pretrained-checkpoint /path/to/Ouro-1.4B": "a "
     "placeholder for the user's Ouro checkpoint (a download; tests/app/test_looped_app.py runs "
     "that path on a tiny Ouro written here)",
+    "torchrun --nnodes 2": "two nodes: tests/app/test_train_signals.py launches a job this way, "
+                           "both agents on localhost",
+    "python -c 'import tyro;": "needs tyro 1.0.17, not a dependency (docs/config.md says why "
+                               "it is shown)",
 }
-"""Command prefix -> why this test does not run it."""
+"""Command prefix -> why this test checks it instead of running it."""
 
 
-def commands(text: str) -> list[str]:
-    """The commands of the ``bash`` blocks: continuation lines joined, comments dropped."""
-    out, fenced, pending = [], False, ""
+def blocks(text: str) -> list[tuple[str, str, list[str]]]:
+    """(language, marks, lines) of each fenced block: ```` ```bash gpu ```` -> ("bash", "gpu")."""
+    out, current = [], None
     for line in text.splitlines():
         if line.startswith("```"):
-            fenced = line.strip() == "```bash"
+            if current is None:
+                info = line[3:].split()
+                current = (info[0] if info else "", " ".join(info[1:]), [])
+            else:
+                out.append(current)
+                current = None
+        elif current is not None:
+            current[2].append(line)
+    return out
+
+
+def commands(text: str) -> list[tuple[str, bool]]:
+    """(command, in a ``gpu`` block) of the ``bash`` blocks: continuation lines joined,
+    comments dropped."""
+    out = []
+    for language, marks, lines in blocks(text):
+        if language != "bash":
             continue
-        if not fenced:
-            continue
-        pending += line.rstrip().removesuffix("\\")
-        if not line.rstrip().endswith("\\"):
-            words = shlex.split(pending, comments=True)
-            if words:
-                out.append(shlex.join(words))
-            pending = ""
+        pending = ""
+        for line in lines:
+            pending += line.rstrip().removesuffix("\\")
+            if not line.rstrip().endswith("\\"):
+                words = shlex.split(pending, comments=True)
+                if words:
+                    out.append((shlex.join(words), "gpu" in marks.split()))
+                pending = ""
     return out
 
 
 def test_commands_are_read_from_the_blocks():
     text = ("x\n```bash\nmake demo   # a comment\npython a.py \\\n    --b 'c d'  # more\n```\n"
-            "```yaml\nnot: a command\n```\n")
-    assert commands(text) == ["make demo", "python a.py --b 'c d'"]
+            "```yaml\nnot: a command\n```\n```bash gpu\ntorchrun x\n```\n")
+    assert commands(text) == [("make demo", False), ("python a.py --b 'c d'", False),
+                              ("torchrun x", True)]
 
 
 def _not_run(command: str):
     return next((why for prefix, why in NOT_RUN.items() if command.startswith(prefix)), None)
+
+
+# ---- running ---------------------------------------------------------------------------------
 
 
 def _train(argv: list[str], run_dir: str) -> str:
@@ -122,14 +140,13 @@ def _script(words: list[str]) -> str:
 
 
 def _run(command: str, n: int, scratch: Path) -> str:
-    """Run one README command (``/tmp/...`` paths moved into ``scratch``); -> its output."""
+    """Run one command (``/tmp/...`` paths moved into ``scratch``); -> its output."""
     words = [w.replace("/tmp/", f"{scratch}/tmp/") for w in shlex.split(command)]
-    train = ["python", "-m", "scalerlt_mcore.train"]
     if words == ["make", "demo"]:
         recipe = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].splitlines()[1]
         assert recipe.strip() == "$(PY) -m scalerlt_mcore.train", recipe
         return _train([], f"runs/{n}")
-    if words[:3] == train:
+    if words[:3] == TRAIN:
         return _train(words[3:], f"runs/{n}")
     if words[0] == "torchrun":
         return _torchrun(words)
@@ -142,36 +159,146 @@ def _run(command: str, n: int, scratch: Path) -> str:
 
         main(words[3:])
         return ""
-    raise AssertionError(f"no runner for README command {command!r}: add one, or a reason to "
-                         f"NOT_RUN")
+    raise AssertionError(f"no runner for command {command!r}: add one, a reason to NOT_RUN, "
+                         f"or mark its block gpu")
 
 
-def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
+# ---- checking what is not run ----------------------------------------------------------------
+
+
+def _parser_flags(module: str) -> set[str]:
+    """The ``--flags`` an argparse entry declares (read from its source)."""
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", (ROOT / module).read_text()))
+
+
+def _check_files(words: list[str]) -> None:
+    """Every word naming a file of this repository (configs/, examples/, tools/, benchmarks/)
+    names one that exists."""
+    for word in words:
+        path = word.partition("=")[2] or word
+        if re.match(r"(configs|examples|tools|benchmarks)/", path):
+            assert (ROOT / path).exists(), f"{path} does not exist"
+
+
+def _check_train_args(argv: list[str]) -> None:
+    from scalerlt_mcore.app.config import parse_args
+
+    parse_args(argv)  # unknown flags, bad values and a missing --config file are errors
+
+
+def _check_make(words: list[str]) -> None:
+    target = next(w for w in words[words.index("make") + 1:] if "=" not in w)
+    assert re.search(rf"^{re.escape(target)}:", (ROOT / "Makefile").read_text(), flags=re.M), \
+        f"no make target {target!r}"
+
+
+def _check_script(words: list[str]) -> None:
+    """``examples/launch_h20_8gpu.sh``: executable, and its torchrun line checked."""
+    script = ROOT / words[0]
+    assert script.is_file() and script.stat().st_mode & 0o111, f"{words[0]} is not executable"
+    text = script.read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("torchrun"))
+    check(shlex.join(w for w in shlex.split(line) if w != "$@"))
+
+
+def check(command: str) -> None:
+    """Check a command without running it: what it names exists (see the module docstring)."""
+    words = shlex.split(command)
+    words = words[:words.index("|")] if "|" in words else words
+    _check_files(words)
+    if "make" in words:
+        return _check_make(words)
+    if words[:2] == ["pip", "install"]:
+        extra = re.fullmatch(r"\.\[(\w+)\]", words[-1]).group(1)
+        extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+        assert re.search(rf"^{extra} = \[", extras, flags=re.M), f"no extra {extra!r} in pyproject"
+        return None
+    if words[0].endswith(".sh"):
+        return _check_script(words)
+    if words[:2] == ["python", "-c"]:
+        compile(words[2], "<command>", "exec")
+        return None
+    if words[0] == "torchrun" or words[:3] == TRAIN:
+        return _check_train_args(words[words.index("scalerlt_mcore.train") + 1:])
+    module = ({"scalerlt_mcore.export": "scalerlt_mcore/export.py",
+               "scalerlt_mcore.generate": "scalerlt_mcore/generate.py"}.get(words[2])
+              if words[1] == "-m" else words[1])
+    if words[0] in ("python", "python3") and module:
+        flags = {w.partition("=")[0] for w in words if w.startswith("--")}
+        unknown = flags - _parser_flags(module)
+        assert not unknown, f"{module} has no {sorted(unknown)}"
+        return None
+    raise AssertionError(f"no check for command {command!r}")
+
+
+# ---- the tests -------------------------------------------------------------------------------
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_command_runs_or_is_checked(page, tmp_path, monkeypatch, capsys):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     (tmp_path / "tmp").mkdir()
     monkeypatch.chdir(tmp_path)
-    failures, ran = [], 0
-    for n, command in enumerate(commands(README.read_text())):
-        if _not_run(command):
-            continue
+    failures = []
+    for n, (command, gpu) in enumerate(commands(page.read_text())):
         try:
-            _run(command, n, tmp_path)
-            ran += 1
+            if gpu or _not_run(command):
+                check(command)
+            else:
+                _run(command, n, tmp_path)
         except (Exception, SystemExit) as e:
             failures.append(f"{command}\n    -> {type(e).__name__}: {e}\n"
                             f"    {capsys.readouterr().err[-600:]}")
-    assert not failures, "README commands that fail:\n" + "\n".join(failures)
-    assert ran >= 12, ran
+    assert not failures, f"{_page_id(page)}: commands that fail:\n" + "\n".join(failures)
 
 
-def test_the_readme_multi_node_line_is_the_tested_launch():
+def test_the_pages_have_the_commands_they_had():
+    """The run commands did not vanish when the README moved into docs/: at least as many as
+    the README ran before, and each GPU block is checked."""
+    found = [(c, gpu) for page in PAGES for c, gpu in commands(page.read_text())]
+    run = [c for c, gpu in found if not gpu and not _not_run(c)]
+    assert len(run) >= 21, run  # the 21 the README ran before
+    assert sum(gpu for _, gpu in found) >= 8
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_python_blocks_compile_and_import(page):
+    for language, _, lines in blocks(page.read_text()):
+        if language != "python":
+            continue
+        for node in ast.parse("\n".join(lines), page.name).body:
+            if isinstance(node, ast.ImportFrom):
+                module = __import__(node.module, fromlist=["_"])
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
+
+
+def test_the_multi_node_line_is_the_tested_launch():
     from helpers.train_runs import TWO_NODES
 
-    line = next(c for c in commands(README.read_text()) if c.startswith("torchrun --nnodes 2"))
+    text = (ROOT / "docs" / "running.md").read_text()
+    line = next(c for c, _ in commands(text) if c.startswith("torchrun --nnodes 2"))
     assert shlex.join(TWO_NODES) in line, (TWO_NODES, line)
 
 
 def test_an_unknown_command_needs_a_runner_or_a_reason(tmp_path):
-    with pytest.raises(AssertionError, match="no runner for README command 'ls -l'"):
+    with pytest.raises(AssertionError, match="no runner for command 'ls -l'"):
         _run("ls -l", 0, tmp_path)
+
+
+@pytest.mark.parametrize("command, error", [
+    ("torchrun --nproc-per-node 8 -m scalerlt_mcore.train --config configs/nope.yaml", "nope"),
+    ("python -m scalerlt_mcore.train --no-such-flag 1", "no_such_flag"),
+    ("make no-such-target", "no make target"),
+    ("pip install -e '.[nope]'", "no extra"),
+    ("python3 tools/gpu_check.py --no-such-option x", "no-such-option"),
+    ("python -m scalerlt_mcore.export --no-such-option x", "no-such-option"),
+])
+def test_a_checked_command_that_names_nothing_fails(command, error):
+    with pytest.raises((Exception, SystemExit), match=error):
+        check(command)

@@ -26,7 +26,7 @@ from scalerlt_mcore.testing import _free_port
 # every step
 JOB = _flags(global_batch_size=8, eval_iters=1, eval_interval=0, train_iters=40, no_plot=True,
              save_interval=1)
-"""torchrun's multi-node form, one process per node (the README's multi-node line)."""
+"""torchrun's multi-node form, one process per node (the multi-node line of docs/running.md)."""
 STOPPED = re.compile(r"interrupted: checkpoint saved after step (\d+)")
 
 
