@@ -266,6 +266,21 @@ def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
         Planner("auto", "auto", 1000)  # the planner knows no loss: the caller says its bytes
 
 
+def test_a_budget_under_activation_recompute_is_refused(mcore_single):
+    """Under recompute the joint-replay memory model under-predicts (a recomputed chunk saves
+    the prefix K/V it reads, and its backward rebuilds a chunk's activations): no budget is
+    planned there, naive planning and a fixed wave size without a budget stay."""
+    model = build_model(R=2, recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=1)
+    group = make_group(4, 12, 5, 2, seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"memory_budget cannot plan joint replay under "
+                                         r"activation recompute \(recompute_granularity 'full'"):
+        Planner("auto", "auto", 2**30, loss_per_position=LOSS_BYTES)(group, model)
+    assert Planner(2, "retain")(group, model) == GroupPlan(2, retain=True)
+    assert Planner(2, memory_budget=2**30, schedule="naive", naive_micro_batch_size=1,
+                   loss_per_position=LOSS_BYTES)(group, model).naive
+
+
 def test_fixed_wave_size_auto_prompt(mcore_single):
     """With a fixed wave size, ``prompt="auto"`` keeps it and retains where that fits (always,
     without a budget)."""
