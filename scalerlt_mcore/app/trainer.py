@@ -471,11 +471,15 @@ class RLTrainer:
         return out
 
     def _reduce(self, metrics: dict) -> dict:
-        """Mean of scalar metrics over data-parallel ranks."""
+        """Mean of scalar metrics over data-parallel ranks; a per-token loss is the step's
+        token mean, its sum over ranks over their token count (``step_token_mean``)."""
         keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
         vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
                             device=self.device)  # NCCL reduces device tensors only
         if self.world > 1:
             dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
             vals /= self.world
-        return {**metrics, **dict(zip(keys, vals.tolist()))}
+        out = {**metrics, **dict(zip(keys, vals.tolist()))}
+        if "loss_tokens" in out:
+            out["loss"] = out.pop("loss_token_sum") / out.pop("loss_tokens")
+        return out

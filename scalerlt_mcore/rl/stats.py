@@ -6,17 +6,20 @@ import torch
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss (with a per-token loss's [sum, count] reports: the token mean of the
     microbatches), and clip fraction and k3 KL per response token, from either schedule's
-    per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch)."""
-    first = out[0]["loss"]
+    per-microbatch dicts of sums (joint replay: one per group; naive: one per microbatch).
+    Per-token reports also give their sums (``loss_token_sum``, ``loss_tokens``), from which a
+    mean over ranks is the step's token mean (``step_token_mean``)."""
+    first, pair = out[0]["loss"], {}
     if torch.is_tensor(first) and first.numel() == 2:  # per-token: MCore's reporting form
         pairs = torch.stack([o["loss"].detach().double() for o in out]).sum(0)
         loss = float(pairs[0] / pairs[1])
+        pair = {"loss_token_sum": float(pairs[0]), "loss_tokens": float(pairs[1])}
     else:
         loss = sum(float(o["loss"]) for o in out) / num_groups
     tokens = sum(float(o["tokens"]) for o in out)
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens
-    result = {"loss": loss, "clip_fraction": clip, "kl": kl, **_plans(out)}
+    result = {"loss": loss, "clip_fraction": clip, "kl": kl, **pair, **_plans(out)}
     for key in ("exit_loop", "exit_entropy"):  # with the exit gate: means per response token
         if key in out[0]:
             result[key] = sum(float(o[key]) for o in out) / tokens

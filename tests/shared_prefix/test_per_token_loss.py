@@ -359,3 +359,25 @@ def test_summary_loss_is_the_token_mean_of_the_reports():
     out = [{"loss": torch.tensor([3.0, 2.0]), "tokens": 2.0, "clipped": 0.0, "kl": 0.0},
            {"loss": torch.tensor([1.0, 6.0]), "tokens": 6.0, "clipped": 0.0, "kl": 0.0}]
     assert summarise(out, 2)["loss"] == 0.5  # (3 + 1) / (2 + 6), not (1.5 + 1/6) / 2
+
+
+def _logged_loss_worker(rank, world_size) -> float:
+    """The trainer's reduction of one step's summary on ``rank``: rank 0 trained 2 tokens of
+    loss 3, rank 1 6 tokens of loss 1."""
+    from types import SimpleNamespace
+
+    from scalerlt_mcore.app.trainer import RLTrainer
+    from scalerlt_mcore.rl.stats import summarise
+
+    report = torch.tensor([[3.0, 2.0], [1.0, 6.0]][rank], dtype=torch.float64)
+    out = [{"loss": report, "tokens": report[1], "clipped": 0.0, "kl": 0.0}]
+    trainer = SimpleNamespace(world=world_size, device=torch.device("cpu"))
+    return RLTrainer._reduce(trainer, summarise(out, 1))
+
+
+def test_logged_loss_is_the_step_token_mean_over_ranks():
+    """(3 + 1) / (2 + 6) on every rank, not the mean of the ranks' token means (1.5 + 1/6) / 2,
+    and the sums do not reach the log."""
+    for metrics in run_distributed(_logged_loss_worker, 2):
+        assert metrics["loss"] == 0.5
+        assert "loss_tokens" not in metrics and "loss_token_sum" not in metrics
