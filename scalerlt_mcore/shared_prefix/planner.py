@@ -26,6 +26,7 @@ family. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
 
+import contextlib
 import math
 import time
 import weakref
@@ -358,11 +359,36 @@ def _measured_forward(model, R: int, s: int, readout: bool) -> int:
     model.train()
     try:
         with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-              torch.enable_grad(), SavedTensorProbe(model) as probe):
+              _flash_on_meta(device), torch.enable_grad(), SavedTensorProbe(model) as probe):
             model(tokens, labels=labels, readout=readout, num_loops=R)
         return probe.peak_bytes
     finally:
         model.train(training)
+
+
+@contextlib.contextmanager
+def _flash_on_meta(device):
+    """On ``meta`` (a model sized for a GPU, no GPU here) plain SDPA would run its math
+    kernel and save fp32 scores; a GPU runs flash attention: half-precision calls without a
+    mask go to the flash op (whose ``meta`` kernel saves what it saves on a GPU: q, k, v, the
+    output and the log-sum-exp)."""
+    if device.type != "meta":
+        yield
+        return
+    plain = torch.nn.functional.scaled_dot_product_attention
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = flash
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = plain
 
 
 # ---- the pieces of a step -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from scalerlt_mcore.shared_prefix.planner import (
     ModelShape,
     Planner,
     adjoint_bytes,
+    naive_memory,
     plan_memory,
 )
 from scalerlt_mcore.testing import run_distributed
@@ -264,6 +265,20 @@ def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
     with pytest.raises(ValueError, match="a memory budget: a memory prediction needs "
                        "loss_per_position"):
         Planner("auto", "auto", 1000)  # the planner knows no loss: the caller says its bytes
+
+
+@pytest.mark.parametrize("kw", [dict(R=2, hidden=64, heads=4),
+                                dict(R=3, arch=True, hidden=64, heads=4, num_query_groups=2,
+                                     normalization="RMSNorm")])
+def test_a_model_on_meta_calibrates_as_on_a_device(mcore_single, kw):
+    """A full-size model is planned on ``meta`` (no memory, no GPU): its calibration runs the
+    fused attention a device runs (``_flash_on_meta``), not SDPA's math kernel with fp32 scores,
+    so it predicts what the same bf16 model measures on CPU (fused there too), within 2%."""
+    cpu = build_model(**kw).to(torch.bfloat16)
+    meta = build_model(**kw).to(torch.bfloat16).to("meta")
+    pred = [naive_memory(ModelShape.from_model(m), 24, 8, 4, 1, LOSS_BYTES).saved_bytes
+            for m in (cpu, meta)]
+    assert abs(pred[1] / pred[0] - 1) <= 0.02, pred
 
 
 def test_a_budget_under_activation_recompute_is_refused(mcore_single):
