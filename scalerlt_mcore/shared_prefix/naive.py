@@ -67,8 +67,8 @@ def split_loss(outputs: tuple, per_token: bool) -> tuple:
     if per_token and len(outputs) != 3:
         raise ValueError(f"config.calculate_per_token_loss: the loss_func must return (loss "
                          f"summed over the wave's tokens, num_tokens, stats), got "
-                         f"{len(outputs)} values (e.g. RLObjective normalization "
-                         f"'step_token_mean')")
+                         f"{len(outputs)} values (a loss normalised per group cannot be "
+                         f"divided by the step's token count)")
     if not per_token and len(outputs) != 2:
         raise ValueError(f"a shared-prefix loss_func returns (loss, stats): the wave's share of "
                          f"the group loss, normalised over the whole group (a per-wave token "
