@@ -180,29 +180,32 @@ class LoopedTransformerConfig(LoopedFields, TransformerConfig):
 
 
 def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
-    """All cross-field checks of the ``looped_*`` fields, with errors that name the field."""
+    """All cross-field checks of the ``looped_*`` fields: a ``FieldError`` names the field (a
+    caller with its own name for it says that name), a ``NotImplementedError`` what the looped
+    GPT does not support."""
     if not isinstance(cfg.looped_num_loops, int) or cfg.looped_num_loops < 1:
-        raise ValueError(f"looped_num_loops must be an integer >= 1, got {cfg.looped_num_loops!r}")
+        raise FieldError("looped_num_loops",
+                         f"must be an integer >= 1, got {cfg.looped_num_loops!r}")
     for name in ("looped_num_prelude_layers", "looped_num_coda_layers", "looped_backprop_loops",
                  "looped_readout_tile"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            raise FieldError(name, f"must be an integer >= 0, got {value!r}")
     for f in dataclasses.fields(cfg):
         if f.name.startswith("looped_") and get_origin(f.type) is Literal:
             allowed, value = get_args(f.type), getattr(cfg, f.name)
             if value not in allowed:
-                raise ValueError(f"{f.name} must be one of {allowed}, got {value!r}")
+                raise FieldError(f.name, f"must be one of {allowed}, got {value!r}")
     if cfg.looped_normed_state and (cfg.looped_num_prelude_layers or cfg.looped_num_coda_layers):
-        raise ValueError(f"looped_family {cfg.looped_family!r} loops the whole stack: "
+        raise FieldError("looped_family", f"{cfg.looped_family!r} loops the whole stack: "
                          f"looped_num_prelude_layers and looped_num_coda_layers must be 0, got "
                          f"{cfg.looped_num_prelude_layers} and {cfg.looped_num_coda_layers}")
     if not cfg.looped_initial_state_std >= 0:
-        raise ValueError(f"looped_initial_state_std must be >= 0, got "
-                         f"{cfg.looped_initial_state_std!r}")
+        raise FieldError("looped_initial_state_std",
+                         f"must be >= 0, got {cfg.looped_initial_state_std!r}")
     if cfg.looped_family == "huginn" and cfg.looped_injection != "linear_concat":
-        raise ValueError(f"looped_family 'huginn' needs looped_injection 'linear_concat' (its "
-                         f"adapter), got {cfg.looped_injection!r}")
+        raise FieldError("looped_family", f"'huginn' needs looped_injection 'linear_concat' "
+                         f"(its adapter), got {cfg.looped_injection!r}")
     if cfg.looped_family != "gpt" and cfg.tensor_model_parallel_size > 1:
         raise NotImplementedError(f"looped_family {cfg.looped_family!r} with "
                                   f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: "
@@ -232,13 +235,13 @@ def _check_recompute(cfg: LoopedTransformerConfig) -> None:
     (``recompute.py``): a method or layer count without ``full`` granularity, a count < 1."""
     granularity, n = cfg.recompute_granularity, cfg.recompute_num_layers
     if cfg.recompute_method is not None and granularity != "full":
-        raise ValueError(f"recompute_method {cfg.recompute_method!r} (--recompute-method) "
+        raise FieldError("recompute_method", f"{cfg.recompute_method!r} (--recompute-method) "
                          f"needs recompute_granularity 'full', got {granularity!r}")
     if n is not None and granularity != "full":
-        raise ValueError(f"recompute_num_layers (--recompute-num-layers) needs "
+        raise FieldError("recompute_num_layers", "(--recompute-num-layers) needs "
                          f"recompute_granularity 'full', got {granularity!r}")
     if granularity == "full" and (not isinstance(n, int) or n < 1):
-        raise ValueError(f"recompute_num_layers (--recompute-num-layers) must be an integer "
+        raise FieldError("recompute_num_layers", "(--recompute-num-layers) must be an integer "
                          f">= 1 with recompute_granularity 'full', got {n!r}")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scalerlt_mcore.model import LoopedGPTModel, get_looped_gpt_layer_local_spec
-from scalerlt_mcore.model.config import LoopedTransformerConfig
+from scalerlt_mcore.model.config import FieldError, LoopedTransformerConfig
 
 VOCAB = 64
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
@@ -44,6 +44,30 @@ def suffix(batch: int = 1, length: int = 3) -> torch.Tensor:
 def test_bad_looped_config(field, value, match):
     with pytest.raises(ValueError, match=match):
         LoopedTransformerConfig(**{**BASE, field: value})
+
+
+@pytest.mark.parametrize("overrides, field, reason", [
+    (dict(looped_num_loops=0), "looped_num_loops", "must be an integer >= 1, got 0"),
+    (dict(looped_num_coda_layers=-1), "looped_num_coda_layers",
+     "must be an integer >= 0, got -1"),
+    (dict(looped_readout_tile=-4), "looped_readout_tile", "must be an integer >= 0, got -4"),
+    (dict(looped_injection="add"), "looped_injection",
+     "must be one of ('none', 'linear_concat'), got 'add'"),
+    (dict(looped_initial_state_std=-1.0), "looped_initial_state_std", "must be >= 0, got -1.0"),
+    (dict(looped_family="ouro"), "looped_family",
+     "'ouro' loops the whole stack: looped_num_prelude_layers and looped_num_coda_layers must "
+     "be 0, got 1 and 1"),
+    (dict(looped_family="huginn", looped_num_prelude_layers=0, looped_num_coda_layers=0),
+     "looped_family", "'huginn' needs looped_injection 'linear_concat' (its adapter), got 'none'"),
+    (dict(recompute_method="block"), "recompute_method",
+     "'block' (--recompute-method) needs recompute_granularity 'full', got None"),
+])
+def test_looped_config_errors_name_their_field(overrides, field, reason):
+    """The config raises a ``FieldError``: the field and the reason apart, so that a caller
+    with its own name for the field says that name without rewriting the message."""
+    with pytest.raises(FieldError) as e:
+        LoopedTransformerConfig(**{**BASE, **overrides})
+    assert (e.value.field, e.value.reason, str(e.value)) == (field, reason, f"{field} {reason}")
 
 
 @pytest.mark.parametrize("overrides, match", [
