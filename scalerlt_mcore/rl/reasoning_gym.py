@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..model.config import FieldError
 from .tasks import Problem, Task
 
 PREFIX = "reasoning_gym:"
@@ -28,14 +29,14 @@ def _create(dataset: str, options: dict):
     try:
         import reasoning_gym
     except ImportError as e:  # an install without the package
-        raise ValueError("rl_task reasoning_gym:* needs the reasoning-gym package "
+        raise FieldError("rl_task", "reasoning_gym:* needs the reasoning-gym package "
                          "(pip install reasoning-gym)") from e
     if dataset not in reasoning_gym.factory.DATASETS:
         known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
         raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; known: {known}")
     if "seed" in options or "size" in options:
-        raise ValueError("rl_task_options of a reasoning-gym task set neither seed nor size "
-                         "(problems are drawn from the run's --seed)")
+        raise FieldError("rl_task_options", "of a reasoning-gym task set neither seed nor "
+                         "size (problems are drawn from the run's --seed)")
     try:
         return reasoning_gym.create_dataset(dataset, seed=0, size=INDEX_SPACE, **options)
     except (TypeError, AssertionError, ValueError) as e:

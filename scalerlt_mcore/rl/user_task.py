@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..model.config import FieldError
 from .tasks import EVAL_BUCKETS, SPLITS, Problem, Task, split_of
 
 DATASET_FORMATS = ("jsonl", "parquet")
@@ -51,27 +52,28 @@ def is_dataset(name: str) -> bool:
 
 
 def load_object(spec: str, what: str) -> Any:
-    """The object ``module.path:name`` (or ``path/to/file.py:name``); ``what`` names the flag in
-    the one-line error when the module, the file or the name is missing."""
+    """The object ``module.path:name`` (or ``path/to/file.py:name``); ``what`` names the key
+    (``rl_task``, ``rl_reward``) of the ``FieldError`` when the module, the file or the name is
+    missing."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {spec!r} must be module.path:name or path/to/file.py:name")
+        raise FieldError(what, f"{spec!r} must be module.path:name or path/to/file.py:name")
     module = _load_module(module_name, spec, what)
     if not hasattr(module, attr):
-        raise ValueError(f"{what} {spec}: module {module_name!r} has no attribute {attr!r}")
+        raise FieldError(what, f"{spec}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
 
 
 def _load_module(name: str, spec: str, what: str):
     """The module ``name``: imported, or executed from the file ``name`` ending in ``.py``."""
     if name.endswith(".py") and not Path(name).is_file():
-        raise ValueError(f"{what} {spec}: no file {name}")
+        raise FieldError(what, f"{spec}: no file {name}")
     try:
         return _module_from_file(Path(name)) if name.endswith(".py") else (
             importlib.import_module(name))
     except Exception as e:  # the user's module: missing, or failing at import
-        raise ValueError(f"{what} {spec}: cannot import {name!r} ({type(e).__name__}: "
-                         f"{e})") from e
+        raise FieldError(what, f"{spec}: cannot import {name!r} ({type(e).__name__}: "
+                               f"{e})") from e
 
 
 def _module_from_file(path: Path):
@@ -85,7 +87,7 @@ def load_callable(spec: str, what: str) -> Callable:
     """``load_object`` that must be callable."""
     fn = load_object(spec, what)
     if not callable(fn):
-        raise ValueError(f"{what} {spec}: {type(fn).__name__} object is not callable")
+        raise FieldError(what, f"{spec}: {type(fn).__name__} object is not callable")
     return fn
 
 
@@ -99,11 +101,13 @@ def factory_task(spec: str, options: dict) -> "UserTask":
     try:
         task = factory(**options)
     except Exception as e:  # the user's code: its error, named
-        raise ValueError(f"rl_task {spec}: the factory raised {type(e).__name__}: {e}") from e
+        raise FieldError("rl_task", f"{spec}: the factory raised {type(e).__name__}: "
+                                    f"{e}") from e
     missing = [a for a in TASK_PROTOCOL if not hasattr(type(task), a)]
     if missing:
-        raise ValueError(f"rl_task {spec}: the factory returned a {type(task).__name__}, not a "
-                         f"Task (scalerlt_mcore.rl.tasks.Task; it lacks {', '.join(missing)})")
+        raise FieldError("rl_task", f"{spec}: the factory returned a {type(task).__name__}, "
+                         f"not a Task (scalerlt_mcore.rl.tasks.Task; it lacks "
+                         f"{', '.join(missing)})")
     return UserTask(spec, task)
 
 
@@ -118,8 +122,8 @@ class UserTask(Task):
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         problems = list(self.inner.sample(seed, n, split))
         if len(problems) != n:
-            raise ValueError(f"rl_task {self.name}: sample(n={n}) returned {len(problems)} "
-                             f"problems")
+            raise FieldError("rl_task", f"{self.name}: sample(n={n}) returned "
+                                        f"{len(problems)} problems")
         for p in problems:
             self._check_split(p.prompt, split)
         return problems
@@ -132,7 +136,7 @@ class UserTask(Task):
 
     def _check_split(self, prompt: str, split: str) -> None:
         if split_of(prompt) != split:
-            raise ValueError(f"rl_task {self.name}: a {split} draw returned the prompt "
+            raise FieldError("rl_task", f"{self.name}: a {split} draw returned the prompt "
                              f"{prompt[:40]!r} of the {split_of(prompt)} split (a prompt's split "
                              f"is split_of(prompt), scalerlt_mcore.rl.tasks)")
 
@@ -278,7 +282,7 @@ def _read_parquet(path: str) -> list:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:  # an install without the rl extra
-        raise ValueError("rl_task parquet:PATH needs the pyarrow package (pip install "
+        raise FieldError("rl_task", "parquet:PATH needs the pyarrow package (pip install "
                          "pyarrow)") from e
     try:
         return pq.read_table(path).to_pylist()

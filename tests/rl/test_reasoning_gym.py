@@ -96,3 +96,13 @@ def test_validate_checks_the_task_against_the_tokenizer():
                        r"task's longest answer \(2\)"):
         validate(parse_args(_rg_flags("--tokenizer-type", "ByteLevelTokenizer",
                                       "--rl-max-response-length", "1")), world_size=1)
+
+
+def test_an_option_error_names_its_key_once():
+    """The task raises a ``FieldError`` of ``rl_task_options``: the app says it as it is, with
+    no second name in front."""
+    with pytest.raises(ConfigError) as e:
+        validate(parse_args(_rg_flags("--rl-task-options", "{seed: 3}")), world_size=1)
+    assert ("rl_task_options of a reasoning-gym task set neither seed nor size (problems are "
+            "drawn from the run's --seed)") in str(e.value)
+    assert "rl_task / rl_task_options" not in str(e.value)

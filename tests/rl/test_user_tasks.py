@@ -23,6 +23,7 @@ import pytest
 from helpers.train_runs import ENV, TRAIN, _flags
 
 from scalerlt_mcore.app.config import ConfigError, parse_args, validate
+from scalerlt_mcore.model.config import FieldError
 from scalerlt_mcore.rl import get_task
 from scalerlt_mcore.rl.tasks import split_of
 from scalerlt_mcore.rl.user_task import RewardError
@@ -193,6 +194,24 @@ def test_bad_specs_are_one_line_naming_the_spec(user_files, monkeypatch, flags, 
     with pytest.raises(ConfigError) as error:
         validate(parse_args(_flags(**flags)), 1)
     assert message in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("name, reward, field, reason", [
+    ("missing.py:make", None, "rl_task", "missing.py:make: no file missing.py"),
+    ("mytask:not_a_task", None, "rl_task", "mytask:not_a_task: the factory returned a int, not "
+     "a Task (scalerlt_mcore.rl.tasks.Task; it lacks sample, reward, supervised_pairs, "
+     "max_prompt_chars, max_answer_chars)"),
+    ("jsonl:rows.jsonl", "myreward:nothing", "rl_reward",
+     "myreward:nothing: module 'myreward' has no attribute 'nothing'"),
+])
+def test_a_bad_spec_is_a_field_error_of_its_key(user_files, monkeypatch, name, reward, field,
+                                                reason):
+    """The task library names the key of a bad spec as a ``FieldError``'s field: the app
+    reports it as it is, no check of the message's words."""
+    monkeypatch.chdir(user_files)
+    with pytest.raises(FieldError) as e:
+        get_task(name, rl_reward=reward)
+    assert (e.value.field, e.value.reason) == (field, reason)
 
 
 @pytest.mark.parametrize("row, column", [({"answer": "a"}, "prompt"),

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
-from ...model.config import parse_loop_sampling
+from ...model.config import FieldError, parse_loop_sampling
 from ...rl.advantages import AdvantageMode
 from ...rl.loop_credit import LoopWeights
 from ...rl.objective import Normalization, RLObjective
@@ -263,9 +263,10 @@ def _check_task(cfg: "RunConfig") -> list[str]:
     try:
         task = task_from(cfg)
         task.sample(0, 1, split="eval")
+    except FieldError as e:  # names its key (rl_task, rl_reward, rl_task_options)
+        return [str(e)]
     except ValueError as e:
-        named = str(e).startswith(("rl_task ", "rl_reward "))
-        return [f"{'' if named else 'rl_task / rl_task_options: '}{e}"]
+        return [f"rl_task / rl_task_options: {e}"]
     try:
         tok = tokenizer_from(cfg)
     except (ValueError, OSError):
