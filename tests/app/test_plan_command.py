@@ -108,14 +108,16 @@ def _mib(text: str) -> float:
 
 def test_shortfall_names_the_numbers(capsys):
     """A GPU that holds the model state and the rollout cache (not beside a training step),
-    but not the smallest step beside the state."""
-    cfg, workload = parse(TINY)
+    but not the smallest step beside the state: a long prompt, short responses (a small
+    cache)."""
+    flags = TINY + ["--plan-prompt-length", "56", "--rl-max-response-length", "4"]
+    cfg, workload = parse(flags)
     with model_parallel_context(seed=1):
         report = make_report(cfg, workload)
         assert shortfall(report) == ""
         least = min(row.memory.peak_bytes for row in report.rows[:2])
-        gpu = report.state_bytes + max(report.rollout_cache, 0.5 * least)
         assert report.rollout_cache < least
+        gpu = report.state_bytes + max(report.rollout_cache, 0.5 * least)
         short = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu))
     # the smallest verified step: naive micro-batch 1 with recompute, or the smallest joint
     least = min(row.memory.peak_bytes for row in short.rows[:3])
@@ -126,7 +128,7 @@ def test_shortfall_names_the_numbers(capsys):
     assert got, line
     assert abs(_mib(got[1]) - (short.state_bytes + least)) <= 0.005 * 2**20
     assert abs(_mib(got[3]) - gpu) <= 0.005 * 2**20
-    code = main(TINY + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
+    code = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
     out, err = capsys.readouterr()
     assert code == 1 and "none fits" in out and err == f"error: {line}\n"
 
