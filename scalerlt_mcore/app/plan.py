@@ -100,9 +100,17 @@ class Report:
         return sum(self.state.values())
 
     @property
+    def resident_bytes(self) -> int:
+        """What a training step finds held: the model state, and the rollout cache where
+        graphed decoding keeps it across steps (``rl_decode_cuda_graph``; else it is freed
+        when the rollout returns)."""
+        kept = self.rollout_cache if self.cfg.rl.rl_decode_cuda_graph else 0
+        return self.state_bytes + kept
+
+    @property
     def budget(self) -> float:
-        """What a training step may take beside the model state."""
-        return self.workload.gpu_bytes - self.state_bytes
+        """What a training step may take beside ``resident_bytes``."""
+        return self.workload.gpu_bytes - self.resident_bytes
 
 
 # ---- the command line -------------------------------------------------------------------------
@@ -291,16 +299,18 @@ def make_report(cfg, workload: Workload, model=None) -> Report:
     twin = meta_model(cfg, recompute=True)
     R = cfg.model.looped_num_loops
     m, mr = ModelShape.from_model(plain, R), ModelShape.from_model(twin, R)
-    state = state_bytes(cfg, model, workload.world_size)
-    budget = workload.gpu_bytes - sum(state.values())
     plan, memory, error = run_choice(cfg, model, ModelShape.from_model(model, R), workload)
-    rows = [_naive_row("naive, micro-batch 1", m, cfg, workload, False),
-            _naive_row("naive, micro-batch 1, recompute", mr, cfg, workload, True),
-            _joint_row("joint replay", plain, m, cfg, workload, budget, False),
-            _joint_row("joint replay, recompute", twin, mr, cfg, workload, budget, True,
-                       "unverified")]
-    return Report(cfg, workload, sum(p.numel() for p in model.parameters()), state,
-                  rollout_cache_bytes(cfg, model, workload), rows, plan, memory, error)
+    report = Report(cfg, workload, sum(p.numel() for p in model.parameters()),
+                    state_bytes(cfg, model, workload.world_size),
+                    rollout_cache_bytes(cfg, model, workload), [], plan, memory, error)
+    budget = report.budget
+    report.rows = [
+        _naive_row("naive, micro-batch 1", m, cfg, workload, False),
+        _naive_row("naive, micro-batch 1, recompute", mr, cfg, workload, True),
+        _joint_row("joint replay", plain, m, cfg, workload, budget, False),
+        _joint_row("joint replay, recompute", twin, mr, cfg, workload, budget, True,
+                   "unverified")]
+    return report
 
 
 def plan_run(cfg, workload: Workload) -> Report:
@@ -346,7 +356,8 @@ def format_report(r: Report) -> str:
     lines += [f"  {'model state':<38}{r.state_bytes / size:10.2f}",
               f"  {'rollout cache (during rollouts)':<38}{r.rollout_cache / size:10.2f}", "",
               f"training step, under {r.budget / size:.2f} {unit} (the GPU less the model "
-              f"state), {unit}:",
+              f"state{' and the kept cache' if r.resident_bytes > r.state_bytes else ''}), "
+              f"{unit}:",
               f"  {'schedule':<34}{'activations':>12}{'adjoints':>10}{'peak':>9}"
               f"{'FLOP':>10}  plan"]
     for row in r.rows:
@@ -359,7 +370,7 @@ def format_report(r: Report) -> str:
     if r.run_plan is None:
         lines.append(f"the run's schedule: {r.run_error}")
     else:
-        sp, total = cfg.shared_prefix, r.state_bytes + r.run_memory.peak_bytes
+        sp, total = cfg.shared_prefix, r.resident_bytes + r.run_memory.peak_bytes
         budget = sp.shared_prefix_memory_budget
         lines.append(f"the run's schedule ({sp.shared_prefix_schedule}, wave size "
                      f"{sp.shared_prefix_wave_size}, "
@@ -377,26 +388,26 @@ def _size(n: float) -> str:
 
 def shortfall(r: Report) -> str:
     """'' when the run fits; else one line naming what does not fit and by how much."""
-    gpu, state = r.workload.gpu_bytes, r.state_bytes
+    gpu, state, held = r.workload.gpu_bytes, r.state_bytes, r.resident_bytes
     have = f"the GPU has {_size(gpu)}"
     if state + r.rollout_cache > gpu:
         return (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
                 f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
                 f"per GPU (--global-batch-size), or raise --world-size")
     verified = [row for row in r.rows if not row.note]
-    if not any(row.plan is not None and state + row.memory.peak_bytes <= gpu
+    if not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
                for row in verified):
         least = min(verified, key=lambda row: row.memory.peak_bytes)
-        return (f"needs {_size(state + least.memory.peak_bytes)} per GPU at the least "
+        return (f"needs {_size(held + least.memory.peak_bytes)} per GPU at the least "
                 f"({least.name}), {have}: lower --plan-prompt-length or "
                 f"--rl-max-response-length, or raise --world-size")
     if r.run_plan is None:
         return f"the run's schedule finds no plan: {r.run_error}"
-    need = state + r.run_memory.peak_bytes
+    need = held + r.run_memory.peak_bytes
     if need > gpu:
-        room = int((gpu - state) / 2**20)
         return (f"the run's plan ({_plan_text(r.run_plan)}) needs {_size(need)} per GPU, "
-                f"{have}: set --shared-prefix-memory-budget {room} (MiB) or lower")
+                f"{have}: set --shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or "
+                f"lower")
     return ""
 
 
