@@ -5,7 +5,9 @@ Each page's commands run in page order in a scratch directory of their own (``co
 (the demo's checkpoint for ``generate``, the tiny Llama for the pretrained starts). The main
 job runs in this process through its command-line entry (``cli``) with ``SHORT`` appended (one
 step, one evaluation batch, no plot); a torchrun command is parsed and validated at its world
-size (its launch is run by ``tests/app/test_train_e2e.py`` and ``tests/app/test_train_signals.py``).
+size (its launch is run by ``tests/app/test_train_e2e.py`` and ``tests/app/test_train_signals.py``);
+the plan command (``python -m scalerlt_mcore.plan``) runs in this process and must find that the
+run fits.
 
 A command this test cannot run is checked instead (``check``): its flags exist in the parser
 of what it calls, its config, script and data files exist, its ``make`` target and ``pip``
@@ -31,6 +33,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHORT = ["--train-iters", "1", "--eval-iters", "1", "--eval-interval", "0", "--no-plot", "true"]
 """Appended to every main-job command: one step, one evaluation batch, no plot."""
 TRAIN = ["python", "-m", "scalerlt_mcore.train"]
+PLAN = ["python", "-m", "scalerlt_mcore.plan"]
 
 NOT_RUN = {
     "make test": "the test suite itself",
@@ -128,6 +131,17 @@ def _generate(argv: list[str]) -> str:
     return out.getvalue()
 
 
+def _plan(argv: list[str]) -> str:
+    """The plan command in this process; it must find that the run fits (status 0)."""
+    from scalerlt_mcore.app.plan import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    assert code == 0, out.getvalue()
+    return out.getvalue()
+
+
 def _script(words: list[str]) -> str:
     out, argv = io.StringIO(), sys.argv
     sys.argv = words[1:]
@@ -152,6 +166,8 @@ def _run(command: str, n: int, scratch: Path) -> str:
         return _torchrun(words)
     if words[:3] == ["python", "-m", "scalerlt_mcore.generate"]:
         return _generate(words[3:])
+    if words[:3] == PLAN:
+        return _plan(words[3:])
     if words[0] == "python" and words[1].startswith("examples/"):
         return _script(words)
     if words[:3] == ["python", "-m", "scalerlt_mcore.export"]:
@@ -220,6 +236,10 @@ def check(command: str) -> None:
         return None
     if words[0] == "torchrun" or words[:3] == TRAIN:
         return _check_train_args(words[words.index("scalerlt_mcore.train") + 1:])
+    if words[:3] == PLAN:  # its own flags, then the main job's
+        from scalerlt_mcore.app.plan import plan_parser
+
+        return _check_train_args(plan_parser().parse_known_args(words[3:])[1])
     module = ({"scalerlt_mcore.export": "scalerlt_mcore/export.py",
                "scalerlt_mcore.generate": "scalerlt_mcore/generate.py"}.get(words[2])
               if words[1] == "-m" else words[1])
@@ -298,6 +318,8 @@ def test_an_unknown_command_needs_a_runner_or_a_reason(tmp_path):
     ("pip install -e '.[nope]'", "no extra"),
     ("python3 tools/gpu_check.py --no-such-option x", "no-such-option"),
     ("python -m scalerlt_mcore.export --no-such-option x", "no-such-option"),
+    ("python -m scalerlt_mcore.plan --config configs/h20_8gpu.yaml --no-such-flag 1",
+     "no_such_flag"),
 ])
 def test_a_checked_command_that_names_nothing_fails(command, error):
     with pytest.raises((Exception, SystemExit), match=error):

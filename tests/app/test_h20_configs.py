@@ -22,26 +22,23 @@ from helpers.reference_ouro import OURO_CONFIG
 from helpers.sp import make_group
 from helpers.tokenizer_files import train_bpe
 
-from scalerlt_mcore.app import runtime
 from scalerlt_mcore.app.config import (
-    model_config,
     objective_from,
     parse_args,
     schedule_from,
     validate,
 )
+from scalerlt_mcore.app.plan import Workload, make_report, meta_model
 from scalerlt_mcore.app.pretrained import (
     ARCHITECTURE_KEYS,
     resolve_pretrained,
     run_architecture,
-    run_vocab_size,
 )
 from scalerlt_mcore.model.looped_import import read_looped_source
 from scalerlt_mcore.rl import rollout
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.rl.rollout import Sampling, generate
 from scalerlt_mcore.shared_prefix.group import ReplayGuard, SharedPrefixGroup
-from scalerlt_mcore.shared_prefix.planner import ModelShape
 from scalerlt_mcore.testing import model_parallel_context
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,40 +96,17 @@ def test_config_is_the_checkpoints_model(name, tmp_path):
     assert cfg.rl.rl_task.startswith("reasoning_gym:")
 
 
-def _meta_model(cfg):
-    """The run's model at full size with every parameter on ``meta``."""
-    config = model_config(cfg, "cpu")  # host-side initialisation: under meta, no memory
-    with torch.device(META):
-        model = runtime.build_model(cfg, config, run_vocab_size(cfg), "meta")
-    rope = model.rotary_pos_emb  # MCore keeps inv_freq outside the buffers and moves it to the
-    rope.inv_freq = rope.inv_freq.to(META)  # device at its first forward (on a GPU)
-    return model
+H20 = Workload(world_size=8, prompt_length=512, gpu_bytes=96e9)
+"""An 8 x H20 node (96 GB each) and the prompt tokens of the memory check (reasoning-gym prompts
+under a chat template are shorter)."""
 
 
-H20_BYTES = 96e9
-"""An H20's memory."""
-
-PROMPT = 512
-"""Prompt tokens of the memory check (reasoning-gym prompts under a chat template are shorter)."""
-
-
-def _memory(cfg, model, R: int) -> tuple:
-    """(the planner's plan for a group of the run's full shape, per-GPU bytes by part): bf16
-    weights, fp32 gradient buffers, distributed Adam shards over 8 ranks, the plan's predicted
-    peak, and the rollout cache of the rank's prompts (prompt K/V once per prompt, the responses'
-    per row; every depth, K and V, bf16)."""
-    c, G, S = model.config, cfg.rl.grpo_group_size, cfg.rl.rl_max_response_length
-    group = make_group(G, PROMPT, S, R, seed=0, dtype=torch.float32, vocab=model.vocab_size,
-                       device="meta")
-    planner = schedule_from(cfg, model).chooser
-    plan = planner(group, model, num_loops=R)
-    count = sum(p.numel() for p in model.parameters())
-    prompts = cfg.training.global_batch_size // (8 * G)
-    per_token = c.with_loops(R).looped_num_depths * 2 * c.num_query_groups * c.kv_channels * 2
-    return plan, {"weights": 2 * count, "gradients": 4 * count, "adam": 12 * count / 8,
-                  "plan": planner.memory(ModelShape.from_model(model, R), PROMPT, S, G,
-                                         plan).peak_bytes,
-                  "rollout cache": per_token * prompts * (PROMPT + G * S)}
+def _memory(cfg, model) -> tuple:
+    """(the run's plan for a group of the run's full shape, per-GPU bytes by part): the model
+    state, the plan's predicted peak and the rollout cache (``scalerlt_mcore.plan``'s)."""
+    report = make_report(cfg, H20, model)
+    return report.run_plan, {**report.state, "plan": report.run_memory.peak_bytes,
+                             "rollout cache": report.rollout_cache}
 
 
 @pytest.fixture
@@ -155,13 +129,13 @@ def test_full_size_rl_step_on_meta(name, tmp_path, data_checks_off):
     R = cfg.model.looped_num_loops
     with model_parallel_context(seed=1):
         start = time.perf_counter()
-        model = _meta_model(cfg)
+        model = meta_model(cfg)
         built = time.perf_counter() - start
         count = sum(p.numel() for p in model.parameters())
         assert {(p.device, p.dtype) for p in model.parameters()} == {(META, torch.bfloat16)}
         assert abs(count / params - 1) < 0.01, count
-        plan, parts = _memory(cfg, model, R)
-        assert not plan.naive and sum(parts.values()) <= 0.85 * H20_BYTES, (plan, parts)
+        plan, parts = _memory(cfg, model)
+        assert not plan.naive and sum(parts.values()) <= 0.85 * H20.gpu_bytes, (plan, parts)
         sampling = Sampling(temperature=cfg.rl.rl_temperature, stop_check_interval=4,
                             vocab_size=model.vocab_size, exit_mode=cfg.rl.rl_rollout_exit)
         record = generate(model, [[5, 6, 7, 8], [9, 10, 11]], 2, 2, eos_id=2, pad_id=0,

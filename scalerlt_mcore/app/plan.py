@@ -1,0 +1,430 @@
+"""Does a run fit? ``python -m scalerlt_mcore.plan`` with the run's flags (``--config``,
+``--pretrained-checkpoint --use-checkpoint-args``, ``--bf16``, ...) and the workload's
+(``--world-size``, ``--plan-prompt-length``; S and G are the run's ``--rl-max-response-length``
+and ``--grpo-group-size``).
+
+The run's model is built at full size on ``meta`` (no memory, no FLOPs) and the planner's
+memory model is calibrated there (``ModelShape.from_model``). Printed per GPU: the model state
+(parameters, fp32 gradient buffers, Adam shards, the KL reference), the rollout cache, and for
+naive micro-batch 1, naive with activation recompute, joint replay and joint replay with
+recompute: the peak of activations + prefix adjoints, the step's FLOPs and the plan chosen under
+the budget left beside the model state; then the plan the run itself would choose. Nothing
+that fits, or a run whose own plan does not fit: one line naming the shortfall, exit status 1.
+
+Limits: joint replay with recompute is not held to 10% by the planner's tests (the planner
+does not plan it; its row is unverified), naive with recompute is.
+"""
+
+import argparse
+import copy
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ..shared_prefix.planner import (
+    CostModel,
+    GroupPlan,
+    MemoryEstimate,
+    ModelShape,
+    Planner,
+    _pass_flops,
+    plan_memory,
+)
+from ..testing import model_parallel_context
+from .config import (
+    ConfigError,
+    model_config,
+    objective_from,
+    parse_args,
+    prompts_per_step,
+    schedule_from,
+    validate,
+)
+from .pretrained import resolve_pretrained, run_vocab_size
+from .runtime import build_model
+
+GIB = 2**30
+META = torch.device("meta")
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1}
+"""MCore's activation recompute of the "with recompute" rows: every layer application."""
+
+USAGE = "python -m scalerlt_mcore.plan [--config FILE.yaml] [--TRAIN-FLAG VALUE ...] [plan flags]"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the plan is made for, beside the run's config."""
+
+    world_size: int
+    prompt_length: int
+    gpu_bytes: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way to train the workload's groups."""
+
+    name: str
+    plan: Optional[GroupPlan]
+    """The plan chosen under the budget (None: none fits; ``memory`` is then the smallest's)."""
+    memory: MemoryEstimate
+    flops: float
+    """Per GPU per RL step: every group of the rank, every ``grpo_iterations`` pass."""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    """The plan command's result (``format_report`` prints it)."""
+
+    cfg: object
+    workload: Workload
+    parameters: int
+    state: dict
+    """Per-GPU bytes of the model state: parameters, gradient buffers, optimizer, KL reference."""
+    rollout_cache: int
+    rows: list
+    run_plan: Optional[GroupPlan]
+    run_memory: Optional[MemoryEstimate]
+    run_error: str = ""
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.state.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        """What a training step finds held: the model state, and the rollout cache where
+        graphed decoding keeps it across steps (``rl_decode_cuda_graph``; else it is freed
+        when the rollout returns)."""
+        kept = self.rollout_cache if self.cfg.rl.rl_decode_cuda_graph else 0
+        return self.state_bytes + kept
+
+    @property
+    def budget(self) -> float:
+        """What a training step may take beside ``resident_bytes``."""
+        return self.workload.gpu_bytes - self.resident_bytes
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m scalerlt_mcore.plan", usage=USAGE, description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is the training command's (python -m scalerlt_mcore.train "
+               "--help).")
+    p.add_argument("--world-size", type=int, default=8,
+                   help="GPUs of the job (default 8): data parallel = world size / TP")
+    p.add_argument("--plan-prompt-length", type=int, default=512,
+                   help="prompt tokens P of a group (default 512)")
+    p.add_argument("--plan-gpu-memory-gib", type=float, default=96.0,
+                   help="memory of one GPU in GiB (default 96, an H20)")
+    return p
+
+
+def parse(argv) -> tuple:
+    """(the run's config, resolved and validated at the world size, the ``Workload``)."""
+    p = plan_parser()
+    if "-h" in argv or "--help" in argv:
+        p.print_help()
+        raise SystemExit(0)
+    args, rest = p.parse_known_args(argv)
+    for flag, value in (("--world-size", args.world_size),
+                        ("--plan-prompt-length", args.plan_prompt_length),
+                        ("--plan-gpu-memory-gib", args.plan_gpu_memory_gib)):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    cfg = parse_args(rest)
+    resolve_pretrained(cfg)
+    validate(cfg, args.world_size)
+    if cfg.rl.rl_rollout == "tree":
+        raise ConfigError("rl_rollout tree: the plan command plans one-level groups (a prompt "
+                          "and its G responses)")
+    if cfg.model.pipeline_model_parallel_size != 1 or cfg.model.tensor_model_parallel_size != 1:
+        raise ConfigError("the plan command builds the model in one process: it plans "
+                          "tensor_model_parallel_size 1 and pipeline_model_parallel_size 1")
+    T = args.plan_prompt_length + cfg.rl.rl_max_response_length
+    if T > cfg.model.max_position_embeddings:
+        raise ConfigError(f"--plan-prompt-length {args.plan_prompt_length} + "
+                          f"rl_max_response_length {cfg.rl.rl_max_response_length} = {T} "
+                          f"positions: max_position_embeddings is "
+                          f"{cfg.model.max_position_embeddings}")
+    return cfg, Workload(args.world_size, args.plan_prompt_length,
+                         args.plan_gpu_memory_gib * GIB)
+
+
+# ---- the model on meta and its state ----------------------------------------------------------
+
+
+def meta_model(cfg, recompute: Optional[bool] = None):
+    """The run's model at full size with every parameter on ``meta`` (inside an MCore
+    model-parallel context); ``recompute`` True: with ``RECOMPUTE``'s settings, False: without
+    recompute, None: as the run sets it."""
+    if recompute is not None:
+        fields = RECOMPUTE if recompute else dict.fromkeys(RECOMPUTE)
+        cfg = copy.deepcopy(cfg)
+        cfg.model = dataclasses.replace(cfg.model, **fields)
+    config = model_config(cfg, "cpu")  # host-side initialisation: under meta, no memory
+    with torch.device(META):
+        model = build_model(cfg, config, run_vocab_size(cfg), "meta")
+    rope = getattr(model, "rotary_pos_emb", None)  # MCore keeps inv_freq outside the buffers
+    if rope is not None:  # and moves it to the device at its first forward
+        rope.inv_freq = rope.inv_freq.to(META)
+    return model
+
+
+def data_parallel_size(cfg, world_size: int) -> int:
+    return world_size // cfg.model.tensor_model_parallel_size
+
+
+def state_bytes(cfg, model, world_size: int) -> dict:
+    """Per-GPU bytes of the model state: parameters in the run's dtype, MCore DDP's fp32
+    gradient buffers (``grad_reduce_in_fp32``), Adam's fp32 moments and (bf16/fp16) fp32 main
+    weights, sharded over data parallelism by the distributed optimizer, and the frozen KL
+    reference (a copy of the parameters, with ``grpo_kl_beta`` > 0)."""
+    count = sum(p.numel() for p in model.parameters())
+    width = next(model.parameters()).dtype.itemsize
+    adam = (8 + 4 * (width < 4)) * count
+    if cfg.training.use_distributed_optimizer:
+        adam /= data_parallel_size(cfg, world_size)
+    kl = cfg.rl.grpo_kl_beta > 0
+    return {"parameters": width * count, "gradient buffers": 4 * count,
+            "optimizer": round(adam), "KL reference": width * count * kl}
+
+
+def rollout_cache_bytes(cfg, model, workload: Workload) -> int:
+    """The rank's rollout K/V cache at its longest: every depth, K and V, in the run's dtype;
+    the prompt's once per prompt (``rl_rollout prompt_once``) or per row, the responses' per
+    row; the rank's prompts at once."""
+    c, rl = model.config, cfg.rl
+    width = next(model.parameters()).dtype.itemsize
+    per_token = (c.looped_num_depths * 2 * (c.num_query_groups or c.num_attention_heads)
+                 // c.tensor_model_parallel_size * c.kv_channels * width)
+    prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
+    P, S, G = workload.prompt_length, rl.rl_max_response_length, rl.grpo_group_size
+    rows = G * (P + S) if rl.rl_rollout == "per_row" else P + G * S
+    return per_token * prompts * rows
+
+
+# ---- the rows ---------------------------------------------------------------------------------
+
+
+def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_waves: bool,
+           recompute: bool) -> float:
+    """FLOPs of one group's step by ``plan`` (the cost model's count: forward 1, backward 2),
+    plus the layers' forward once more under full recompute (the readouts are not
+    recomputed)."""
+    flops = CostModel(call_s=0.0, flop_s=1.0).time(m, P, S, G, plan, checkpoint_waves)
+    if recompute:
+        flops += (_pass_flops(m, G, P + S, 0) if plan.naive
+                  else _pass_flops(m, 1, P, 0) + _pass_flops(m, G, S, P))
+    return flops
+
+
+def _naive_row(name, m, cfg, workload, recompute, note="") -> Row:
+    P, S, G = workload.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
+    plan, loss = GroupPlan(1, naive=True), _loss_per_position(cfg)
+    return Row(name, plan, plan_memory(m, P, S, G, plan, loss_per_position=loss),
+               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload), note)
+
+
+def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
+    """Joint replay by the planner's choice (largest wave, retain before recompute) under
+    ``budget``; the smallest plan's peak when none fits."""
+    group = _group(cfg, workload)
+    P, S, G = group.prompt_length, group.response_length, group.group_size
+    waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
+    planner = Planner("auto", "auto", memory_budget=max(budget, 1.0), checkpoint_waves=waves,
+                      loss_per_position=_loss_per_position(cfg))
+    if recompute:  # the planner refuses a budget under recompute (its model does not hold)
+        plan = GroupPlan(G, retain=True)
+        return Row(name, None, planner.memory(m, P, S, G, plan),
+                   _flops(m, P, S, G, plan, waves, True) * _groups(cfg, workload),
+                   f"waves of {G}, prompt retained: unverified, the planner does not plan it")
+    try:
+        plan = planner(group, model, cfg.model.looped_num_loops)
+    except ValueError:
+        plan, chosen = GroupPlan(1), None
+    else:
+        chosen = plan
+    return Row(name, chosen, planner.memory(m, P, S, G, plan),
+               _flops(m, P, S, G, plan, waves, recompute) * _groups(cfg, workload))
+
+
+def _loss_per_position(cfg) -> float:
+    return objective_from(cfg).saved_per_position
+
+
+def _group(cfg, workload: Workload) -> SimpleNamespace:
+    """What a planner reads of a one-level group of the workload's shape."""
+    return SimpleNamespace(prompt_length=workload.prompt_length, group_id=0, tree=None,
+                           response_length=cfg.rl.rl_max_response_length,
+                           group_size=cfg.rl.grpo_group_size)
+
+
+def _groups(cfg, workload: Workload) -> int:
+    """Groups one GPU trains per RL step (every PPO pass)."""
+    per_rank = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
+    return per_rank * cfg.rl.grpo_iterations
+
+
+def run_choice(cfg, model, m: ModelShape, workload: Workload) -> tuple:
+    """(the plan the run's own schedule picks for a group of the workload, its memory, an error
+    line): its planner with the run's budget; ``shared_prefix_schedule auto`` is planned as
+    joint replay (the run picks naive or joint by time measured on its GPU)."""
+    if cfg.shared_prefix.shared_prefix_schedule == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.shared_prefix.shared_prefix_schedule = "joint_replay"
+    chooser, group = schedule_from(cfg).chooser, _group(cfg, workload)
+    try:
+        plan = chooser(group, model, cfg.model.looped_num_loops)
+    except ValueError as e:
+        return None, None, str(e)
+    return plan, chooser.memory(m, group.prompt_length, group.response_length,
+                                group.group_size, plan), ""
+
+
+def make_report(cfg, workload: Workload, model=None) -> Report:
+    """Plan ``workload`` for the run: its model on meta (``model``, or built here) and twins
+    with and without recompute, each calibrated. Inside an MCore model-parallel context
+    (``plan_run``)."""
+    logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
+    model = meta_model(cfg) if model is None else model
+    own = cfg.model.recompute_granularity is not None
+    plain = meta_model(cfg, recompute=False) if own else model
+    twin = meta_model(cfg, recompute=True)
+    R = cfg.model.looped_num_loops
+    m, mr = ModelShape.from_model(plain, R), ModelShape.from_model(twin, R)
+    plan, memory, error = run_choice(cfg, model, ModelShape.from_model(model, R), workload)
+    report = Report(cfg, workload, sum(p.numel() for p in model.parameters()),
+                    state_bytes(cfg, model, workload.world_size),
+                    rollout_cache_bytes(cfg, model, workload), [], plan, memory, error)
+    budget = report.budget
+    report.rows = [
+        _naive_row("naive, micro-batch 1", m, cfg, workload, False),
+        _naive_row("naive, micro-batch 1, recompute", mr, cfg, workload, True),
+        _joint_row("joint replay", plain, m, cfg, workload, budget, False),
+        _joint_row("joint replay, recompute", twin, mr, cfg, workload, budget, True)]
+    return report
+
+
+def plan_run(cfg, workload: Workload) -> Report:
+    """``make_report`` in a process of its own (a one-rank MCore model-parallel context)."""
+    with model_parallel_context(seed=cfg.training.seed):
+        return make_report(cfg, workload)
+
+
+# ---- printing ---------------------------------------------------------------------------------
+
+
+def _unit(r: Report) -> tuple:
+    """(name, bytes) of the table's unit: GiB, or MiB for a model whose step takes less."""
+    biggest = max([r.state_bytes, r.rollout_cache] + [row.memory.peak_bytes for row in r.rows])
+    return ("GiB", GIB) if biggest >= GIB else ("MiB", 2**20)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M"
+
+
+def _plan_text(plan: Optional[GroupPlan]) -> str:
+    if plan is None:
+        return "none fits"
+    if plan.naive:
+        return f"naive, micro-batch {plan.wave_size}"
+    return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
+
+
+def format_report(r: Report) -> str:
+    """The per-GPU table (GiB), the rows and the run's own plan."""
+    cfg, w = r.cfg, r.workload
+    P, S, G = w.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
+    dp = data_parallel_size(cfg, w.world_size)
+    unit, size = _unit(r)
+    lines = [f"model: {_count(r.parameters)} parameters, {cfg.model.looped_num_loops} loops, "
+             f"{'bf16' if cfg.model.bf16 else 'fp16' if cfg.model.fp16 else 'fp32'}; "
+             f"{w.world_size} GPUs of {w.gpu_bytes / GIB:g} GiB, TP "
+             f"{cfg.model.tensor_model_parallel_size}, DP {dp}; a group: P {P}, S {S}, G {G}; "
+             f"{_groups(cfg, w)} group(s) per GPU per step", "",
+             f"per GPU {unit:>41}"]
+    lines += [f"  {name:<38}{v / size:10.2f}" for name, v in r.state.items()]
+    lines += [f"  {'model state':<38}{r.state_bytes / size:10.2f}",
+              f"  {'rollout cache (during rollouts)':<38}{r.rollout_cache / size:10.2f}", "",
+              f"training step, under {r.budget / size:.2f} {unit} (the GPU less the model "
+              f"state{' and the kept cache' if r.resident_bytes > r.state_bytes else ''}), "
+              f"{unit}:",
+              f"  {'schedule':<34}{'activations':>12}{'adjoints':>10}{'peak':>9}"
+              f"{'FLOP':>10}  plan"]
+    for row in r.rows:
+        e = row.memory
+        lines.append(f"  {row.name:<34}{e.activation_bytes / size:12.2f}"
+                     f"{e.adjoint_bytes / size:10.2f}{e.peak_bytes / size:9.2f}"
+                     f"{row.flops:10.3g}  {row.note or _plan_text(row.plan)}")
+    lines.append("")
+    if r.run_plan is None:
+        lines.append(f"the run's schedule: {r.run_error}")
+    else:
+        sp, total = cfg.shared_prefix, r.resident_bytes + r.run_memory.peak_bytes
+        budget = sp.shared_prefix_memory_budget
+        lines.append(f"the run's schedule ({sp.shared_prefix_schedule}, wave size "
+                     f"{sp.shared_prefix_wave_size}, "
+                     f"{'no budget' if budget is None else f'budget {budget:g} MiB'}): "
+                     f"{_plan_text(r.run_plan)}, peak {r.run_memory.peak_bytes / size:.2f} "
+                     f"{unit}; {total / size:.2f} {unit} per GPU in training")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
+
+
+def shortfall(r: Report) -> str:
+    """'' when the run fits; else one line naming what does not fit and by how much."""
+    gpu, state, held = r.workload.gpu_bytes, r.state_bytes, r.resident_bytes
+    have = f"the GPU has {_size(gpu)}"
+    if state + r.rollout_cache > gpu:
+        return (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
+                f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
+                f"per GPU (--global-batch-size), or raise --world-size")
+    verified = [row for row in r.rows if not row.note]
+    if not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
+               for row in verified):
+        least = min(verified, key=lambda row: row.memory.peak_bytes)
+        return (f"needs {_size(held + least.memory.peak_bytes)} per GPU at the least "
+                f"({least.name}), {have}: lower --plan-prompt-length or "
+                f"--rl-max-response-length, or raise --world-size")
+    if r.run_plan is None:
+        return f"the run's schedule finds no plan: {r.run_error}"
+    need = held + r.run_memory.peak_bytes
+    if need > gpu:
+        return (f"the run's plan ({_plan_text(r.run_plan)}) needs {_size(need)} per GPU, "
+                f"{have}: set --shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or "
+                f"lower")
+    return ""
+
+
+def main(argv=None) -> int:
+    """Print the report; a shortfall: one line on stderr, status 1."""
+    from .train import USER_ERRORS, exit_with_error, quiet_library_warnings
+
+    quiet_library_warnings()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg, workload = parse(argv)
+    except USER_ERRORS as e:
+        exit_with_error(e)
+    report = plan_run(cfg, workload)
+    print(format_report(report), flush=True)
+    short = shortfall(report)
+    if short:
+        print(f"error: {short}", file=sys.stderr, flush=True)
+        return 1
+    return 0

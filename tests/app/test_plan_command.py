@@ -1,0 +1,154 @@
+"""``python -m scalerlt_mcore.plan`` (scalerlt_mcore/app/plan.py): does a run fit its GPUs?
+
+- Each public checkpoint's 8 x H20 config, beside a directory with its real config.json (no
+  weights), is planned at full size on ``meta``: the per-GPU breakdown, the four schedules and
+  the run's own plan are printed, and the model state is the parameter count's bytes.
+- At a small shape the predictions are held against a real CPU run: the command's predicted
+  saved bytes of naive micro-batch 1 and of joint replay (the plan it picks under two GPU
+  sizes) are within 10% of ``SavedTensorProbe``'s peak of the run's own schedule training a
+  group of that P, S, G on CPU.
+- A run that cannot fit ends with one line naming the numbers, status 1.
+"""
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.sp import make_group
+from test_h20_configs import CONFIGS, REPO, _source
+
+from scalerlt_mcore.app.config import model_config, objective_from, parse_args, schedule_from
+from scalerlt_mcore.app.plan import GIB, main, make_report, parse, shortfall
+from scalerlt_mcore.app.pretrained import run_vocab_size
+from scalerlt_mcore.app.runtime import build_model
+from scalerlt_mcore.rl.objective import rl_forward_step
+from scalerlt_mcore.shared_prefix import SavedTensorProbe
+from scalerlt_mcore.testing import model_parallel_context
+
+RTOL = 0.10
+P, S, G = 24, 12, 8
+RUN = ["--config", str(REPO / "configs" / "ouro_tiny_cpu.yaml"),
+       "--rl-max-response-length", str(S), "--grpo-group-size", str(G)]
+"""The tiny Ouro config (fp32, random weights) with groups of S, G."""
+TINY = RUN + ["--world-size", "2", "--plan-prompt-length", str(P)]
+"""The plan command's flags: the run's on 2 ranks, prompts of P."""
+
+
+def test_help():
+    out = subprocess.run([sys.executable, "-m", "scalerlt_mcore.plan", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--world-size", "--plan-prompt-length", "--plan-gpu-memory-gib"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_public_config_on_an_h20_node(name, tmp_path, capsys):
+    shape, params = CONFIGS[name]
+    source = _source(tmp_path, shape)
+    code = main(["--config", str(REPO / "configs" / name), "--pretrained-checkpoint",
+                 str(source), "--use-checkpoint-args", "--world-size", "8"])
+    out = capsys.readouterr().out
+    print(f"\n[plan] {name}\n{out}")
+    assert code == 0, out
+    numbers = dict(re.findall(r"^  (parameters|gradient buffers|optimizer)\s+([\d.]+)$", out,
+                              re.M))
+    # bf16 parameters, fp32 gradient buffers, fp32 main weights and moments over 8 ranks
+    for part, width in (("parameters", 2), ("gradient buffers", 4), ("optimizer", 12 / 8)):
+        assert abs(float(numbers[part]) * GIB / (width * params) - 1) < 0.01, (part, out)
+    for row in ("naive, micro-batch 1 ", "naive, micro-batch 1, recompute",
+                "joint replay ", "joint replay, recompute", "rollout cache",
+                "the run's schedule (joint_replay"):
+        assert row in out, (row, out)
+    assert "none fits" not in out
+
+
+def _measured_peak(plan) -> int:
+    """``SavedTensorProbe``'s peak of the run's schedule training one group by ``plan`` on CPU
+    (the tiny config's model with real weights)."""
+    extra = (["--shared-prefix-schedule", "naive", "--micro-batch-size", str(plan.wave_size)]
+             if plan.naive else
+             ["--shared-prefix-wave-size", str(plan.wave_size),
+              "--shared-prefix-prompt", "retain" if plan.retain else "recompute"])
+    cfg = parse_args(RUN + extra)
+    model = build_model(cfg, model_config(cfg, "cpu"), run_vocab_size(cfg), "cpu")
+    R = cfg.model.looped_num_loops
+    group = make_group(G, P, S, R, seed=0, dtype=torch.float32, vocab=model.vocab_size)
+    with SavedTensorProbe(model) as probe:
+        schedule_from(cfg, model)(
+            forward_step_func=rl_forward_step(objective_from(cfg)), data_iterator=iter([group]),
+            model=model, num_microbatches=1, num_loops=R, seq_length=P + S, micro_batch_size=G)
+    return probe.peak_bytes
+
+
+def test_predictions_match_a_cpu_run():
+    cfg, workload = parse(TINY)
+    with model_parallel_context(seed=1):
+        big = make_report(cfg, workload)
+        naive, joint = big.rows[0], big.rows[2]
+        # a GPU that holds 80% of the one-wave plan: the planner picks smaller waves
+        small = dataclasses.replace(workload, gpu_bytes=big.state_bytes
+                                    + 0.8 * joint.memory.peak_bytes)
+        waves = make_report(cfg, small).rows[2]
+        assert waves.plan is not None and waves.plan.wave_size < G < 1 + joint.plan.wave_size
+        for row in (naive, joint, waves):
+            got = _measured_peak(row.plan)
+            err = abs(row.memory.saved_bytes / got - 1)
+            print(f"\n[plan] {row.name} {row.plan}: predicted {row.memory.saved_bytes} B, "
+                  f"measured {got} B ({err:.1%})")
+            assert err <= RTOL, (row.plan, row.memory.saved_bytes, got)
+
+
+def _mib(text: str) -> float:
+    return float(text) * 2**20
+
+
+def test_shortfall_names_the_numbers(capsys):
+    """A GPU that holds the model state and the rollout cache (not beside a training step),
+    but not the smallest step beside the state: a long prompt, short responses (a small
+    cache)."""
+    flags = TINY + ["--plan-prompt-length", "56", "--rl-max-response-length", "4"]
+    cfg, workload = parse(flags)
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+        assert shortfall(report) == ""
+        least = min(row.memory.peak_bytes for row in report.rows[:2])
+        assert report.rollout_cache < least
+        gpu = report.state_bytes + max(report.rollout_cache, 0.5 * least)
+        short = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu))
+    # the smallest verified step: naive micro-batch 1 with recompute, or the smallest joint
+    least = min(row.memory.peak_bytes for row in short.rows[:3])
+    line = shortfall(short)
+    got = re.fullmatch(r"needs ([\d.]+) MiB per GPU at the least \(([^)]+)\), the GPU has "
+                       r"([\d.]+) MiB: lower --plan-prompt-length or --rl-max-response-length, "
+                       r"or raise --world-size", line)
+    assert got, line
+    assert abs(_mib(got[1]) - (short.state_bytes + least)) <= 0.005 * 2**20
+    assert abs(_mib(got[3]) - gpu) <= 0.005 * 2**20
+    code = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "none fits" in out and err == f"error: {line}\n"
+
+
+def test_model_state_over_the_gpu_is_refused_by_name(capsys):
+    code = main(TINY + ["--plan-gpu-memory-gib", "1e-6"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.fullmatch(r"error: the model state and rollout cache need [\d.]+ MiB per GPU, the "
+                        r"GPU has 0.00 MiB: lower --plan-prompt-length, --grpo-group-size or "
+                        r"the prompts per GPU \(--global-batch-size\), or raise --world-size\n",
+                        err), err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--plan-prompt-length", "60"], "error: --plan-prompt-length 60 + rl_max_response_length "
+                                     "12 = 72 positions: max_position_embeddings is 64\n"),
+    (["--world-size", "0"], "error: --world-size must be > 0, got 0\n"),
+])
+def test_bad_plan_flags_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(TINY + flags)
+    assert e.value.code == 2 and capsys.readouterr().err == message
