@@ -18,6 +18,7 @@ FLOORS = {
     "train": 6,  # ``python -m scalerlt_mcore.train``
     "generate": 6,  # ``python -m scalerlt_mcore.generate``
     "export": 6,  # ``python -m scalerlt_mcore.export``
+    "plan": 6,  # ``python -m scalerlt_mcore.plan``
 }
 """First component under ``scalerlt_mcore`` -> floor."""
 

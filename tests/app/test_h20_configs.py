@@ -10,17 +10,12 @@ once, two sampled tokens) and a joint-replay step of the run's own schedule, pla
 with the schedule's up-front device check; an op mixing a host tensor into the meta computation
 raises. So a config that cannot build, or that puts a tensor on the wrong device, fails here.
 """
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from helpers.reference_huginn import HUGINN_CONFIG
-from helpers.reference_nanbeige import NANBEIGE_42_3B
-from helpers.reference_ouro import OURO_CONFIG
+from helpers.h20 import CONFIGS, REPO, checkpoint_dir
 from helpers.sp import make_group
-from helpers.tokenizer_files import train_bpe
 
 from scalerlt_mcore.app.config import (
     objective_from,
@@ -41,35 +36,10 @@ from scalerlt_mcore.rl.rollout import Sampling, generate
 from scalerlt_mcore.shared_prefix.group import ReplayGuard, SharedPrefixGroup
 from scalerlt_mcore.testing import model_parallel_context
 
-REPO = Path(__file__).resolve().parents[2]
 META = torch.device("meta")
-
-OURO_1_4B = {**OURO_CONFIG, "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
-             "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
-             "head_dim": 128, "max_position_embeddings": 65536, "rope_theta": 1000000.0,
-             "layer_types": ["full_attention"] * 24, "max_window_layers": 24,
-             "total_ut_steps": 4, "torch_dtype": "bfloat16"}
-"""Ouro-1.4B's config.json (its shape)."""
-
-HUGINN_0125 = {**HUGINN_CONFIG, "n_embd": 5280, "n_heads": 55, "n_layers": 8, "block_size": 4096,
-               "vocab_size": 65536, "intermediate_size": 17920, "n_layers_in_recurrent_block": 4,
-               "n_layers_in_prelude": 2, "n_layers_in_coda": 2, "mean_recurrence": 32,
-               "mean_backprop_depth": 8, "torch_dtype": "bfloat16"}
-"""Huginn-0125's config.json (its shape)."""
-
-CONFIGS = {"ouro_1.4b_h20.yaml": (OURO_1_4B, 1.43e9), "huginn_0125_h20.yaml": (HUGINN_0125, 3.56e9),
-           "nanbeige_4.2_3b_h20.yaml": (NANBEIGE_42_3B, 4.17e9)}
-"""Config -> (the config.json it launches, its parameter count to 1%)."""
 
 META_STEP = {**CONFIGS, "h20_8gpu.yaml": (None, 17.99e6)}
 """The configs run on meta: the public checkpoints' and the from-scratch one."""
-
-
-def _source(tmp_path, config_json: dict):
-    """A checkpoint directory without weights: the config.json and a small tokenizer.json."""
-    (tmp_path / "config.json").write_text(json.dumps(config_json))
-    train_bpe(tmp_path / "tokenizer.json")
-    return tmp_path
 
 
 def _argv(name: str, source) -> list:
@@ -81,7 +51,7 @@ def _argv(name: str, source) -> list:
 def test_config_is_the_checkpoints_model(name, tmp_path):
     """The YAML's architecture and loop layout are the checkpoint's config.json's, and the run
     validates at 8 ranks (data parallel 8, bf16, the local spec)."""
-    source = _source(tmp_path, CONFIGS[name][0])
+    source = checkpoint_dir(tmp_path, CONFIGS[name][0])
     cfg = parse_args(_argv(name, source))
     resolve_pretrained(cfg)
     validate(cfg, 8)
@@ -123,7 +93,7 @@ def data_checks_off(monkeypatch):
 @pytest.mark.parametrize("name", META_STEP)
 def test_full_size_rl_step_on_meta(name, tmp_path, data_checks_off):
     shape, params = META_STEP[name]
-    source = None if shape is None else _source(tmp_path, shape)
+    source = None if shape is None else checkpoint_dir(tmp_path, shape)
     cfg = parse_args(_argv(name, source))
     resolve_pretrained(cfg)
     R = cfg.model.looped_num_loops

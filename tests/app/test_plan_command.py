@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
+from helpers.h20 import CONFIGS, REPO, checkpoint_dir
 from helpers.sp import make_group
-from test_h20_configs import CONFIGS, REPO, _source
 
 from scalerlt_mcore.app.config import model_config, objective_from, parse_args, schedule_from
 from scalerlt_mcore.app.plan import GIB, main, make_report, parse, shortfall
@@ -48,7 +48,7 @@ def test_help():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_public_config_on_an_h20_node(name, tmp_path, capsys):
     shape, params = CONFIGS[name]
-    source = _source(tmp_path, shape)
+    source = checkpoint_dir(tmp_path, shape)
     code = main(["--config", str(REPO / "configs" / name), "--pretrained-checkpoint",
                  str(source), "--use-checkpoint-args", "--world-size", "8"])
     out = capsys.readouterr().out
