@@ -292,15 +292,16 @@ def run_choice(cfg, model, m: ModelShape, workload: Workload) -> tuple:
                                 group.group_size, plan), ""
 
 
-def make_report(cfg, workload: Workload, model=None) -> Report:
+def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
     """Plan ``workload`` for the run: its model on meta (``model``, or built here) and twins
-    with and without recompute, each calibrated. Inside an MCore model-parallel context
-    (``plan_run``)."""
+    with and without recompute (``twin``: the one with recompute, or built here), each
+    calibrated. Inside an MCore model-parallel context (``plan_run``). A caller planning
+    several workloads on one model passes both, so that each is built and calibrated once."""
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
     model = meta_model(cfg) if model is None else model
     own = cfg.model.recompute_granularity is not None
     plain = meta_model(cfg, recompute=False) if own else model
-    twin = meta_model(cfg, recompute=True)
+    twin = meta_model(cfg, recompute=True) if twin is None else twin
     R = cfg.model.looped_num_loops
     m, mr = ModelShape.from_model(plain, R), ModelShape.from_model(twin, R)
     plan, memory, error = run_choice(cfg, model, ModelShape.from_model(model, R), workload)

@@ -1,0 +1,114 @@
+"""The ``scale`` bench (benchmarks/scale.py) at a tiny size: the checkpoints' shapes are the
+tests' own, a scaled workload keeps its structure, the full-size rows of a tiny checkpoint on
+meta (fits / does not fit with its shortfall, the per-GPU total, naive / joint FLOPs), the
+predicted peak of a real CPU step within 10% of the probe's, and the written results."""
+
+import json
+import os
+import sys
+
+import pytest
+from helpers.reference_ouro import OURO_CONFIG
+from test_h20_configs import HUGINN_0125, NANBEIGE_42_3B, OURO_1_4B
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # `pytest` without `python -m`: the repo root holds benchmarks/
+    sys.path.insert(0, ROOT)
+
+from benchmarks import scale  # noqa: E402
+
+GIB = 2**30
+TINY_OURO = scale.Family("tiny-ouro", "ouro_1.4b_h20.yaml",
+                         {**OURO_CONFIG, "vocab_size": 512, "max_position_embeddings": 2048},
+                         "ouro_tiny_cpu.yaml")
+"""The Ouro H20 config with a tiny Ouro config.json (hidden 32, 2 layers x 4 loops; the
+vocabulary and positions the config's task and responses need)."""
+ONE = scale.ScaleWorkload("one", 16, 8, 4)
+TREE = scale.ScaleWorkload("tree", 12, branches=(2, 2), node_lengths=(5, 4),
+                           trained_lengths=(3, 4))
+
+
+def test_the_shapes_are_the_checkpoints():
+    assert scale.OURO_1_4B == OURO_1_4B
+    assert scale.HUGINN_0125 == HUGINN_0125
+    assert scale.NANBEIGE_42_3B == NANBEIGE_42_3B
+
+
+def test_workloads_and_their_scaled_copies():
+    m1, m2, m3, t = scale.WORKLOADS
+    assert (m1.G, m1.S, m2.G, m3.S) == (16, 4096, 8, 2048)
+    assert (t.G, t.S, t.prompt_length) == (16, 1280 + 1024, 8192)
+    small = t.scaled(128)
+    assert (small.G, small.branches, small.prompt_length) == (16, (4, 4), 64)
+    assert small.node_lengths == (10, 8) and small.trained_lengths == (8, 8)
+    assert m2.scaled(128).prompt_length / m2.scaled(128).S == m2.prompt_length / m2.S
+    tree, has_loss, mask = scale.prefix_tree(TREE)
+    assert tree.num_nodes == 7 and len(tree.leaf_of_row) == 4 and has_loss[0] is False
+    # a row trains its turn-1 node's first 3 tokens and its leaf's 4
+    assert mask.sum(1).tolist() == [7.0] * 4
+
+
+def _entries(monkeypatch, gpu_gib: float) -> dict:
+    monkeypatch.setattr(scale, "GPU_GIB", gpu_gib)
+    entries = scale.full_size(TINY_OURO, (ONE, TREE), log=lambda *a: None)
+    return {e["workload"]["name"]: e for e in entries}
+
+
+def _check_totals(e: dict) -> None:
+    for r in e["rows"]:
+        cache = 0 if r["total_bytes"] == e["state_bytes"] + r["peak_bytes"] else e["rollout_cache"]
+        assert r["total_bytes"] == e["state_bytes"] + max(r["peak_bytes"], cache), r
+        assert r["fits"] == (r["plan"] != "none fits" and r["total_bytes"] <= e["gpu_bytes"]), r
+        assert r["shortfall_bytes"] == max(r["total_bytes"] - e["gpu_bytes"], 0), r
+
+
+def test_full_size_rows_fit_a_large_gpu(mcore_single, monkeypatch):
+    """90 GiB: every row fits, joint replay takes one wave of G with the prompt retained, and
+    naive / joint FLOPs is the two plans' counts' ratio (above 1: the prompt once)."""
+    entries = _entries(monkeypatch, 90.0)
+    for name, e in entries.items():
+        _check_totals(e)
+        assert all(r["fits"] for r in e["rows"]), name
+        joint = e["rows"][2]
+        assert e["joint_best"]["plan"] == joint["plan"] and not e["joint_best"]["unverified"]
+        assert e["naive_over_joint_flops"] == pytest.approx(e["naive_best"]["flops"]
+                                                            / joint["flops"])
+        assert e["naive_over_joint_flops"] > 1
+    assert entries["one"]["rows"][2]["plan"] == "waves of 4, prompt retained"
+    assert entries["tree"]["rows"][2]["plan"] == "waves of 2, 3/3 internal nodes retained"
+    assert entries["one"]["plan_command"].endswith("fits")  # after any refusal of the flags
+
+
+def test_full_size_rows_that_do_not_fit_say_by_how_much(mcore_single, monkeypatch):
+    """A GPU of the model state and half the smallest naive step: nothing fits, each row names
+    its shortfall, and no FLOP ratio is given."""
+    big = _entries(monkeypatch, 90.0)["one"]
+    least = min(r["peak_bytes"] for r in big["rows"])
+    gpu = (big["state_bytes"] + max(big["rollout_cache"], 0.5 * least)) / GIB
+    for name, e in _entries(monkeypatch, gpu).items():
+        _check_totals(e)
+        assert not any(r["fits"] for r in e["rows"]), name
+        assert all(r["shortfall_bytes"] > 0 for r in e["rows"]), name
+        assert e["rows"][2]["plan"] == "none fits" and e["naive_over_joint_flops"] is None
+    assert "needs" in e["plan_command"] or e["plan_command"].startswith("refuses")
+
+
+@pytest.mark.parametrize("wl", [ONE, TREE], ids=["one-level", "tree"])
+def test_scaled_down_prediction_within_10_percent(mcore_single, wl):
+    """A real CPU step of naive micro-batch 1 and of joint replay (the smallest plan: no
+    full-size entry) against the planner's prediction."""
+    out = scale.scaled_down(scale.FAMILIES[0], wl, None, factor=2)
+    assert out["workload"]["G"] == wl.G
+    for r in out["runs"]:
+        assert r["measured"] > 0 and abs(r["error"]) <= scale.RTOL, r
+
+
+def test_the_results_and_their_tables(mcore_single, monkeypatch, tmp_path):
+    monkeypatch.setattr(scale, "GPU_GIB", 90.0)
+    result = scale.run_scale((TINY_OURO,), (ONE,), factor=2, log=lambda *a: None)
+    scale.write(str(tmp_path), result)
+    doc = json.loads((tmp_path / "scale.json").read_text())
+    assert [e["workload"]["name"] for e in doc["full_size"]] == ["one"]
+    assert doc["targets"][-1]["met"] is True  # the scaled run's prediction
+    md = (tmp_path / "scale.md").read_text()
+    assert md.startswith(scale.MD_HEADING) and md.count("| tiny-ouro | one |") == 5
