@@ -409,20 +409,28 @@ def _tree_group(wl: ScaleWorkload):
 
 
 def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
-    """Joint replay of a tree by ``plan``: every node forward 1 + backward 2 against its path
-    (a leaf without its last token), a recomputed internal node's forward once more, and
-    under full recompute every node's layers once more (``app.plan._flops``'s counts)."""
+    """Joint replay of a tree by ``plan``, as the tree schedule runs it (benchmarks/tree.py's
+    ``analytic_passes``): an internal node's layers forward 1 + backward 2 (a recomputed one's
+    forward once more, without grad), read out at its own positions and its parent's boundary
+    where it trains a token; a leaf the same without its last token, read out there; one
+    boundary readout per wave; under full recompute every node's layers once more
+    (``app.plan._flops``'s count)."""
     from scalerlt_mcore.shared_prefix.planner import _pass_flops
 
-    retained = plan.node_retained(tree.num_nodes)
+    def read(positions: int) -> float:
+        return m.loops * positions * 2 * m.hidden * m.vocab
+
+    retained, W = plan.node_retained(tree.num_nodes), plan.wave_size
     flops = 0.0
     for n in range(tree.num_nodes):
         start, L = tree.starts[n], tree.ends[n] - tree.starts[n]
-        leaf = tree.is_leaf(n)
-        s = L - 1 if leaf else L
-        passes = 3 + (not leaf and not retained[n])
-        flops += passes * _pass_flops(m, 1, s, start, readout=leaf or has_loss[n])
-        flops += recompute * _pass_flops(m, 1, s, start)
+        if tree.is_leaf(n):
+            layers, readouts, passes = _pass_flops(m, 1, L - 1, start), L - 1, 3
+        else:
+            leaves = sum(tree.is_leaf(c) for c in tree.children(n))
+            layers, passes = _pass_flops(m, 1, L, start), 3 + (not retained[n])
+            readouts = (L + 1 if n and has_loss[n] else 0) + -(-leaves // W)
+        flops += passes * layers + 3 * read(readouts) + recompute * layers
     return flops
 
 
@@ -472,6 +480,7 @@ def _tree_rows(cfg, model, twin, wl, budget, held, gpu, cache) -> list:
                      tree_flops(mr, tree, all_kept, has_loss, recompute=True), held, gpu,
                      unverified=True, cache=cache)
     joint["retain_nodes"] = None if plan is None else list(plan.retain_nodes)
+    joint["wave_size"] = counted.wave_size
     joint["plan"] = _plan_text(plan, tree)
     return [joint, recompute]
 
@@ -565,8 +574,7 @@ def joint_plan_of(entry: Optional[dict], wl: ScaleWorkload):
         nodes = None if row is None else row.get("retain_nodes")
         if nodes is None:
             return GroupPlan(1, retain_nodes=(False,) * len(prefix_tree(wl)[1]))
-        wave = int(row["plan"].split()[2].rstrip(","))
-        return GroupPlan(wave, retain=all(nodes), retain_nodes=tuple(nodes))
+        return GroupPlan(row["wave_size"], retain=all(nodes), retain_nodes=tuple(nodes))
     plan = None if entry is None else entry["plans"]["joint"]
     return GroupPlan(1) if plan is None else GroupPlan(**plan)
 

@@ -8,8 +8,9 @@ import os
 import sys
 
 import pytest
+from helpers.h20 import HUGINN_0125, OURO_1_4B
+from helpers.reference_nanbeige import NANBEIGE_42_3B
 from helpers.reference_ouro import OURO_CONFIG
-from test_h20_configs import HUGINN_0125, NANBEIGE_42_3B, OURO_1_4B
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # `pytest` without `python -m`: the repo root holds benchmarks/
@@ -112,3 +113,23 @@ def test_the_results_and_their_tables(mcore_single, monkeypatch, tmp_path):
     assert doc["targets"][-1]["met"] is True  # the scaled run's prediction
     md = (tmp_path / "scale.md").read_text()
     assert md.startswith(scale.MD_HEADING) and md.count("| tiny-ouro | one |") == 5
+
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["recompute", "retain"])
+def test_tree_flops_are_the_tree_benchs_count(mcore_single, retain):
+    """The tree's joint FLOPs equal benchmarks/tree.py's analytic count of the same tree and
+    model (itself held to PyTorch's FlopCounterMode in tests/test_tree_bench.py)."""
+    from benchmarks import tree as tree_bench
+    from scalerlt_mcore.shared_prefix.planner import GroupPlan, ModelShape
+
+    twl = tree_bench.TreeWorkload(prompt_length=6, branches=(2, 3), node_lengths=(4, 3),
+                                  trained_lengths=(2, 3), wave_size=2, hidden=16, heads=2)
+    model = tree_bench.build(twl)[0]
+    wl = scale.ScaleWorkload("t", 6, branches=(2, 3), node_lengths=(4, 3),
+                             trained_lengths=(2, 3))
+    tree, has_loss, _ = scale.prefix_tree(wl)
+    plan = GroupPlan(twl.wave_size, retain=retain)
+    got = scale.tree_flops(ModelShape.from_model(model), tree, plan, has_loss)
+    want = tree_bench.analytic_flops(twl, tree_bench.config_shape(model.config))
+    assert got == want["joint_retain" if retain else "joint"]
