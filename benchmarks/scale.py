@@ -1,4 +1,4 @@
-"""Memory and FLOPs at the users' shapes (``scale`` in cpu.json's neighbour scale.json).
+"""Memory and FLOPs at the users' shapes (``make bench``'s ``scale``: benchmarks/results/scale.*).
 
 Full size, predicted: Ouro-1.4B, Huginn-0125 and Nanbeige4.2-3B (each built from its real
 config.json on ``meta``, bf16, as ``python -m scalerlt_mcore.plan`` builds it) on an 8-GPU H20
