@@ -121,12 +121,25 @@ class ModelShape:
     token_bytes: tuple = (0.0, 0.0, 0.0)
     """Measured saved bytes per token beyond the op-by-op model: (the embedding and prelude,
     each trained loop, each trained loop's readout); see ``calibration``."""
+    recompute: Optional[str] = None
+    """MCore's ``recompute_granularity`` (``full``, ``selective``) or None."""
+    chunks: tuple = ((), (), ())
+    """Under ``full`` recompute: the (start, end, checkpointed) chunks of the prelude, core and
+    coda layer lists (``model.recompute.layer_chunks``)."""
+    recompute_modules: tuple = ()
+    """Under ``selective`` recompute: the recomputed modules (``core_attn``, ``mlp``, ...)."""
+    layer_bytes: float = 0.0
+    """Under ``full`` recompute: measured saved bytes per token of a recomputed layer beyond
+    the op-by-op layer (a family's own norms and adapters inside its layers); see
+    ``calibration``."""
 
     @classmethod
     def from_model(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
         """The shape of ``model`` running ``num_loops`` loops (None: ``looped_num_loops``),
         calibrated on the model (``calibration``, once per model, dtype and device)."""
-        return replace(cls.uncalibrated(model, num_loops), token_bytes=calibration(model))
+        token_bytes, layer_bytes = calibration(model)
+        return replace(cls.uncalibrated(model, num_loops), token_bytes=token_bytes,
+                       layer_bytes=layer_bytes)
 
     @classmethod
     def uncalibrated(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
@@ -149,7 +162,7 @@ class ModelShape:
             prefix_attention=c.looped_prefix_attention, dtype_bytes=dtype.itemsize,
             acc_bytes=torch.promote_types(dtype, torch.float32).itemsize,
             graph_free_loops=c.looped_num_graph_free_loops,
-            core_attention=_core_attention(model),
+            core_attention=_core_attention(model), **_recompute_fields(c),
         )
 
     @property
@@ -188,6 +201,19 @@ class MemoryEstimate:
     def peak_bytes(self) -> int:
         """What a memory budget is checked against: activations plus adjoints."""
         return self.activation_bytes + self.adjoint_bytes
+
+
+def _recompute_fields(c) -> dict:
+    """``ModelShape``'s recompute fields of config ``c`` (its chunks by ``layer_chunks``)."""
+    from ..model.recompute import layer_chunks
+
+    granularity = c.recompute_granularity
+    counts = (c.looped_num_prelude_layers, c.num_layers, c.looped_num_coda_layers)
+    return dict(recompute=granularity,
+                chunks=tuple(tuple(layer_chunks(c, k)) if granularity == "full" else ((0, k, False),)
+                             for k in counts),
+                recompute_modules=tuple(c.recompute_modules or ())
+                if granularity == "selective" else ())
 
 
 def _core_attention(model) -> type:
@@ -260,15 +286,66 @@ def _attention(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefi
 
 def _layer(m: ModelShape, saved: _Saved, x: str, rows: int, s: int, kind: str,
            prefix: int) -> str:
-    """One transformer layer application; returns the name of its output storage."""
+    """One transformer layer application; returns the name of its output storage. Under
+    ``selective`` recompute a recomputed core attention saves its inputs (the QKV output) and a
+    recomputed MLP its input."""
     n, b = rows * s, m.dtype_bytes
     _norm(m, saved, x, n)
     saved.add(n * m.hidden * b)  # linear_qkv input
-    _attention(m, saved, rows, s, kind, prefix)
+    if "core_attn" in m.recompute_modules:
+        saved.add(n * m.qkv_width * b)
+    else:
+        _attention(m, saved, rows, s, kind, prefix)
     _norm(m, saved, saved.fresh("residual"), n)
     saved.add(n * m.hidden * b)  # linear_fc1 input
-    saved.add(n * m.ffn * b * (2 if m.gated else 1) + n * m.ffn * b)  # activation in, fc2 in
+    if "mlp" not in m.recompute_modules:
+        saved.add(_mlp_bytes(m, n))
     return saved.fresh("layer_out")
+
+
+def _mlp_bytes(m: ModelShape, n: int) -> int:
+    """What an MLP saves beyond its input: the activation's input and fc2's input."""
+    return n * m.ffn * m.dtype_bytes * (2 if m.gated else 1) + n * m.ffn * m.dtype_bytes
+
+
+def _layers(m: ModelShape, saved: _Saved, x: str, which: int, rows: int, s: int, kind: str,
+            prefix: int) -> str:
+    """A run of the prelude (``which`` 0), core (1) or coda (2) layers by its recompute chunks:
+    a checkpointed chunk saves only its input (its prefix K/V are counted with the prefix)."""
+    for start, end, checkpointed in m.chunks[which]:
+        if checkpointed and not isinstance(saved, _GraphFree):
+            saved.add(rows * s * m.hidden * m.dtype_bytes, x)
+            x = saved.fresh("chunk_out")
+            continue
+        for _ in range(end - start):
+            x = _layer(m, saved, x, rows, s, kind, prefix)
+    return x
+
+
+def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0) -> int:
+    """The largest working set activation recompute rebuilds in a backward of ``rows`` x ``s``
+    tokens: a ``full`` chunk's layers (beyond its saved input) or a ``selective`` module."""
+    if m.recompute == "selective":
+        sizes = [0]
+        if "core_attn" in m.recompute_modules:
+            sizes.append(m.core_attention.saved_bytes(m, rows, s, kind, prefix))
+        if "mlp" in m.recompute_modules:
+            sizes.append(_mlp_bytes(m, rows * s))
+        return max(sizes)
+    worst = 0
+    for which, chunks in enumerate(m.chunks):
+        if which and not m.trained_loops:
+            continue
+        for start, end, checkpointed in chunks:
+            if checkpointed:
+                saved = _Saved()
+                saved.named["input"] = 0
+                x = "input"
+                for _ in range(end - start):
+                    x = _layer(m, saved, x, rows, s, kind, prefix)
+                extra = m.layer_bytes * rows * s * (end - start)
+                worst = max(worst, saved.total + round(extra))
+    return worst
 
 
 def _readout(m: ModelShape, saved: _Saved, h: str, n: int) -> None:
@@ -282,8 +359,7 @@ def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: i
     """The recurrent block's forward (prelude, R loops of core and coda) and the readouts."""
     n = rows * s
     h = saved.fresh("embedding")
-    for _ in range(m.prelude):
-        h = _layer(m, saved, h, rows, s, kind, prefix)
+    h = _layers(m, saved, h, 0, rows, s, kind, prefix)
     embed = h
     state = saved.fresh("zeros") if m.zero_initial_state else embed
     for r in range(m.loops):
@@ -292,11 +368,8 @@ def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: i
         if m.injection:
             live.add(2 * n * m.hidden * m.dtype_bytes)  # [state; embed]
             x = live.fresh("injected")
-        for _ in range(m.core):
-            x = _layer(m, live, x, rows, s, kind, prefix)
-        state = y = x
-        for _ in range(m.coda):
-            y = _layer(m, live, y, rows, s, kind, prefix)
+        state = y = _layers(m, live, x, 1, rows, s, kind, prefix)
+        y = _layers(m, live, y, 2, rows, s, kind, prefix)
         if readout:
             _readout(m, live, y, n)
     prelude, loop, read = m.token_bytes
@@ -314,24 +387,47 @@ _CALIBRATIONS = weakref.WeakKeyDictionary()  # model -> {(dtype, device): token_
 
 
 def calibration(model) -> tuple:
-    """``ModelShape.token_bytes`` of ``model``: measured once per (model, dtype, device)."""
+    """(``ModelShape.token_bytes``, ``ModelShape.layer_bytes``) of ``model``: measured once per
+    (model, dtype, device)."""
     p = next(model.parameters())
     cached = _CALIBRATIONS.setdefault(model, {})
     key = (p.dtype, p.device)
     if key not in cached:
-        cached[key] = _calibrate(model)
+        cached[key] = _calibrate(model), _calibrate_layers(model)
     return cached[key]
 
 
 def _calibrate(model) -> tuple:
     """Saved bytes per token the op-by-op model misses (negative: counts in excess), from
-    causal forwards at 1 and 2 loops, with and without readouts: the per-token difference of
-    measured and predicted bytes is linear in the trained loops (k) and readouts."""
+    causal forwards at 1 and 2 loops, with and without readouts, under the model's own
+    recompute setting: the per-token difference of measured and predicted bytes is linear in
+    the trained loops (k) and readouts."""
     (fixed1, k1), (fixed2, k2), (read1, _) = (_excess_per_token(model, R, readout)
                                               for R, readout in ((1, False), (2, False),
                                                                  (1, True)))
     loop = (fixed2 - fixed1) / (k2 - k1) if k2 != k1 else 0.0
     return (fixed1 - k1 * loop, loop, (read1 - fixed1) / k1)
+
+
+def _calibrate_layers(model) -> float:
+    """``ModelShape.layer_bytes``: under ``full`` recompute, what the model's layers save per
+    token beyond the op-by-op layer, per layer: the calibration without recompute less the one
+    with it (what the layers save in the forward there, they save in the backward here),
+    over the checkpointed layers of the prelude and one loop. 0 without full recompute."""
+    config = model.config
+    m = ModelShape.uncalibrated(model, 1)
+    if m.recompute != "full":
+        return 0.0
+    layers = sum(end - start for chunks in m.chunks for start, end, ck in chunks if ck)
+    if not layers:
+        return 0.0
+    ours = _calibrate(model)
+    config.recompute_granularity = None
+    try:
+        plain = _calibrate(model)
+    finally:
+        config.recompute_granularity = "full"
+    return (plain[0] + plain[1] - ours[0] - ours[1]) / layers
 
 
 def _excess_per_token(model, R: int, readout: bool) -> tuple:
@@ -415,25 +511,52 @@ def graph_free_prefix_bytes(m: ModelShape, P: int) -> int:
 
 
 def wave_bytes(m: ModelShape, P: int, S: int, W: int,
-               loss_per_position: Optional[float]) -> int:
-    """One wave against the prefix state (the prefix K/V storage not included)."""
+               loss_per_position: Optional[float], readout: bool = True) -> int:
+    """One wave against the prefix state (the prefix K/V storage not included); ``readout``
+    False: without its readouts and loss (what its backward holds once they are done)."""
     saved = _Saved()
     R, H, b = m.loops, m.hidden, m.dtype_bytes
     k = m.trained_loops  # loops whose boundary readout builds a graph
-    saved.add(k * H * b * 2 + k * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)  # boundary
+    if readout:  # the boundary
+        saved.add(k * H * b * 2 + k * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)
     saved.add(2 * W * S * INT64)  # the wave's token and label ids
     if S > 1:
-        _block(m, saved, W, S - 1, m.prefix_attention, prefix=P)
+        _block(m, saved, W, S - 1, m.prefix_attention, prefix=P, readout=readout)
         saved.add((S - 1) * INT64 * (not m.rope_dim))  # positions
-    return saved.total + _loss_bytes(m, W, P + S, loss_per_position)
+    return saved.total + (_loss_bytes(m, W, P + S, loss_per_position) if readout else 0)
 
 
-def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: Optional[float]) -> int:
-    """One naive microbatch of ``rows`` full sequences of length T."""
+def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: Optional[float],
+                readout: bool = True) -> int:
+    """One naive microbatch of ``rows`` full sequences of length T (``readout``: as in
+    ``wave_bytes``)."""
     saved = _Saved()
-    _block(m, saved, rows, T, "causal")
+    _block(m, saved, rows, T, "causal", readout=readout)
     saved.add(2 * rows * T * INT64 + T * INT64 * (not m.rope_dim))  # ids, labels, positions
-    return saved.total + _loss_bytes(m, rows, T, loss_per_position)
+    return saved.total + (_loss_bytes(m, rows, T, loss_per_position) if readout else 0)
+
+
+def _backward_peak(m: ModelShape, forward: int, rows: int, s: int, kind: str,
+                   prefix: int = 0) -> int:
+    """Under activation recompute, a graph's backward: what its forward saved less its
+    readouts and loss (done first), plus the largest working set it recomputes."""
+    if m.recompute is None:
+        return 0
+    return forward + recompute_bytes(m, rows, s, kind, prefix)
+
+
+def _recomputed_kv_bytes(m: ModelShape, P: int, width: int) -> int:
+    """The prefix K/V (``width`` bytes per element) a recomputing forward saves as inputs of
+    its checkpoints beyond an attention's own saves: ``full`` chunks take the K/V of their
+    depths; a ``selective`` core attention those of every depth (concat, whose own
+    concatenation is then not saved)."""
+    per_depth = 2 * P * m.kv_groups * m.kv_channels * width
+    if m.recompute == "full":
+        ck = [sum(end - start for start, end, c in chunks if c) for chunks in m.chunks]
+        return (ck[0] + m.trained_loops * (ck[1] + ck[2])) * per_depth
+    if "core_attn" in m.recompute_modules and m.prefix_attention == "concat":
+        return m.trained_depths * per_depth
+    return 0
 
 
 def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: Optional[float]) -> int:
@@ -475,35 +598,50 @@ NEEDS_LOSS_BYTES = ("a memory prediction needs loss_per_position: the number of 
 def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                  checkpoint_waves: bool = False,
                  loss_per_position: Optional[float] = None) -> MemoryEstimate:
-    """Peak memory of joint replay of one group (prompt P, G responses of <= S tokens)."""
+    """Peak memory of joint replay of one group (prompt P, G responses of <= S tokens). Under
+    activation recompute each graph's backward is a moment of its own (``_backward_peak``)."""
     T, W = P + S, min(plan.wave_size, G)
     n = -(-G // W)
     last = G - (n - 1) * W
     prompt = prompt_bytes(m, P, G, T)
     wave = {w: wave_bytes(m, P, S, w, loss_per_position) for w in {W, last}}
+    back = {w: _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False),
+                              w, S - 1, m.prefix_attention, P) for w in {W, last}}
     # the prefix K/V storage is read by cascade waves; the prompt graph holds it too. fp32
     # leaves copied from a bf16/fp16 state are extra storage the waves save instead
     copies = leaf_copy_bytes(m, P, checkpoint_waves)
     held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
+    # recomputing waves save the K/V their checkpoints take: the leaves, or (with the prompt
+    # graph) the prompt's K/V, which a recomputed prompt graph does not hold
+    leaf_kv = _recomputed_kv_bytes(m, P, m.acc_bytes if copies or m.acc_bytes != m.dtype_bytes
+                                   else m.dtype_bytes)
+    graph_kv = _recomputed_kv_bytes(m, P, m.dtype_bytes)
     # a checkpointed wave saves its inputs, the whole prefix state: the prompt graph holds the
     # K/V of the trained depths anyway, not those of graph-free loops (truncated backprop)
     prompt += graph_free_prefix_bytes(m, P) if checkpoint_waves else 0
     if n == 1:
-        phases = [(prompt, wave[W])]
+        phases = [(prompt + graph_kv, W)]
     elif plan.retain:
-        phases = [(prompt + copies, wave[W])]
+        phases = [(prompt + max(copies, leaf_kv), W)]
     else:
-        phases = [(copies or held, wave[W]), (prompt, wave[last])]
-    visible = [base + (0 if checkpoint_waves else w) for base, w in phases]
-    full = [base + w for base, w in phases]
-    return MemoryEstimate(saved_bytes=max(visible), activation_bytes=max(full),
+        phases = [(max(copies or held, leaf_kv), W), (prompt + graph_kv, last)]
+    visible = [base + (0 if checkpoint_waves else wave[w]) for base, w in phases]
+    full = [base + wave[w] for base, w in phases]
+    recompute = [base + back[w] for base, w in phases if back[w]]
+    if m.recompute is not None:  # the prompt's own backward, its waves done
+        recompute.append(_backward_peak(m, prompt, 1, P, "causal"))
+    return MemoryEstimate(saved_bytes=max(visible + recompute),
+                          activation_bytes=max(full + recompute),
                           adjoint_bytes=adjoint_bytes(m, P) if n > 1 else 0)
 
 
 def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
                  loss_per_position: Optional[float] = None) -> MemoryEstimate:
     """Peak memory of naive training of one group in microbatches of full sequences."""
-    peak = naive_bytes(m, P + S, min(micro_batch_size, G), loss_per_position)
+    rows = min(micro_batch_size, G)
+    peak = max(naive_bytes(m, P + S, rows, loss_per_position),
+               _backward_peak(m, naive_bytes(m, P + S, rows, loss_per_position, readout=False),
+                              rows, P + S, "causal"))
     return MemoryEstimate(saved_bytes=peak, activation_bytes=peak, adjoint_bytes=0)
 
 
