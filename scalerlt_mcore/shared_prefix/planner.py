@@ -324,7 +324,9 @@ def _layers(m: ModelShape, saved: _Saved, x: str, which: int, rows: int, s: int,
 
 def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0) -> int:
     """The largest working set activation recompute rebuilds in a backward of ``rows`` x ``s``
-    tokens: a ``full`` chunk's layers (beyond its saved input) or a ``selective`` module."""
+    tokens: a ``selective`` module, or a ``full`` chunk's layers (beyond its saved input) less
+    what the backward freed before it: in the last loop the saves of the plain layers and the
+    inputs of the chunks after it (the prelude's chunks: nothing freed, an upper bound)."""
     if m.recompute == "selective":
         sizes = [0]
         if "core_attn" in m.recompute_modules:
@@ -333,18 +335,21 @@ def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0
             sizes.append(_mlp_bytes(m, rows * s))
         return max(sizes)
     worst = 0
-    for which, chunks in enumerate(m.chunks):
-        if which and not m.trained_loops:
-            continue
-        for start, end, checkpointed in chunks:
-            if checkpointed:
+    for lists in ((2, 1), (0,)) if m.trained_loops else ((0,),):
+        freed = 0  # what the backward has freed of the lists after the chunk (last loop)
+        for which in lists:
+            for start, end, checkpointed in reversed(m.chunks[which]):
                 saved = _Saved()
                 saved.named["input"] = 0
                 x = "input"
                 for _ in range(end - start):
                     x = _layer(m, saved, x, rows, s, kind, prefix)
-                extra = m.layer_bytes * rows * s * (end - start)
-                worst = max(worst, saved.total + round(extra))
+                if checkpointed:
+                    extra = round(m.layer_bytes * rows * s * (end - start))
+                    worst = max(worst, saved.total + extra - freed)
+                    freed += rows * s * m.hidden * m.dtype_bytes  # its input
+                else:
+                    freed += saved.total
     return worst
 
 
@@ -539,7 +544,8 @@ def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: Optional[fl
 def _backward_peak(m: ModelShape, forward: int, rows: int, s: int, kind: str,
                    prefix: int = 0) -> int:
     """Under activation recompute, a graph's backward: what its forward saved less its
-    readouts and loss (done first), plus the largest working set it recomputes."""
+    readouts and loss (done first), plus the largest working set it recomputes less what the
+    backward freed before (``recompute_bytes``)."""
     if m.recompute is None:
         return 0
     return forward + recompute_bytes(m, rows, s, kind, prefix)
@@ -611,6 +617,8 @@ def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     # leaves copied from a bf16/fp16 state are extra storage the waves save instead
     copies = leaf_copy_bytes(m, P, checkpoint_waves)
     held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
+    if m.recompute is not None:  # graph-free loops read the no-grad K/V without saving them
+        held -= graph_free_prefix_bytes(m, P) if held else 0
     # recomputing waves save the K/V their checkpoints take: the leaves, or (with the prompt
     # graph) the prompt's K/V, which a recomputed prompt graph does not hold
     leaf_kv = _recomputed_kv_bytes(m, P, m.acc_bytes if copies or m.acc_bytes != m.dtype_bytes
