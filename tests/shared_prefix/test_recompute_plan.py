@@ -123,3 +123,30 @@ def test_saved_bytes_under_recompute_within_10_percent(mcore_single, name, setti
             assert abs(pred / got - 1) <= PREDICTION_RTOL, (
                 f"{name} {setting} G={G} P={P} S={S} {plan}: predicted {pred} B, measured "
                 f"{got} B ({pred / got:.3f})")
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_budget_under_recompute_is_planned_and_fits(mcore_single, setting):
+    """``wave_size`` "auto" with the budget of waves of 2, the prompt recomputed: the planner
+    picks the largest wave that fits (below the group), its measured peak (saved bytes plus the
+    prefix adjoints) is within the budget, and the step is exact against naive training of the same
+    weights without recompute (fp64, 1e-12)."""
+    R, G, P, S = 2, 6, 40, 6
+    reference = build_model(R=R, arch=True).double()
+    model = build_model(R=R, arch=True, **SETTINGS[setting]).double()
+    model.load_state_dict(reference.state_dict())
+    shape = ModelShape.from_model(model)
+    loss = LossSpec().objective().saved_per_position
+    peaks = {(W, r): plan_memory(shape, P, S, G, GroupPlan(W, retain=r), False,
+                                 loss).peak_bytes for W in range(1, G + 1) for r in (True, False)}
+    budget = peaks[(2, False)]
+    fits = [W for W in range(1, G + 1) if min(peaks[(W, True)], peaks[(W, False)]) <= budget]
+    group = make_group(G, P, S, R, seed=3)
+    plan = Planner("auto", "auto", budget, loss_per_position=loss)(group, model)
+    assert plan.wave_size == max(fits) < G, (plan, peaks)
+    naive_step(reference, [group], LossSpec(), 2)
+    got = _peak(model, lambda: joint_step(model, [group], LossSpec(), "auto", prompt="auto",
+                                          memory_budget=budget, loss_per_position=loss))
+    adjoints = plan_memory(shape, P, S, G, plan, False, loss).adjoint_bytes
+    assert got + adjoints <= budget, (plan, got + adjoints, budget)
+    assert max(rel_errors(grads(model), grads(reference)).values()) <= 1e-12
