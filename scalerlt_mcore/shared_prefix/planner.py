@@ -692,18 +692,23 @@ def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
     ``via_chain``: the path of a replay chain (the chain's states), else n's leaves. The root's
     alone: its graph's qkv output (in its chain; its leaves when retained and as wide), its
     no-grad K/V, or fp32 leaf copies of a narrower state. A deeper path is a
-    concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model."""
-    if m.prefix_attention != "cascade":
-        return 0
+    concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model. Under
+    activation recompute, at least the K/V its checkpoints take (``_recomputed_kv_bytes``),
+    which a recomputing graph of the root does not hold."""
     P, wide = tree.ends[n], m.acc_bytes != m.dtype_bytes
-    if tree.parents[n] < 0:
+    root = tree.parents[n] < 0
+    leaves = not via_chain if root else not via_chain or _chain_top(tree, n) != 0
+    inputs = _recomputed_kv_bytes(m, P, m.acc_bytes if leaves and wide else m.dtype_bytes)
+    if m.prefix_attention != "cascade":
+        return inputs
+    if root:
         if via_chain:
-            return 0
+            return inputs
         if wide:
             return _path_kv_bytes(m, P, m.acc_bytes)
-        return 0 if root_retained else prefix_bytes(m, P) - graph_free_prefix_bytes(m, P)
-    leaves = not via_chain or _chain_top(tree, n) != 0
-    return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes)
+        cascade = 0 if root_retained else prefix_bytes(m, P) - graph_free_prefix_bytes(m, P)
+        return max(cascade, inputs)
+    return max(_path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes), inputs)
 
 
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
@@ -728,13 +733,25 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
 def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_retained: bool,
                     loss_per_position: Optional[float]) -> int:
     """A wave of node n's leaf children ``leaves`` against n's path (``last``: n's last unit,
-    in its replay chain; else against n's leaves)."""
+    in its replay chain; else against n's leaves); under activation recompute the larger of
+    its forward and its backward (``_backward_peak``)."""
     P, W = tree.ends[n], len(leaves)
     S = max(tree.ends[c] for c in leaves) - P
     wave = wave_bytes(m, P, S, W, loss_per_position)
     wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
                                                                   loss_per_position)
-    return wave + _read_prefix_bytes(m, tree, n, last, root_retained)
+    back = _backward_peak(m, wave_bytes(m, P, S, W, loss_per_position, readout=False), W,
+                          S - 1, m.prefix_attention, P)
+    return max(wave, back) + _read_prefix_bytes(m, tree, n, last, root_retained)
+
+
+def _tree_node_recompute_bytes(m: ModelShape, tree, n: int) -> int:
+    """What node n's own graph recomputes in its backward (``recompute_bytes``)."""
+    if m.recompute is None:
+        return 0
+    L, start = tree.ends[n] - tree.starts[n], tree.starts[n]
+    kind = "causal" if tree.parents[n] < 0 else m.prefix_attention
+    return recompute_bytes(m, 1, L, kind, start)
 
 
 def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
@@ -783,6 +800,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
         m, tree, n, has_loss[n], root, loss_per_position))
         for n in range(tree.num_nodes) if not tree.is_leaf(n)}
 
+    node_recompute = {n: memo(("recompute", n), lambda n=n: _tree_node_recompute_bytes(
+        m, tree, n)) for n in node}
     units_of = memo(("units", W), lambda: {n: _tree_units(tree, n, W)
                                            for n in range(tree.num_nodes)})
 
@@ -800,7 +819,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
         worst = 0
 
         def descend(n: int, held: int) -> tuple:
-            """-> (held after n's descent, the chain's recomputed bytes, its last wave's)."""
+            """-> (held after n's descent, the chain's recomputed bytes, its last wave's, the
+            largest working set a chain node's graph recomputes in its backward)."""
             nonlocal worst
             held += node[n] if retained[n] else 0
             units = units_of[n]
@@ -811,15 +831,18 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
                     train(unit, held)
             last = units[-1]
             recomputed = 0 if retained[n] else node[n]
+            rebuilt = node_recompute[n]
             if isinstance(last, list):
-                return held, recomputed, wave(n, last, True, visible)
-            held, below, last_wave = descend(last, held)
-            return held, recomputed + below, last_wave
+                return held, recomputed, wave(n, last, True, visible), rebuilt
+            held, below, last_wave, deeper = descend(last, held)
+            return held, recomputed + below, last_wave, max(rebuilt, deeper)
 
         def train(n: int, held: int) -> None:
+            """The chain's replay: its last wave, then (the wave done) each node's backward,
+            the graphs of the chain still held (an upper bound)."""
             nonlocal worst
-            top, recomputed, last_wave = descend(n, held)
-            worst = max(worst, top + recomputed + last_wave)
+            top, recomputed, last_wave, rebuilt = descend(n, held)
+            worst = max(worst, top + recomputed + max(last_wave, rebuilt))
 
         train(0, 0)
         return worst

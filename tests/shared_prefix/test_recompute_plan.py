@@ -38,9 +38,9 @@ SETTINGS = {
 def _report():
     yield
     if MEASURED:
-        low, high = min(MEASURED.values()), max(MEASURED.values())
+        low, high = (f(MEASURED, key=MEASURED.get) for f in (min, max))
         print(f"\n[recompute plan] predicted / measured over {len(MEASURED)} plans: "
-              f"{low:.4f} .. {high:.4f}")
+              f"{MEASURED[low]:.4f} ({low}) .. {MEASURED[high]:.4f} ({high})")
 
 
 def _family(write, dtype, **config):
@@ -150,3 +150,42 @@ def test_a_budget_under_recompute_is_planned_and_fits(mcore_single, setting):
     adjoints = plan_memory(shape, P, S, G, plan, False, loss).adjoint_bytes
     assert got + adjoints <= budget, (plan, got + adjoints, budget)
     assert max(rel_errors(grads(model), grads(reference)).values()) <= 1e-12
+
+
+BUSHY = [(None, 24), (0, 6), (1, 3), (1, 3), (1, 2), (0, 6), (5, 3), (5, 3), (0, 5), (8, 4),
+         (9, 2), (9, 3), (0, 3)]
+"""test_tree_plan.py's tree: a long prompt, two internal children with three leaves each, a
+chain 8 -> 9 (node 9 continues node 8's replay chain) and a leaf child of the root."""
+TREE_CASES = [("arch-f32", "full-uniform-1"), ("arch-f32", "full-block-1"),
+              ("arch-f32", "selective"), ("arch-concat-bf16", "full-uniform-2"),
+              ("truncated-arch-bf16", "full-uniform-1"), ("exit-gate-f32", "full-uniform-1"),
+              ("ouro-bf16", "full-uniform-1"), ("huginn-truncated-f32", "full-block-1"),
+              ("retrofit-f32", "full-uniform-2"), ("nanbeige-bf16", "selective")]
+
+
+@pytest.mark.parametrize("name,setting", TREE_CASES, ids=[f"{b}-{s}" for b, s in TREE_CASES])
+def test_tree_saved_bytes_under_recompute_within_10_percent(mcore_single, name, setting):
+    """A depth-2 tree (DEPTH2) and a bushy one with a replay chain (``BUSHY``), every node
+    recomputed, some retained, all retained."""
+    from helpers.tree import DEPTH2, tree_group
+
+    from scalerlt_mcore.shared_prefix.planner import tree_memory
+    from scalerlt_mcore.shared_prefix.tree_schedule import nodes_with_loss
+
+    model = BUILDERS[name](**SETTINGS[setting])
+    m = ModelShape.from_model(model)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.05, loop_weights="progressive")
+    loss = spec.objective().saved_per_position
+    for label, shape, mixed in (("depth2", DEPTH2, {1}), ("bushy", BUSHY, {0, 8, 9})):
+        group = tree_group(shape, model.config.looped_num_loops, seed=2, dtype=dtype, kl=True)
+        tree = group.tree
+        for kept in (set(), mixed, set(range(tree.num_nodes))):
+            plan = GroupPlan(2, retain_nodes=tuple(n in kept for n in range(tree.num_nodes)))
+            got = _peak(model, lambda: joint_step(  # noqa: B023
+                model, [group], spec, 2, chooser=lambda *a, **k: plan))  # noqa: B023
+            pred = tree_memory(m, tree, plan, nodes_with_loss(group), loss).saved_bytes
+            MEASURED[(name, setting, label, tuple(sorted(kept)))] = pred / got
+            assert abs(pred / got - 1) <= PREDICTION_RTOL, (
+                f"{name} {setting} {label} retained {sorted(kept)}: predicted {pred} B, "
+                f"measured {got} B ({pred / got:.3f})")
