@@ -1035,7 +1035,7 @@ class Planner:
     def __call__(self, group, model, num_loops: Optional[int] = None) -> GroupPlan:
         """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's)."""
         P, S, G = group.prompt_length, group.response_length, group.group_size
-        self._check_recompute(model, group)
+        self._check_recompute(model)
         tree = getattr(group, "tree", None)
         if tree is not None and tree.depth > 1 and self.schedule != "naive":
             return self._tree(group, model, num_loops)
@@ -1057,21 +1057,17 @@ class Planner:
             return naive
         return joint
 
-    def _check_recompute(self, model, group) -> None:
-        """Under activation recompute the memory model holds (within 10%) for naive and
-        one-level joint replay; a budget is not planned for a tree group or with checkpointed
-        waves there (their recompute moments are not modelled)."""
+    def _check_recompute(self, model) -> None:
+        """Under activation recompute the memory model holds (within 10%) for naive, one-level
+        and tree joint replay; a budget is not planned with checkpointed waves there (what a
+        checkpointed wave recomputes over recomputing layers is not modelled)."""
         granularity = getattr(model.config, "recompute_granularity", None)
-        if self.budget is None or granularity is None or self.schedule == "naive":
-            return
-        tree = getattr(group, "tree", None)
-        where = ("a tree group" if tree is not None and tree.depth > 1
-                 else "checkpointed waves" if self.checkpoint_waves else None)
-        if where is not None:
-            raise FieldError("memory_budget", f"cannot plan {where} under activation "
+        if (self.budget is not None and granularity is not None and self.checkpoint_waves
+                and self.schedule != "naive"):
+            raise FieldError("memory_budget", f"cannot plan checkpointed waves under activation "
                              f"recompute (recompute_granularity {granularity!r}) yet: its "
                              f"memory model does not hold there; give a wave size and no "
-                             f"budget")
+                             f"budget, or no checkpointed waves")
 
     def _tree(self, group, model, num_loops) -> GroupPlan:
         """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;

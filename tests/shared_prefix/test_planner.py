@@ -281,29 +281,22 @@ def test_a_model_on_meta_calibrates_as_on_a_device(mcore_single, kw):
     assert abs(pred[1] / pred[0] - 1) <= 0.02, pred
 
 
-def test_a_budget_under_activation_recompute_is_refused_for_trees_and_checkpointed_waves(
-        mcore_single):
-    """Under recompute the memory model holds for one-level joint replay and naive
-    (test_recompute_plan.py), not yet for a tree group or checkpointed waves: no budget is
-    planned there; a fixed wave size without a budget stays."""
-    from helpers.tree import DEPTH2, tree_group
-
+def test_a_budget_under_activation_recompute_is_refused_with_checkpointed_waves(mcore_single):
+    """Under recompute the memory model holds for naive, one-level and tree joint replay
+    (test_recompute_plan.py), not with checkpointed waves: no budget is planned there; a
+    fixed wave size without a budget, and naive planning, stay."""
     model = build_model(R=2, recompute_granularity="full", recompute_method="uniform",
                         recompute_num_layers=1)
     group = make_group(4, 12, 5, 2, seed=1, dtype=torch.float32)
-    tree = tree_group(DEPTH2, 2, seed=1, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"memory_budget cannot plan a tree group under "
-                                         r"activation recompute \(recompute_granularity 'full'"):
-        Planner(2, "auto", 2**30, loss_per_position=LOSS_BYTES)(tree, model)
     with pytest.raises(ValueError, match=r"memory_budget cannot plan checkpointed waves under "
-                                         r"activation recompute"):
+                                         r"activation recompute \(recompute_granularity 'full'"):
         Planner("auto", "auto", 2**30, checkpoint_waves=True,
                 loss_per_position=LOSS_BYTES)(group, model)
     assert Planner("auto", "auto", 2**30, loss_per_position=LOSS_BYTES)(group, model) == (
         GroupPlan(4, retain=True))
-    assert Planner(2, "retain")(tree, model) == GroupPlan(2, retain=True)
+    assert Planner(2, "retain", checkpoint_waves=True)(group, model) == GroupPlan(2, retain=True)
     assert Planner(2, memory_budget=2**30, schedule="naive", naive_micro_batch_size=1,
-                   loss_per_position=LOSS_BYTES)(group, model).naive
+                   checkpoint_waves=True, loss_per_position=LOSS_BYTES)(group, model).naive
 
 
 def test_fixed_wave_size_auto_prompt(mcore_single):

@@ -189,3 +189,38 @@ def test_tree_saved_bytes_under_recompute_within_10_percent(mcore_single, name, 
             assert abs(pred / got - 1) <= PREDICTION_RTOL, (
                 f"{name} {setting} {label} retained {sorted(kept)}: predicted {pred} B, "
                 f"measured {got} B ({pred / got:.3f})")
+
+
+@pytest.mark.parametrize("setting", ["full-uniform-1", "full-block-1", "selective"])
+def test_a_tree_budget_under_recompute_is_planned_and_fits(mcore_single, setting):
+    """A tree group (BUSHY), prompt "auto", the budget halfway between recomputing every node
+    and retaining every node: the planner retains some nodes, the step's measured peak (saved
+    bytes plus the prefix adjoints) is within the budget, and it is exact against naive
+    training without recompute (fp64, 1e-12)."""
+    from helpers.tree import tree_group
+
+    from scalerlt_mcore.shared_prefix.planner import tree_memory
+    from scalerlt_mcore.shared_prefix.tree_schedule import nodes_with_loss
+
+    R = 2
+    reference = build_model(R=R, arch=True).double()
+    model = build_model(R=R, arch=True, **SETTINGS[setting]).double()
+    model.load_state_dict(reference.state_dict())
+    group = tree_group(BUSHY, R, seed=5, kl=True)
+    tree, has_loss = group.tree, nodes_with_loss(group)
+    spec = LossSpec(normalization="seq_mean", kl_coef=0.05)
+    loss = spec.objective().saved_per_position
+    m = ModelShape.from_model(model)
+    peaks = [tree_memory(m, tree, GroupPlan(2, retain=r), has_loss, loss).peak_bytes
+             for r in (False, True)]
+    assert peaks[1] > peaks[0]
+    budget = sum(peaks) // 2
+    plan = Planner(2, "auto", budget, loss_per_position=loss)(group, model)
+    internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+    assert 0 < sum(plan.retain_nodes[n] for n in internal) < len(internal), plan
+    naive_step(reference, [group], spec, 3)
+    got = _peak(model, lambda: joint_step(model, [group], spec, 2,
+                                          chooser=lambda *a, **k: plan))
+    adjoints = tree_memory(m, tree, plan, has_loss, loss).adjoint_bytes
+    assert got + adjoints <= budget, (plan, got + adjoints, budget)
+    assert max(rel_errors(grads(model), grads(reference)).values()) <= 1e-12
