@@ -13,16 +13,23 @@ and for naive training of the same group. Peaks per phase of the joint replay:
   (the probe does not see them; ``activation_bytes`` counts them);
 - naive: one microbatch of full prompt+response sequences;
 - a prefix tree (``tree_memory``): the schedule walked in its order, each moment the retained
-  graphs of the current path plus one wave or one replay chain (see "trees" below).
+  graphs of the current path plus one wave or one replay chain (see "trees" below);
+- activation recompute (MCore's ``recompute_*``): a checkpointed chunk saves its input and the
+  prefix K/V of its depths in the forward; each graph's backward is a moment of its own: its
+  forward less its readouts and loss (done first) plus the largest chunk it recomputes, less
+  what the backward freed before it (``recompute_bytes``); the prompt's backward comes after
+  its waves'. ``selective`` saves a recomputed module's inputs and rebuilds one at a time.
 
 The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
 positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
 attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``). What a
 family adds or saves beyond that (sandwich norms, adapters, loop-boundary norms, exit gates,
-activation recompute, tensor-parallel shards) is measured on the live model: ``calibration``
-runs a few short forwards under ``SavedTensorProbe`` and fits bytes per token of the prelude,
-of each loop and of each readout. A test holds the sum to within 10% of the probe for every
-family. Time: ``CostModel`` (a fixed
+tensor-parallel shards) is measured on the live model: ``calibration`` runs a few short
+forwards under ``SavedTensorProbe`` (under the model's own recompute setting) and fits bytes per
+token of the prelude, of each loop and of each readout; under ``full`` recompute the same
+forwards without it give what a recomputed layer saves beyond the op-by-op layer
+(``layer_bytes``). Tests hold the sum to within 10% of the probe for every family, with and
+without recompute. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
 
