@@ -250,3 +250,18 @@ def test_saved_bytes_under_recompute_at_tp2(setting):
         for ratio, case in ratios:
             MEASURED[case] = ratio
             assert abs(ratio - 1) <= PREDICTION_RTOL, f"{case} ({ratio:.3f})"
+
+
+@pytest.mark.parametrize("setting", ["full-uniform-1", "full-block-1", "selective"])
+def test_a_model_on_meta_calibrates_under_recompute_as_on_a_device(mcore_single, setting):
+    """The plan command's twin with recompute is planned on ``meta``: both calibrations (with
+    and without recompute) run there as on CPU, so a bf16 model's predicted peaks agree within
+    2%."""
+    kw = dict(R=3, arch=True, hidden=64, heads=4, **SETTINGS[setting])
+    cpu = build_model(**kw).to(torch.bfloat16)
+    meta = build_model(**kw).to(torch.bfloat16).to("meta")
+    loss = LossSpec().objective().saved_per_position
+    for plan in (GroupPlan(1, naive=True), GroupPlan(2), GroupPlan(2, retain=True)):
+        pred = [plan_memory(ModelShape.from_model(m), 24, 8, 4, plan, False, loss).saved_bytes
+                for m in (cpu, meta)]
+        assert abs(pred[1] / pred[0] - 1) <= 0.02, (plan, pred)
