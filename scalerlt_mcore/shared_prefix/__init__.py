@@ -9,12 +9,8 @@ group's, and the planner takes the loss's saved bytes per position from its call
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
 from .naive import FullSequenceModel, naive_microbatches, naive_step
 from .probe import SavedTensorProbe
-from .schedule import (
-    PHASES,
-    SharedPrefixSchedule,
-    WaveModel,
-    get_shared_prefix_forward_backward_func,
-)
+from .replay import WaveModel
+from .schedule import PHASES, SharedPrefixSchedule, get_shared_prefix_forward_backward_func
 from .scoring import logprobs_forward_step
 from .tree import PrefixTree, TreeError, TreeSegment
 

@@ -31,14 +31,22 @@ class FullSequenceModel:
         g = wave.group
         out = self.model(wave.rows(g.tokens), labels=wave.rows(g.labels),
                          num_loops=self.num_loops)
-        result = {"logprobs": out.logprobs}
-        if out.exit_logprobs is not None:
-            result["exit_logprobs"] = out.exit_logprobs
-        weights = getattr(unwrap_model(self.model), "loop_weights", lambda R: None)(
-            out.logprobs.shape[0])
-        if weights is not None:
-            result["loop_weights"] = weights
-        return result
+        return readout_dict(unwrap_model(self.model), out.logprobs.shape[0], out.logprobs,
+                            out.exit_logprobs)
+
+
+def readout_dict(inner, num_loops: int, logprobs: torch.Tensor,
+                 exit_logprobs: Optional[torch.Tensor] = None) -> dict:
+    """The readouts every wave model returns: ``logprobs``, ``exit_logprobs`` when the model
+    has the exit gate, and the model's learned loop credit ``loop_weights`` [R] (R =
+    ``num_loops``) when it has one."""
+    result = {"logprobs": logprobs}
+    if exit_logprobs is not None:
+        result["exit_logprobs"] = exit_logprobs
+    weights = getattr(inner, "loop_weights", lambda R: None)(num_loops)
+    if weights is not None:
+        result["loop_weights"] = weights
+    return result
 
 
 def logprobs_at(model, temperature: float):

@@ -14,7 +14,10 @@ microbatches 1..n-1), so the sync-enabled part of every step is exactly one back
 A group whose rows are a prefix tree of depth >= 2 (``SharedPrefixGroup.tree``) is trained
 depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (the plan
 retains or recomputes each node's graph, ``GroupPlan.retain_nodes``); its root's replay is its one
-backward outside ``no_sync``. A depth-1 tree is a one-level group.
+backward outside ``no_sync``. A depth-1 tree is a one-level group. The phases run in
+``replay.py`` (each group's ``GroupRun`` and its calls; a one-level group's phases) and
+``tree_schedule.py``; this module keeps MCore's interface: the call's arguments, the checks,
+the groups' runs, ``no_sync`` and finalize.
 
 The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,
 model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
@@ -61,7 +64,6 @@ plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``.
 import contextlib
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -69,13 +71,12 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ..mcore_compat import stock_schedule_kwargs
-from ..model.kv import PrefixState, trained_depths
-from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup, WaveBatch
-from .naive import FullSequenceModel, is_report_pair, logprobs_at, split_loss
+from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup
+from .naive import logprobs_at
 from .planner import GroupPlan, Planner
+from .replay import GroupRun, merge, score_waves, train_waves
 from .tree_schedule import TreeReplay, is_tree
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
@@ -104,54 +105,6 @@ def get_shared_prefix_forward_backward_func(wave_size, checkpoint_waves: bool = 
                                 phase_callback, chooser=chooser, **plan)
 
 
-class WaveModel:
-    """The ``model`` a group's ``forward_step_func`` receives: ``model(wave)`` returns the
-    per-loop log-probs [R, W, T] of ``wave.group.labels`` for the wave's rows, in the group's
-    layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
-    against the prompt's prefix state instead of re-running the prompt. A wave of a tree's
-    leaves: [R, W, span] of its ``span``, against the state of the leaves' path."""
-
-    def __init__(self, inner, state: PrefixState, num_loops: Optional[int] = None):
-        self.inner, self.state, self.num_loops = inner, state, num_loops
-        self.config = inner.config
-
-    def __call__(self, wave: WaveBatch) -> Tensor:
-        return self.readouts(wave)["logprobs"]
-
-    def readouts(self, wave: WaveBatch) -> dict:
-        """``logprobs`` [R, W, T] as ``__call__``; with the model's exit gate ``exit_logprobs``
-        [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
-        learned loop credit ``loop_weights`` [R]."""
-        tokens, labels = wave.suffix()  # [W, S]
-        out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
-                                         num_loops=self.num_loops)  # [R, W, S]
-        layout = wave.group.to_layout if wave.whole else (lambda t: t)
-        result = {"logprobs": layout(out.logprobs)}
-        if out.exit_logprobs is not None:
-            result["exit_logprobs"] = layout(out.exit_logprobs)
-        return _with_loop_weights(result, self.inner, self.state.num_loops)
-
-
-@dataclass
-class _GroupRun:
-    """Everything the phases of one group share."""
-
-    inner: torch.nn.Module
-    group: SharedPrefixGroup
-    guard: ReplayGuard
-    config: object
-    forward_step_func: Callable
-    scale: float  # 1 / number of groups, as MCore divides every microbatch loss (per-token: 1)
-    num_loops: int  # R of the step
-    per_token: bool = False  # config.calculate_per_token_loss: losses are token sums
-    num_tokens: dict = field(default_factory=dict)  # wave number -> its loss_func's num_tokens
-    first_microbatch: bool = False
-    collect_non_loss_data: bool = False
-    plan: Optional[GroupPlan] = None
-    results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
-    state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
-
-
 class SharedPrefixSchedule:
     """See the module docstring. Reaches DDP only through ``config.no_sync_func`` and
     ``config.finalize_model_grads_func``; grad reduction with ``overlap_grad_reduce`` is
@@ -178,7 +131,7 @@ class SharedPrefixSchedule:
         self.chooser = chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
-        self.phase_callback = phase_callback or (lambda phase, group: None)
+        self.phase_callback = phase_callback
 
     def __call__(self, *, num_loops: Optional[int] = None, temperature: float = 1.0, **kwargs):
         """Takes every keyword argument of the installed MCore's forward-backward function
@@ -253,15 +206,17 @@ class SharedPrefixSchedule:
 
     def _runs(self, inner, groups, config, forward_step_func, forward_only,
               collect_non_loss_data, first_val_step, num_loops: int) -> list:
-        """One ``_GroupRun`` per group. Every group is fingerprinted now, right after the
+        """One ``GroupRun`` per group. Every group is fingerprinted now, right after the
         up-front checks: a later group changed while an earlier one trains is caught."""
         first = first_val_step if forward_only and first_val_step is not None else True
         per_token = bool(getattr(config, "calculate_per_token_loss", False))
-        return [_GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
-                          1.0 if per_token else 1.0 / len(groups), num_loops,
-                          per_token=per_token, first_microbatch=first and n == 0,
-                          collect_non_loss_data=collect_non_loss_data,
-                          plan=self._plan(g, inner, num_loops))
+        return [GroupRun(inner, g, ReplayGuard(g), config, forward_step_func,
+                         1.0 if per_token else 1.0 / len(groups), num_loops,
+                         per_token=per_token, first_microbatch=first and n == 0,
+                         collect_non_loss_data=collect_non_loss_data,
+                         plan=self._plan(g, inner, num_loops),
+                         checkpoint_waves=self.checkpoint_waves,
+                         phase_callback=self.phase_callback)
                 for n, g in enumerate(groups)]
 
     def _plan(self, group: SharedPrefixGroup, inner, num_loops: int) -> GroupPlan:
@@ -286,186 +241,26 @@ class SharedPrefixSchedule:
         results.append(self.train_group(runs[-1], no_sync))
         return results
 
-    def train_group(self, run: _GroupRun, waves_context) -> dict:
-        """All three phases for one group; phases 1-2 inside ``waves_context``."""
+    def train_group(self, run: GroupRun, waves_context) -> dict:
+        """All three phases for one group (``TreeReplay`` for a tree of depth >= 2, else
+        ``replay.train_waves``); phases 1-2 inside ``waves_context``."""
         plan = run.plan
-        waves = run.group.waves(plan.wave_size)
         if is_tree(run.group) and not plan.naive:
-            num_waves = TreeReplay(self, run).train(waves_context)
-            return _merge(run.results, run.per_token, num_waves=num_waves,
-                          wave_size=plan.wave_size, retain=int(plan.retain), naive=0)
-        if plan.naive:
-            self._train_naive(run, waves, waves_context)
+            num_waves = TreeReplay(run).train(waves_context)
         else:
-            adjoints, state = None, None
-            with waves_context():
-                if len(waves) > 1:
-                    state, leaves = self._produce_prompt(run, plan.retain)
-                    adjoints = self._run_waves(run, leaves, waves[:-1])
-            self._joint_replay(run, waves[-1], adjoints, state)
-        return _merge(run.results, run.per_token, num_waves=len(waves),
-                      wave_size=plan.wave_size, retain=int(plan.retain and not plan.naive),
-                      naive=int(plan.naive))
+            num_waves = train_waves(run, waves_context)
+        return merge(run.results, run.per_token, num_waves=num_waves, wave_size=plan.wave_size,
+                     retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
 
-    def _produce_prompt(self, run: _GroupRun, retain: bool) -> tuple:
-        """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain);
-        its state detached into grad-requiring leaves of at least fp32 (the same numbers), so
-        the waves' prefix adjoints accumulate in fp32. Depths of loops that truncated backprop
-        leaves graph-free stay plain tensors: no adjoint is allocated for them. -> (the state
-        with its graph when ``retain``, else None; the leaves)."""
-        run.guard.verify("prompt producer")
-        with contextlib.nullcontext() if retain else torch.no_grad():
-            state = self._prompt_state(run)
-        self.phase_callback("prompt_producer", run.group)
-        run.state_dtype = state.boundary.dtype
-        trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-        leaves = state.detached_leaves(torch.float32, trained)
-        return (state if retain else None), leaves
-
-    def _prompt_state(self, run: _GroupRun) -> PrefixState:
-        g = run.group
-        return run.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
-                         readout=False, num_loops=run.num_loops).prefix_state
-
-    def _run_waves(self, run: _GroupRun, leaves: PrefixState, waves: list) -> list:
-        """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves'
-        grads (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
-        for n, wave in enumerate(waves):
-            loss = self._wave_loss(run, leaves, wave, n)
-            _scaled(loss, run.config).backward()
-            self.phase_callback("wave", run.group)
-        return [leaf.grad if leaf.requires_grad else None for leaf in leaves.tensors()]
-
-    def _joint_replay(self, run: _GroupRun, wave: WaveBatch, adjoints,
-                      state: Optional[PrefixState] = None) -> None:
-        """Phase 3: the prompt with grad (recomputed unless ``state`` was retained), the last
-        wave, and one backward of loss_last + sum_k <state_k, adjoint_k>: the adjoints enter
-        as the state tensors' incoming gradients (roots of the same backward call)."""
-        run.guard.verify("joint replay", contents=True)
-        if state is None:
-            state = self._prompt_state(run)
-        loss = self._wave_loss(run, state, wave, len(run.results))
-        roots, grads = [_scaled(loss, run.config)], [None]
-        if adjoints is not None:
-            for t, a in zip(state.tensors(), adjoints):
-                if a is not None and t.requires_grad:
-                    roots.append(t)
-                    grads.append(a.to(t.dtype))
-        torch.autograd.backward(roots, grads)
-        self.phase_callback("joint_replay", run.group)
-
-    def _train_naive(self, run: _GroupRun, waves: list, waves_context) -> None:
-        """A group as full sequences, one microbatch per wave; every microbatch but the last
-        inside ``waves_context``, so the sync-enabled part is still one backward."""
-        with waves_context():
-            for n, wave in enumerate(waves[:-1]):
-                self._naive_microbatch(run, wave, n)
-        run.guard.verify("naive step", contents=True)
-        self._naive_microbatch(run, waves[-1], len(waves) - 1)
-
-    def _naive_microbatch(self, run: _GroupRun, wave: WaveBatch, wave_no: int) -> None:
-        loss = self._wave_objective(run, wave, wave_no, None)
-        _scaled(loss, run.config).backward()
-        self.phase_callback("naive", run.group)
-
-    def _wave_loss(self, run: _GroupRun, state: PrefixState, wave: WaveBatch, wave_no: int):
-        def fn(*state_tensors):
-            return self._wave_objective(run, wave, wave_no, _wave_state(
-                list(state_tensors), state.signature, run.state_dtype))
-
-        if self.checkpoint_waves:
-            return checkpoint(fn, *state.tensors(), use_reentrant=False)
-        return fn(*state.tensors())
-
-    def _wave_objective(self, run: _GroupRun, wave: WaveBatch, wave_no: int,
-                        state: PrefixState, model=None) -> Tensor:
-        """One wave's share of the group loss, divided as MCore divides a microbatch's loss
-        (re-run on recompute, so it re-verifies the inputs; its token count is kept per wave,
-        so a recompute does not count it twice); ``model``: what the loss's
-        ``forward_step_func`` gets (default: the wave against ``state``)."""
-        run.guard.verify("wave recompute" if wave_no in run.results else "wave")
-        output, loss_func = self._forward_step(run, wave, state, wave_no, model)
-        loss, num_tokens, stats = split_loss(loss_func(output), run.per_token)
-        run.results[wave_no] = stats
-        if run.per_token:
-            run.num_tokens[wave_no] = num_tokens
-        return loss * run.scale
-
-    def _forward_step(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
-                      wave_no: int, model=None):
-        """``forward_step_func`` on the wave; without a prefix state (a naive plan) the wave's
-        rows run as full sequences."""
-        if run.first_microbatch and wave_no == 0 and hasattr(run.inner, "set_is_first_microbatch"):
-            run.inner.set_is_first_microbatch()
-        if model is None:
-            model = (FullSequenceModel(run.inner, run.num_loops) if state is None
-                     else WaveModel(run.inner, state, run.num_loops))
-        return run.forward_step_func(iter([wave]), model)
-
-    # ---- scoring ---------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def score_group(self, run: _GroupRun):
+    def score_group(self, run: GroupRun):
         """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
         calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built.
         The waves are the plan's (a naive plan's microbatches are scored as waves); a tree
         group's calls are those of its training (``TreeReplay.score``: each node against its
         path, in the group's layout), or its rows as full sequences under a naive plan."""
         if is_tree(run.group) and not run.plan.naive:
-            return TreeReplay(self, run).score()
-        state = None if is_tree(run.group) else self._prompt_state(run)
-        for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
-            run.results[n] = self.score_call(run, wave, state, n)
-        return _merge(run.results, run.per_token)
-
-    def score_call(self, run: _GroupRun, wave: WaveBatch, state: Optional[PrefixState],
-                   wave_no: int, model=None):
-        """One scored call: ``forward_step_func`` on the wave (``_forward_step``) and its
-        ``loss_func``'s result as MCore's forward_only keeps it (the non-loss data with
-        ``collect_non_loss_data``, else the stats)."""
-        output, loss_func = self._forward_step(run, wave, state, wave_no, model)
-        if run.collect_non_loss_data:
-            return loss_func(output, non_loss_data=True)
-        return split_loss(loss_func(output), run.per_token)[2]
-
-
-def _with_loop_weights(result: dict, inner, num_loops: int) -> dict:
-    """Add the model's learned loop credit [R] (``loop_weights(R)``), when it has one."""
-    weights = getattr(inner, "loop_weights", lambda R: None)(num_loops)
-    if weights is not None:
-        result["loop_weights"] = weights
-    return result
-
-
-def _merge(per_wave: dict, per_token: bool = False, **extra) -> object:
-    """One microbatch result from the waves' results: 0-dim tensors are summed; tensors with
-    a response dimension ([R, W, ...] as the wave model's output, or [W]) are concatenated
-    over it, except, with ``per_token``, [2] ones: [sum, count] pairs, summed; dicts merge
-    key by key. ``extra`` adds 0-dim floating tensors (e.g. num_waves)
-    in the dtype of the stats, so that a training loop can average every value as Megatron-LM
-    averages loss dicts (``torch.cat([d[k].view(-1) ...]).mean()``)."""
-    items = [per_wave[k] for k in sorted(per_wave)]
-    merged = _merge_values(items, per_token)
-    if extra and isinstance(merged, dict):
-        ref = next((v for v in merged.values()
-                    if isinstance(v, Tensor) and v.is_floating_point()), None)
-        dtype, device = (ref.dtype, ref.device) if ref is not None else (None, None)
-        merged.update({k: torch.full((), float(v), dtype=dtype, device=device)  # no upload
-                       for k, v in extra.items()})
-    return merged
-
-
-def _merge_values(items: list, per_token: bool = False):
-    first = items[0]
-    if isinstance(first, dict):
-        return {k: _merge_values([it[k] for it in items], per_token) for k in first}
-    if isinstance(first, Tensor):
-        if first.dim() == 0 or is_report_pair(first, per_token):
-            return torch.stack(items).sum(0)
-        return torch.cat(items, dim=0 if first.dim() == 1 else 1)
-    if isinstance(first, (int, float)):
-        return sum(items)
-    return items
+            return TreeReplay(run).score()
+        return score_waves(run, prompt=not is_tree(run.group))
 
 
 def _step_tokens(runs: list, device) -> Tensor:
@@ -498,19 +293,6 @@ def _check_deterministic(inner) -> None:
             raise ValueError(f"shared-prefix joint replay does not support dropout: module "
                              f"'{mname}' ({type(m).__name__}) {what} = {p} in training mode "
                              f"(MCore builds its dropouts from --hidden-dropout)")
-
-
-def _wave_state(tensors: list, signature: tuple, dtype) -> PrefixState:
-    """The prefix state a wave attends to. K/V go to the attention as they are: wider adjoint
-    leaves (fp32 in a bf16 model) let its prefix backward return wide gradients. The boundary
-    is cast to the state's own ``dtype``, as the readout's norm runs in the model's dtype."""
-    if dtype is not None:
-        tensors = [*tensors[:-1], tensors[-1].to(dtype)]
-    return PrefixState.from_tensors(tensors, signature)
-
-
-def _scaled(loss, config):
-    return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss
 
 
 def _take_groups(first, rest, num_microbatches: int) -> list:

@@ -43,7 +43,8 @@ from torch import Tensor
 from ..model.host_syncs import upload_indices
 from ..model.kv import PrefixState, trained_depths
 from .group import WaveBatch
-from .naive import is_report_pair
+from .naive import is_report_pair, readout_dict
+from .replay import GroupRun, as_prefix
 
 
 def leaf_waves(tree, n: int, size: int) -> list:
@@ -103,11 +104,11 @@ class FixedReadouts:
 
 
 class TreeReplay:
-    """Trains one tree group with the phases of ``SharedPrefixSchedule`` (``schedule``): its
-    wave losses, the guard, the phase callbacks. ``run``: the group's ``_GroupRun``."""
+    """Trains (or scores) one tree group with the calls of its ``replay.GroupRun``: its wave
+    losses, the guard, the phase callbacks."""
 
-    def __init__(self, schedule, run):
-        self.schedule, self.run = schedule, run
+    def __init__(self, run: GroupRun):
+        self.run = run
         self.group, self.tree = run.group, run.group.tree
         self.retained = run.plan.node_retained(self.tree.num_nodes)
         _check_chains(self.tree, self.retained)
@@ -132,7 +133,7 @@ class TreeReplay:
         """forward_only: every loss call of ``train``, on the numbers ``train`` computes (each
         node once against its path's state, its own tokens' readouts at batch 1, its leaf
         children in the same waves against the same state), its ``loss_func`` called as
-        MCore calls it (``SharedPrefixSchedule.score_call``) -> the calls' results in the
+        MCore calls it (``GroupRun.score_call``) -> the calls' results in the
         group's layout (``lay_out``). So scored log-probs equal the training forward's at the
         same weights bit for bit, as a one-level group's do (docs/prefix_trees.md, Scoring)."""
         self.calls, calls = 0, []
@@ -150,14 +151,14 @@ class TreeReplay:
         path = _cat(prefix, own)
         for unit in self._units(n):
             if isinstance(unit, _Wave):
-                state = _as_prefix(path, self.run.state_dtype)
+                state = as_prefix(path, self.run.state_dtype)
                 calls.append((unit.batch, self._score_call(unit.batch, state, None)))
             else:
                 self._score_node(unit.node, path, calls)
 
     def _score_call(self, wave: WaveBatch, state, model):
         number, self.calls = self.calls, self.calls + 1
-        return self.schedule.score_call(self.run, wave, state, number, model)
+        return self.run.score_call(wave, state, number, model)
 
     # ---- the plan of a node ----------------------------------------------------------------
 
@@ -185,7 +186,7 @@ class TreeReplay:
         with contextlib.nullcontext() if retain else torch.no_grad():
             own, loss = self._own(n, chain if retain else prefix,
                                   loss=retain and self.has_loss[n])
-        self.schedule.phase_callback("prompt_producer", self.group)
+        self.run.phase("prompt_producer")
         leaves = own.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, leaves)
         units = self._units(n)
@@ -201,7 +202,7 @@ class TreeReplay:
         if isinstance(unit, _Wave):
             loss = self._wave_loss(path, unit.batch)
             self._backward([loss], [None])
-            self.schedule.phase_callback("wave", self.group)
+            self.run.phase("wave")
         else:
             self._replay(self._descend(unit.node, path, path), path)
 
@@ -223,7 +224,7 @@ class TreeReplay:
             state = _cat(state, own)
         roots.append(self._wave_loss(state, chain[-1].batch))
         self._backward(roots, [*grads, None])
-        self.schedule.phase_callback("joint_replay", self.group)
+        self.run.phase("joint_replay")
 
     # ---- one node's forward and the loss calls ---------------------------------------------
 
@@ -245,7 +246,7 @@ class TreeReplay:
         start, end = tree.starts[n], tree.ends[n]
         tokens = g.tokens[row : row + 1, start:end]  # [1, L]
         labels = g.labels[row : row + 1, start:end] if readout else None  # [1, L]: L-1 unused
-        prefix = _as_prefix(prefix, run.state_dtype)
+        prefix = as_prefix(prefix, run.state_dtype)
         out = run.inner(tokens, labels=labels, prefix_state=prefix, return_prefix_state=True,
                         readout=readout, num_loops=run.num_loops)
         if run.state_dtype is None:
@@ -259,13 +260,10 @@ class TreeReplay:
         run = self.run
         first = run.inner.boundary_readouts(prefix, tokens[:, 0], num_loops=run.num_loops)
         rows = self.rows[n]
-        readouts = {"logprobs": _own_span(first.logprobs, out.logprobs, len(rows))}
-        if out.exit_logprobs is not None:
-            readouts["exit_logprobs"] = _own_span(first.exit_logprobs, out.exit_logprobs,
-                                                  len(rows))
-        weights = getattr(run.inner, "loop_weights", lambda R: None)(run.num_loops)
-        if weights is not None:
-            readouts["loop_weights"] = weights
+        exits = (None if out.exit_logprobs is None
+                 else _own_span(first.exit_logprobs, out.exit_logprobs, len(rows)))
+        readouts = readout_dict(run.inner, run.num_loops,
+                                _own_span(first.logprobs, out.logprobs, len(rows)), exits)
         wave = WaveBatch(self.group, rows, self.tree.positions(n))
         return wave, FixedReadouts(run.inner, readouts)
 
@@ -276,10 +274,8 @@ class TreeReplay:
     def _call(self, wave: WaveBatch, state, model) -> Tensor:
         number, self.calls = self.calls, self.calls + 1
         if model is None:
-            loss = self.schedule._wave_loss(self.run, state, wave, number)
-        else:
-            loss = self.schedule._wave_objective(self.run, wave, number, None, model)
-        return _scaled(loss, self.run.config)
+            return self.run.scaled(self.run.wave_loss(state, wave, number))
+        return self.run.scaled(self.run.objective(wave, number, None, model))
 
     def _backward(self, roots: list, grads: list) -> None:
         torch.autograd.backward(roots, grads)
@@ -327,14 +323,6 @@ def _cat(prefix: Optional[PrefixState], own: PrefixState) -> PrefixState:
     return PrefixState(keys, values, own.boundary, own.signature)
 
 
-def _as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
-    """A path state as a forward's prefix: the boundary in the model's dtype (leaves may be
-    wider); K/V as they are."""
-    if state is None or dtype is None or state.boundary.dtype == dtype:
-        return state
-    return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
-
-
 def nodes_with_loss(group) -> list:
     """Per node: whether any row below it trains one of its tokens (one read on the host)."""
     tree, mask = group.tree, group.loss_mask != 0
@@ -373,7 +361,3 @@ def _lay_out_values(waves: list, items: list, group, name: str, per_token: bool 
                              f"{len(span)}) or 0-dim ones, got shape {tuple(value.shape)}")
         out[..., wave.index, wave.span] = value.to(out.dtype)
     return out
-
-
-def _scaled(loss, config):
-    return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss

@@ -21,7 +21,7 @@ from scalerlt_mcore.model.host_syncs import HostSyncCounter
 from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.planner import GroupPlan, ModelShape, Planner, tree_memory
-from scalerlt_mcore.shared_prefix.schedule import _merge
+from scalerlt_mcore.shared_prefix.replay import merge
 from scalerlt_mcore.shared_prefix.tree_schedule import chain_parent, nodes_with_loss, row_indices
 
 PREDICTION_RTOL = 0.10
@@ -258,6 +258,6 @@ def test_a_microbatch_results_counts_are_filled_on_the_device():
     uploaded blocking per microbatch."""
     loss = {"loss": torch.empty((), device="meta")}
     with HostSyncCounter() as c:
-        merged = _merge({0: loss, 1: loss}, num_waves=2, wave_size=3)
+        merged = merge({0: loss, 1: loss}, num_waves=2, wave_size=3)
     assert c.total == 0 and merged["num_waves"].device.type == "meta"
-    assert _merge({0: {"loss": torch.zeros(())}}, num_waves=2)["num_waves"].item() == 2.0
+    assert merge({0: {"loss": torch.zeros(())}}, num_waves=2)["num_waves"].item() == 2.0

@@ -8,6 +8,8 @@
    adjoint; the saved bytes and adjoint bytes shrink against full backprop (printed with -s).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ from helpers.sp import (
 
 from scalerlt_mcore.model.kv import trained_depths
 from scalerlt_mcore.rl.objective import rl_forward_step
-from scalerlt_mcore.shared_prefix import SavedTensorProbe
+from scalerlt_mcore.shared_prefix import SavedTensorProbe, replay
 from scalerlt_mcore.shared_prefix.schedule import SharedPrefixSchedule
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -191,27 +193,28 @@ def test_two_groups_in_one_step(mcore_single):
 # ---- no adjoints for graph-free depths; bytes against full backprop ----------------------
 
 
-class _AdjointBytes(SharedPrefixSchedule):
-    """The schedule, recording the bytes of the prefix adjoints and the leaves' grad flags."""
+class _AdjointBytes:
+    """Wraps a one-level group's waves phase (``replay._run_waves``), recording the bytes of
+    the prefix adjoints and the leaves' grad flags."""
 
-    adjoint_bytes = 0
-    leaf_flags: list = []
+    def __init__(self):
+        self.adjoint_bytes, self.leaf_flags, self.run_waves = 0, [], replay._run_waves
 
-    def _run_waves(self, run, leaves, waves):
+    def __call__(self, run, leaves, waves):
         self.leaf_flags = [t.requires_grad for t in leaves.tensors()]
-        adjoints = super()._run_waves(run, leaves, waves)
+        adjoints = self.run_waves(run, leaves, waves)
         self.adjoint_bytes = sum(a.numel() * a.element_size() for a in adjoints if a is not None)
         return adjoints
 
 
 def _measure(model, group, wave: int) -> tuple:
-    schedule = _AdjointBytes(wave)
+    schedule, record = SharedPrefixSchedule(wave), _AdjointBytes()
     model.zero_grad(set_to_none=True)
-    with SavedTensorProbe(model) as probe:
+    with SavedTensorProbe(model) as probe, mock.patch.object(replay, "_run_waves", record):
         schedule(forward_step_func=rl_forward_step(LossSpec(loop_weights="uniform").objective()),
                  data_iterator=iter([group]), model=model, num_microbatches=1, seq_length=0,
                  micro_batch_size=1)
-    return probe.peak_bytes, schedule.adjoint_bytes, schedule.leaf_flags
+    return probe.peak_bytes, record.adjoint_bytes, record.leaf_flags
 
 
 def test_graph_free_depths_get_no_adjoint(mcore_single):

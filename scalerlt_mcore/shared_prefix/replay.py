@@ -1,0 +1,254 @@
+"""The replay engine of one group: its run state and the calls every phase makes (``GroupRun``:
+the wave loss, a scored call, the grad scaling), the model a wave's loss receives
+(``WaveModel``), and the phases of a one-level group (prompt producer, waves, joint replay) or
+of a naive plan. ``tree_schedule.TreeReplay`` runs a tree's phases with the same calls; the
+schedule (``schedule.py``) builds the runs and keeps MCore's interface."""
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from ..model.kv import PrefixState, trained_depths
+from .group import ReplayGuard, SharedPrefixGroup, WaveBatch
+from .naive import FullSequenceModel, is_report_pair, readout_dict, split_loss
+
+
+class WaveModel:
+    """The ``model`` a group's ``forward_step_func`` receives: ``model(wave)`` returns the
+    per-loop log-probs [R, W, T] of ``wave.group.labels`` for the wave's rows, in the group's
+    layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
+    against the prompt's prefix state instead of re-running the prompt. A wave of a tree's
+    leaves: [R, W, span] of its ``span``, against the state of the leaves' path."""
+
+    def __init__(self, inner, state: PrefixState, num_loops: Optional[int] = None):
+        self.inner, self.state, self.num_loops = inner, state, num_loops
+        self.config = inner.config
+
+    def __call__(self, wave: WaveBatch) -> Tensor:
+        return self.readouts(wave)["logprobs"]
+
+    def readouts(self, wave: WaveBatch) -> dict:
+        """``logprobs`` [R, W, T] as ``__call__``; with the model's exit gate ``exit_logprobs``
+        [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
+        learned loop credit ``loop_weights`` [R] (``naive.readout_dict``)."""
+        tokens, labels = wave.suffix()  # [W, S]
+        out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
+                                         num_loops=self.num_loops)  # [R, W, S]
+        layout = wave.group.to_layout if wave.whole else (lambda t: t)
+        exits = None if out.exit_logprobs is None else layout(out.exit_logprobs)
+        return readout_dict(self.inner, self.state.num_loops, layout(out.logprobs), exits)
+
+
+@dataclass
+class GroupRun:
+    """Everything the phases of one group share, and the calls they make."""
+
+    inner: torch.nn.Module
+    group: SharedPrefixGroup
+    guard: ReplayGuard
+    config: object
+    forward_step_func: Callable
+    scale: float  # 1 / number of groups, as MCore divides every microbatch loss (per-token: 1)
+    num_loops: int  # R of the step
+    per_token: bool = False  # config.calculate_per_token_loss: losses are token sums
+    num_tokens: dict = field(default_factory=dict)  # wave number -> its loss_func's num_tokens
+    first_microbatch: bool = False
+    collect_non_loss_data: bool = False
+    plan: object = None  # the group's planner.GroupPlan
+    results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
+    state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
+    checkpoint_waves: bool = False  # recompute each wave in its backward
+    phase_callback: Optional[Callable] = None  # phase_callback(phase, group) after each phase
+
+    def phase(self, name: str) -> None:
+        """Report the end of phase ``name`` (``schedule.PHASES``) to the phase callback."""
+        if self.phase_callback is not None:
+            self.phase_callback(name, self.group)
+
+    def scaled(self, loss: Tensor) -> Tensor:
+        """``loss`` through the config's ``grad_scale_func`` (mixed precision), as MCore's
+        schedule scales every loss it backpropagates."""
+        scale = self.config.grad_scale_func
+        return scale(loss) if scale is not None else loss
+
+    def prompt_state(self) -> PrefixState:
+        """The prompt's prefix state (R loops), with grad unless called under no_grad."""
+        g = self.group
+        return self.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
+                          readout=False, num_loops=self.num_loops).prefix_state
+
+    def wave_loss(self, state: PrefixState, wave: WaveBatch, wave_no: int) -> Tensor:
+        """``objective`` of the wave against ``state`` (recomputed in its backward with
+        ``checkpoint_waves``)."""
+        def fn(*state_tensors):
+            return self.objective(wave, wave_no, as_prefix(PrefixState.from_tensors(
+                list(state_tensors), state.signature), self.state_dtype))
+
+        if self.checkpoint_waves:
+            return checkpoint(fn, *state.tensors(), use_reentrant=False)
+        return fn(*state.tensors())
+
+    def objective(self, wave: WaveBatch, wave_no: int, state: Optional[PrefixState],
+                  model=None) -> Tensor:
+        """One wave's share of the group loss, divided as MCore divides a microbatch's loss
+        (re-run on recompute, so it re-verifies the inputs; its token count is kept per wave,
+        so a recompute does not count it twice); ``model``: what the loss's
+        ``forward_step_func`` gets (default: the wave against ``state``)."""
+        self.guard.verify("wave recompute" if wave_no in self.results else "wave")
+        output, loss_func = self.forward_step(wave, state, wave_no, model)
+        loss, num_tokens, stats = split_loss(loss_func(output), self.per_token)
+        self.results[wave_no] = stats
+        if self.per_token:
+            self.num_tokens[wave_no] = num_tokens
+        return loss * self.scale
+
+    def forward_step(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
+                     model=None):
+        """``forward_step_func`` on the wave; without a prefix state (a naive plan) the wave's
+        rows run as full sequences."""
+        inner = self.inner
+        if self.first_microbatch and wave_no == 0 and hasattr(inner, "set_is_first_microbatch"):
+            inner.set_is_first_microbatch()
+        if model is None:
+            model = (FullSequenceModel(inner, self.num_loops) if state is None
+                     else WaveModel(inner, state, self.num_loops))
+        return self.forward_step_func(iter([wave]), model)
+
+    def score_call(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
+                   model=None):
+        """One scored call: ``forward_step_func`` on the wave and its ``loss_func``'s result as
+        MCore's forward_only keeps it (the non-loss data with ``collect_non_loss_data``, else
+        the stats)."""
+        output, loss_func = self.forward_step(wave, state, wave_no, model)
+        if self.collect_non_loss_data:
+            return loss_func(output, non_loss_data=True)
+        return split_loss(loss_func(output), self.per_token)[2]
+
+
+def train_waves(run: GroupRun, waves_context) -> int:
+    """A one-level group's three phases (or a naive plan's microbatches), phases 1-2 inside
+    ``waves_context`` -> the number of waves."""
+    waves = run.group.waves(run.plan.wave_size)
+    if run.plan.naive:
+        _train_naive(run, waves, waves_context)
+        return len(waves)
+    adjoints, state = None, None
+    with waves_context():
+        if len(waves) > 1:
+            state, leaves = _produce_prompt(run, run.plan.retain)
+            adjoints = _run_waves(run, leaves, waves[:-1])
+    _joint_replay(run, waves[-1], adjoints, state)
+    return len(waves)
+
+
+@torch.no_grad()
+def score_waves(run: GroupRun, prompt: bool = True) -> object:
+    """forward_only: every wave of the plan (a naive plan's microbatches scored as waves)
+    against the prompt's state (without ``prompt``: as full sequences) -> the merged result."""
+    state = run.prompt_state() if prompt else None
+    for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
+        run.results[n] = run.score_call(wave, state, n)
+    return merge(run.results, run.per_token)
+
+
+def _produce_prompt(run: GroupRun, retain: bool) -> tuple:
+    """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain); its
+    state detached into grad-requiring leaves of at least fp32 (the same numbers), so the
+    waves' prefix adjoints accumulate in fp32. Depths of loops that truncated backprop leaves
+    graph-free stay plain tensors: no adjoint is allocated for them. -> (the state with its
+    graph when ``retain``, else None; the leaves)."""
+    run.guard.verify("prompt producer")
+    with contextlib.nullcontext() if retain else torch.no_grad():
+        state = run.prompt_state()
+    run.phase("prompt_producer")
+    run.state_dtype = state.boundary.dtype
+    trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+    leaves = state.detached_leaves(torch.float32, trained)
+    return (state if retain else None), leaves
+
+
+def _run_waves(run: GroupRun, leaves: PrefixState, waves: list) -> list:
+    """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves' grads
+    (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
+    for n, wave in enumerate(waves):
+        run.scaled(run.wave_loss(leaves, wave, n)).backward()
+        run.phase("wave")
+    return [leaf.grad if leaf.requires_grad else None for leaf in leaves.tensors()]
+
+
+def _joint_replay(run: GroupRun, wave: WaveBatch, adjoints,
+                  state: Optional[PrefixState] = None) -> None:
+    """Phase 3: the prompt with grad (recomputed unless ``state`` was retained), the last wave,
+    and one backward of loss_last + sum_k <state_k, adjoint_k>: the adjoints enter as the
+    state tensors' incoming gradients (roots of the same backward call)."""
+    run.guard.verify("joint replay", contents=True)
+    if state is None:
+        state = run.prompt_state()
+    roots, grads = [run.scaled(run.wave_loss(state, wave, len(run.results)))], [None]
+    if adjoints is not None:
+        for t, a in zip(state.tensors(), adjoints):
+            if a is not None and t.requires_grad:
+                roots.append(t)
+                grads.append(a.to(t.dtype))
+    torch.autograd.backward(roots, grads)
+    run.phase("joint_replay")
+
+
+def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
+    """A group as full sequences, one microbatch per wave; every microbatch but the last inside
+    ``waves_context``, so the sync-enabled part is still one backward."""
+    with waves_context():
+        for n, wave in enumerate(waves[:-1]):
+            _naive_microbatch(run, wave, n)
+    run.guard.verify("naive step", contents=True)
+    _naive_microbatch(run, waves[-1], len(waves) - 1)
+
+
+def _naive_microbatch(run: GroupRun, wave: WaveBatch, wave_no: int) -> None:
+    run.scaled(run.objective(wave, wave_no, None)).backward()
+    run.phase("naive")
+
+
+def as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
+    """A state as a forward's prefix: K/V as they are (wider adjoint leaves, fp32 in a bf16
+    model, let the attention's prefix backward return wide gradients); the boundary in the
+    model's ``dtype``, as the readout's norm runs in it."""
+    if state is None or dtype is None or state.boundary.dtype == dtype:
+        return state
+    return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
+
+
+def merge(per_wave: dict, per_token: bool = False, **extra) -> object:
+    """One microbatch result from the waves' results: 0-dim tensors are summed; tensors with
+    a response dimension ([R, W, ...] as the wave model's output, or [W]) are concatenated
+    over it, except, with ``per_token``, [2] ones: [sum, count] pairs, summed; dicts merge
+    key by key. ``extra`` adds 0-dim floating tensors (e.g. num_waves)
+    in the dtype of the stats, so that a training loop can average every value as Megatron-LM
+    averages loss dicts (``torch.cat([d[k].view(-1) ...]).mean()``)."""
+    items = [per_wave[k] for k in sorted(per_wave)]
+    merged = _merge_values(items, per_token)
+    if extra and isinstance(merged, dict):
+        ref = next((v for v in merged.values()
+                    if isinstance(v, Tensor) and v.is_floating_point()), None)
+        dtype, device = (ref.dtype, ref.device) if ref is not None else (None, None)
+        merged.update({k: torch.full((), float(v), dtype=dtype, device=device)  # no upload
+                       for k, v in extra.items()})
+    return merged
+
+
+def _merge_values(items: list, per_token: bool = False):
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _merge_values([it[k] for it in items], per_token) for k in first}
+    if isinstance(first, Tensor):
+        if first.dim() == 0 or is_report_pair(first, per_token):
+            return torch.stack(items).sum(0)
+        return torch.cat(items, dim=0 if first.dim() == 1 else 1)
+    if isinstance(first, (int, float)):
+        return sum(items)
+    return items
