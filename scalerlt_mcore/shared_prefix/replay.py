@@ -82,18 +82,23 @@ class GroupRun:
         return self.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
                           readout=False, num_loops=self.num_loops).prefix_state
 
-    def wave_loss(self, state: PrefixState, wave: WaveBatch, wave_no: int) -> Tensor:
-        """``objective`` of the wave against ``state`` (recomputed in its backward with
-        ``checkpoint_waves``)."""
+    def wave_loss(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
+                  model=None) -> Tensor:
+        """The ``scaled`` ``objective`` of the wave against ``state`` (recomputed in its
+        backward with ``checkpoint_waves``), or, without a state, of ``model``'s call (the
+        rows as full sequences by default)."""
+        if state is None:
+            return self.scaled(self.objective(wave, None, wave_no, model))
+
         def fn(*state_tensors):
-            return self.objective(wave, wave_no, as_prefix(PrefixState.from_tensors(
-                list(state_tensors), state.signature), self.state_dtype))
+            return self.objective(wave, as_prefix(PrefixState.from_tensors(
+                list(state_tensors), state.signature), self.state_dtype), wave_no)
 
         if self.checkpoint_waves:
-            return checkpoint(fn, *state.tensors(), use_reentrant=False)
-        return fn(*state.tensors())
+            return self.scaled(checkpoint(fn, *state.tensors(), use_reentrant=False))
+        return self.scaled(fn(*state.tensors()))
 
-    def objective(self, wave: WaveBatch, wave_no: int, state: Optional[PrefixState],
+    def objective(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
                   model=None) -> Tensor:
         """One wave's share of the group loss, divided as MCore divides a microbatch's loss
         (re-run on recompute, so it re-verifies the inputs; its token count is kept per wave,
@@ -130,30 +135,39 @@ class GroupRun:
         return split_loss(loss_func(output), self.per_token)[2]
 
 
-def train_waves(run: GroupRun, waves_context) -> int:
-    """A one-level group's three phases (or a naive plan's microbatches), phases 1-2 inside
-    ``waves_context`` -> the number of waves."""
-    waves = run.group.waves(run.plan.wave_size)
-    if run.plan.naive:
-        _train_naive(run, waves, waves_context)
+class WaveReplay:
+    """A one-level group's phases, or a naive plan's microbatches, on its ``GroupRun`` (as
+    ``TreeReplay`` a tree's); ``prompt``: score against the prompt's state (else, a tree
+    under a naive plan, its rows as full sequences)."""
+
+    def __init__(self, run: GroupRun, prompt: bool = True):
+        self.run, self.prompt = run, prompt
+
+    def train(self, waves_context) -> int:
+        """The three phases (or the naive microbatches), phases 1-2 inside ``waves_context``
+        -> the number of waves."""
+        run = self.run
+        waves = run.group.waves(run.plan.wave_size)
+        if run.plan.naive:
+            _train_naive(run, waves, waves_context)
+            return len(waves)
+        adjoints, state = None, None
+        with waves_context():
+            if len(waves) > 1:
+                state, leaves = _produce_prompt(run, run.plan.retain)
+                adjoints = _run_waves(run, leaves, waves[:-1])
+        _joint_replay(run, waves[-1], adjoints, state)
         return len(waves)
-    adjoints, state = None, None
-    with waves_context():
-        if len(waves) > 1:
-            state, leaves = _produce_prompt(run, run.plan.retain)
-            adjoints = _run_waves(run, leaves, waves[:-1])
-    _joint_replay(run, waves[-1], adjoints, state)
-    return len(waves)
 
-
-@torch.no_grad()
-def score_waves(run: GroupRun, prompt: bool = True) -> object:
-    """forward_only: every wave of the plan (a naive plan's microbatches scored as waves)
-    against the prompt's state (without ``prompt``: as full sequences) -> the merged result."""
-    state = run.prompt_state() if prompt else None
-    for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
-        run.results[n] = run.score_call(wave, state, n)
-    return merge(run.results, run.per_token)
+    @torch.no_grad()
+    def score(self) -> object:
+        """forward_only: every wave of the plan (a naive plan's microbatches scored as waves)
+        -> the merged result."""
+        run = self.run
+        state = run.prompt_state() if self.prompt else None
+        for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
+            run.results[n] = run.score_call(wave, state, n)
+        return merge(run.results, run.per_token)
 
 
 def _produce_prompt(run: GroupRun, retain: bool) -> tuple:
@@ -176,7 +190,7 @@ def _run_waves(run: GroupRun, leaves: PrefixState, waves: list) -> list:
     """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves' grads
     (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
     for n, wave in enumerate(waves):
-        run.scaled(run.wave_loss(leaves, wave, n)).backward()
+        run.wave_loss(wave, leaves, n).backward()
         run.phase("wave")
     return [leaf.grad if leaf.requires_grad else None for leaf in leaves.tensors()]
 
@@ -189,7 +203,7 @@ def _joint_replay(run: GroupRun, wave: WaveBatch, adjoints,
     run.guard.verify("joint replay", contents=True)
     if state is None:
         state = run.prompt_state()
-    roots, grads = [run.scaled(run.wave_loss(state, wave, len(run.results)))], [None]
+    roots, grads = [run.wave_loss(wave, state, len(run.results))], [None]
     if adjoints is not None:
         for t, a in zip(state.tensors(), adjoints):
             if a is not None and t.requires_grad:
@@ -210,7 +224,7 @@ def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
 
 
 def _naive_microbatch(run: GroupRun, wave: WaveBatch, wave_no: int) -> None:
-    run.scaled(run.objective(wave, wave_no, None)).backward()
+    run.wave_loss(wave, None, wave_no).backward()
     run.phase("naive")
 
 

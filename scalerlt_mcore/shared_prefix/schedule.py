@@ -76,7 +76,7 @@ from ..mcore_compat import stock_schedule_kwargs
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup
 from .naive import logprobs_at
 from .planner import GroupPlan, Planner
-from .replay import GroupRun, merge, score_waves, train_waves
+from .replay import GroupRun, WaveReplay, merge
 from .tree_schedule import TreeReplay, is_tree
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
@@ -242,13 +242,8 @@ class SharedPrefixSchedule:
         return results
 
     def train_group(self, run: GroupRun, waves_context) -> dict:
-        """All three phases for one group (``TreeReplay`` for a tree of depth >= 2, else
-        ``replay.train_waves``); phases 1-2 inside ``waves_context``."""
-        plan = run.plan
-        if is_tree(run.group) and not plan.naive:
-            num_waves = TreeReplay(run).train(waves_context)
-        else:
-            num_waves = train_waves(run, waves_context)
+        """All three phases for one group (``_replay``); phases 1-2 inside ``waves_context``."""
+        plan, num_waves = run.plan, _replay(run).train(waves_context)
         return merge(run.results, run.per_token, num_waves=num_waves, wave_size=plan.wave_size,
                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
 
@@ -258,9 +253,14 @@ class SharedPrefixSchedule:
         The waves are the plan's (a naive plan's microbatches are scored as waves); a tree
         group's calls are those of its training (``TreeReplay.score``: each node against its
         path, in the group's layout), or its rows as full sequences under a naive plan."""
-        if is_tree(run.group) and not run.plan.naive:
-            return TreeReplay(run).score()
-        return score_waves(run, prompt=not is_tree(run.group))
+        return _replay(run).score()
+
+
+def _replay(run: GroupRun):
+    """The group's replay: ``TreeReplay`` for a tree of depth >= 2 (its rows as full sequences
+    under a naive plan), ``WaveReplay`` for one level."""
+    tree = is_tree(run.group)
+    return TreeReplay(run) if tree and not run.plan.naive else WaveReplay(run, prompt=not tree)
 
 
 def _step_tokens(runs: list, device) -> Tensor:

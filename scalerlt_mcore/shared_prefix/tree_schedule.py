@@ -146,19 +146,15 @@ class TreeReplay:
         tokens, node_prefix, out = self._node_forward(n, prefix, self.has_loss[n])
         if self.has_loss[n]:
             wave, readouts = self._own_readouts(n, node_prefix, tokens, out)
-            calls.append((wave, self._score_call(wave, None, readouts)))
+            calls.append((wave, self._call(wave, None, readouts, score=True)))
         own = out.prefix_state.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, own)
         for unit in self._units(n):
             if isinstance(unit, _Wave):
                 state = as_prefix(path, self.run.state_dtype)
-                calls.append((unit.batch, self._score_call(unit.batch, state, None)))
+                calls.append((unit.batch, self._call(unit.batch, state, None, score=True)))
             else:
                 self._score_node(unit.node, path, calls)
-
-    def _score_call(self, wave: WaveBatch, state, model):
-        number, self.calls = self.calls, self.calls + 1
-        return self.run.score_call(wave, state, number, model)
 
     # ---- the plan of a node ----------------------------------------------------------------
 
@@ -200,8 +196,7 @@ class TreeReplay:
 
     def _train_unit(self, unit, path: PrefixState) -> None:
         if isinstance(unit, _Wave):
-            loss = self._wave_loss(path, unit.batch)
-            self._backward([loss], [None])
+            self._wave_loss(path, unit.batch).backward()
             self.run.phase("wave")
         else:
             self._replay(self._descend(unit.node, path, path), path)
@@ -223,7 +218,7 @@ class TreeReplay:
                     grads.append(leaf.grad.to(t.dtype))
             state = _cat(state, own)
         roots.append(self._wave_loss(state, chain[-1].batch))
-        self._backward(roots, [*grads, None])
+        torch.autograd.backward(roots, [*grads, None])
         self.run.phase("joint_replay")
 
     # ---- one node's forward and the loss calls ---------------------------------------------
@@ -271,14 +266,12 @@ class TreeReplay:
         self.num_waves += 1
         return self._call(wave, state, None)
 
-    def _call(self, wave: WaveBatch, state, model) -> Tensor:
+    def _call(self, wave: WaveBatch, state, model, score: bool = False):
+        """The group's next loss call (its number the count so far): the scaled loss, or with
+        ``score`` the scored result (``GroupRun.wave_loss`` / ``score_call``)."""
         number, self.calls = self.calls, self.calls + 1
-        if model is None:
-            return self.run.scaled(self.run.wave_loss(state, wave, number))
-        return self.run.scaled(self.run.objective(wave, number, None, model))
-
-    def _backward(self, roots: list, grads: list) -> None:
-        torch.autograd.backward(roots, grads)
+        call = self.run.score_call if score else self.run.wave_loss
+        return call(wave, state, number, model)
 
 
 def is_tree(group) -> bool:
