@@ -131,7 +131,8 @@ def test_trainer_groups_drift_and_warm_up_batch_on_meta():
     g.check_device("meta")
     assert g.group_id == 200_000 and g.tokens.shape == (2, 5)
     g.old_logprobs = _meta(2, 2, 5)
-    drift = rl_batch.rollout_drift(g, torch.zeros(2, 3))  # the rollout's log-probs: host
+    rollout = rl_batch.rollout_old_logprobs(g, torch.zeros(1, 2, 3))  # the rollout's: host
+    drift = rl_batch.trained_drift(g, rollout)
     assert drift.device == META and drift.shape == ()
     batch = sft.sft_batch([[1, 2], [1]], [[3, 4], [5]], pad_id=0, device="meta")
     assert {k: (t.device, tuple(t.shape)) for k, t in batch.items()} == {
@@ -144,7 +145,8 @@ def test_rollout_drift_values():
     g.old_logprobs = torch.zeros(2, 2, 4)
     g.old_logprobs[-1, :, 1:3] = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]])  # -9: padding
     rollout_lp = torch.tensor([[-1.25, -2.0], [-0.5, 0.0]])
-    assert rl_batch.rollout_drift(g, rollout_lp).item() == 0.25
+    layout = rl_batch.rollout_old_logprobs(g, rollout_lp[None])  # [1, G, T]
+    assert rl_batch.trained_drift(g, layout).item() == 0.25
 
 
 # ---- attention ------------------------------------------------------------------------------

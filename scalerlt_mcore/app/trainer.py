@@ -32,7 +32,6 @@ from ..rl.batch import (
     first_answers,
     leaf_answers,
     recording_drift,
-    rollout_drift,
     rollout_old_logprobs,
     trained_drift,
     tree_old_logprobs,
@@ -171,13 +170,12 @@ class RLTrainer:
         """Token lists of prompt strings, each led by bos; a prompt too long for the position
         table with a full response is an error naming it."""
         room = self.cfg.model.max_position_embeddings - self.path_tokens
-        what = ("max_position_embeddings - rl_max_response_length" if tree_turns(self.cfg.rl) == 1
-                else "max_position_embeddings - the turns and replies of a tree path")
         prompts = [[self.tok.bos_id] + self.tok.encode(t) for t in texts]
         for text, p in zip(texts, prompts):
             if len(p) > room:
                 raise ValueError(f"prompt {text[:60]!r} is {len(p)} tokens with bos: more than "
-                                 f"{what} ({room})")
+                                 f"max_position_embeddings - rl_max_response_length per turn "
+                                 f"and the replies between turns ({room})")
         return prompts
 
     def sampling(self, step: int, **given) -> Sampling:
@@ -300,15 +298,15 @@ class RLTrainer:
         loops = self.start_step(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        tree = self.cfg.rl.rl_rollout == "tree"
-        if tree:
-            ro = self.tree_rollout(step, problems, num_loops=loops)
-        else:
-            ro = self.rollout(step, problems, self.cfg.rl.grpo_group_size, num_loops=loops)
+        sample, to_groups, layouts, rollout_metrics_of = (
+            (self._sample_trees, self._tree_groups, self._tree_layouts, self._tree_metrics)
+            if self.cfg.rl.rl_rollout == "tree" else
+            (self._sample, self._groups, self._layouts, self._metrics))
+        ro = sample(step, problems, loops)
         t_rollout = time.perf_counter()
-        groups, rewards = (self._tree_groups if tree else self._groups)(step, problems, ro)
+        groups, rewards = to_groups(step, problems, ro)
         t_score = time.perf_counter()
-        drift = (self._attach_tree_logprobs if tree else self._attach_logprobs)(groups, ro, loops)
+        drift = self._attach_logprobs(groups, layouts(groups, ro), loops)
         t_train = time.perf_counter()
         self.train_drift.clear()
         train = self.optimize(groups, loops)
@@ -316,15 +314,20 @@ class RLTrainer:
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
-        rollout = rollout_metrics(rewards, ro) if not tree else {
-            **tree_rollout_metrics(rewards, *zip(*((t.segments, t.node_logprobs) for t in ro))),
-            "first_answer_reward": self.first_answer_rewards(problems, ro).mean().item()}
+        rollout = rollout_metrics_of(problems, rewards, ro)
         return self._reduce({
             **rollout, **train, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
             "time_score_s": t_train - t_score, "time_train_s": t_end - t_train,
             "time_step_s": t_end - t0, "loops": loops,
         })
+
+    def _sample(self, step: int, problems, num_loops: int):
+        """A one-level rollout: ``grpo_group_size`` responses per problem."""
+        return self.rollout(step, problems, self.cfg.rl.grpo_group_size, num_loops=num_loops)
+
+    def _sample_trees(self, step: int, problems, num_loops: int) -> list:
+        return self.tree_rollout(step, problems, num_loops=num_loops)
 
     def _groups(self, step: int, problems, ro) -> tuple:
         """(one-level groups of a rollout with their GRPO advantages, rewards [N, G])."""
@@ -342,33 +345,35 @@ class RLTrainer:
         return build_tree_groups([t.segments for t in trees], self.tok.pad_id, step,
                                  self.device, advantages), torch.cat(rewards)
 
-    def _attach_tree_logprobs(self, groups, trees: list, num_loops: int) -> float:
-        """``_attach_logprobs`` of tree groups: the rollout's per-node log-probs laid out in
-        the rows (``tree_old_logprobs``)."""
+    def _layouts(self, groups: list, ro) -> list:
+        """Per group, the rollout's per-loop log-probs in the group's layout [R, G, T]."""
+        return [rollout_old_logprobs(g, ro.loop_logprobs[:, n]) for n, g in enumerate(groups)]
+
+    def _tree_layouts(self, groups: list, trees: list) -> list:
+        """``_layouts`` of tree groups: the rollout's per-node log-probs laid out in the rows."""
+        return [tree_old_logprobs(g, t.node_logprobs) for g, t in zip(groups, trees)]
+
+    def _metrics(self, problems, rewards, ro) -> dict:
+        return rollout_metrics(rewards, ro)
+
+    def _tree_metrics(self, problems, rewards, trees: list) -> dict:
+        return {**tree_rollout_metrics(rewards, *zip(*((t.segments, t.node_logprobs)
+                                                       for t in trees))),
+                "first_answer_reward": self.first_answer_rewards(problems, trees).mean().item()}
+
+    def _attach_logprobs(self, groups, rollout: list, num_loops: int) -> float:
+        """old (and ref) log-probs; ``rollout``: each group's rollout log-probs in its layout
+        (``_layouts``). Returns max |rollout - training forward| log-prob over the trained
+        positions (with ``rl_old_logprobs: rollout`` the old log-probs are the rollout's and
+        the difference is measured in the update instead: 0 here)."""
         from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
         old = None if from_rollout else self.score(self.ddp, groups, num_loops)
         ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
                else [None] * len(groups))
-        rollout = [tree_old_logprobs(g, t.node_logprobs) for g, t in zip(groups, trees)]
         for n, g in enumerate(groups):
             g.old_logprobs = rollout[n] if from_rollout else old[n].detach()
             g.ref_logprobs = ref[n]
         return float(torch.stack([trained_drift(g, r) for g, r in zip(groups, rollout)]).max())
-
-    def _attach_logprobs(self, groups, ro, num_loops: int) -> float:
-        """old (and ref) log-probs; returns max |rollout - training forward| log-prob (with
-        ``rl_old_logprobs: rollout`` the old log-probs are the rollout's and the difference is
-        measured in the update instead: 0 here)."""
-        from_rollout = self.cfg.rl.rl_old_logprobs == "rollout"
-        old = None if from_rollout else self.score(self.ddp, groups, num_loops)
-        ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
-               else [None] * len(groups))
-        for n, g in enumerate(groups):
-            g.old_logprobs = (rollout_old_logprobs(g, ro.loop_logprobs[:, n]) if from_rollout
-                              else old[n].detach())
-            g.ref_logprobs = ref[n]
-        return float(torch.stack([rollout_drift(g, ro.loop_logprobs[-1, n])
-                                  for n, g in enumerate(groups)]).max())
 
     def optimize(self, groups: list, num_loops: int) -> dict:
         """``grpo_iterations`` optimizer steps on the groups with ``num_loops`` loops; the last

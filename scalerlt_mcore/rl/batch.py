@@ -48,16 +48,6 @@ def rollout_old_logprobs(group: RLGroup, loop_logprobs: torch.Tensor) -> torch.T
     return group.to_layout(loop_logprobs[:, :, :S].to(group.tokens.device))  # [R, G, T]
 
 
-def rollout_drift(group: RLGroup, rollout_logprobs: torch.Tensor) -> torch.Tensor:
-    """max |training - rollout| final-loop log-prob of the group's sampled tokens (0-dim, on
-    the group's device); ``rollout_logprobs`` [G, S'] (0 on padding) may be on the host."""
-    span = group.response_positions
-    train = group.old_logprobs[-1, :, span].float()  # [G, S]
-    rollout = rollout_logprobs[:, : group.response_length].to(train.device)  # [G, S]
-    sampled = group.loss_mask[:, span] != 0  # [G, S]
-    return torch.where(sampled, (train - rollout).abs(), 0.0).max()
-
-
 def build_tree_groups(trees: list, pad_id: int, step: int, device=None,
                       advantages=None) -> list:
     """``RLGroup``s on ``device`` of prefix trees, one per prompt: ``trees`` the
@@ -83,37 +73,40 @@ def first_answers(segments: list) -> list:
 
 
 def _trained(segment, leaf: bool) -> list:
-    """The ids of a node's trained tokens (no mask: all of a leaf's, none of an inner node's)."""
+    """The ids of a node's trained tokens (``trained_mask``)."""
     tokens = torch.as_tensor(segment.tokens, device="cpu")
+    return tokens[trained_mask(segment, len(tokens), leaf)].tolist()
+
+
+def trained_mask(segment, length: int, leaf: bool) -> torch.Tensor:
+    """[L] bool: the trained tokens of a tree node (no mask: all of a leaf's, none of an
+    internal node's)."""
     if segment.loss_mask is None:
-        return tokens.tolist() if leaf else []
-    return tokens[torch.as_tensor(segment.loss_mask, device="cpu") != 0].tolist()
+        return torch.full((length,), leaf, dtype=torch.bool, device="cpu")
+    return torch.as_tensor(segment.loss_mask, device="cpu") != 0
 
 
-def tree_layout(group: RLGroup, node_values: list) -> torch.Tensor:
-    """Per-node values in the rows' layout: ``node_values[n]`` [..., L_n] (each token of node n;
-    the root's is ignored) -> [..., G, T], position t of row g holding the value of token t + 1
-    of the row (as labels), the value of node n in every row below it; 0 elsewhere."""
+def tree_old_logprobs(group: RLGroup, node_logprobs: list) -> torch.Tensor:
+    """Per-node values in the rows' layout, e.g. old log-probs [R, G, T] of a tree group from
+    the rollout's per-node per-loop log-probs: ``node_logprobs[n]`` [..., L_n] (each token of
+    node n; the root's is ignored; a node's untrained tokens, e.g. the environment's reply,
+    any value: the loss mask drops them) -> [..., G, T], position t of row g holding the
+    value of token t + 1 of the row (as labels), the value of node n in every row below it;
+    0 elsewhere."""
     tree = group.tree
-    lead = node_values[1].shape[:-1]
-    out = node_values[1].new_zeros(*lead, *group.tokens.shape)  # [..., G, T]
+    lead = node_logprobs[1].shape[:-1]
+    out = node_logprobs[1].new_zeros(*lead, *group.tokens.shape)  # [..., G, T]
     for n in range(1, tree.num_nodes):
         rows = torch.tensor(tree.rows_below(n), device="cpu")
-        values = node_values[n].to(out.device)
+        values = node_logprobs[n].to(out.device)
         out[..., rows, tree.positions(n)] = values.unsqueeze(-2).expand(*lead, len(rows), -1)
     return out.to(group.tokens.device)
 
 
-def tree_old_logprobs(group: RLGroup, node_logprobs: list) -> torch.Tensor:
-    """Old log-probs [R, G, T] of a tree group in its rows' layout from the rollout's
-    per-node per-loop log-probs ``node_logprobs[n]`` [R, L_n] of node n's tokens (a node's
-    untrained tokens, e.g. the environment's reply, any value: the loss mask drops them)."""
-    return tree_layout(group, node_logprobs)
-
-
 def trained_drift(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
     """max |training - rollout| final-loop log-prob over the group's trained positions, with
-    ``rollout_layout`` [R, G, T] in the group layout (0-dim, on the group's device)."""
+    ``rollout_layout`` [R, G, T] in the group layout (``rollout_old_logprobs``,
+    ``tree_old_logprobs``; 0-dim, on the group's device)."""
     diff = (group.old_logprobs[-1].float() - rollout_layout[-1].to(group.tokens.device)).abs()
     return torch.where(group.loss_mask != 0, diff, 0.0).max()
 

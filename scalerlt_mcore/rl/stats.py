@@ -2,6 +2,8 @@
 
 import torch
 
+from .batch import trained_mask
+
 
 def summarise(out: list, num_groups: int) -> dict:
     """Mean group loss (with a per-token loss's [sum, count] reports: the token mean of the
@@ -75,7 +77,7 @@ def tree_rollout_metrics(rewards, trees: list, node_logprobs: list) -> dict:
         inner = {s.parent for s in segments}
         for n in range(1, len(segments)):
             lp = lps[n]
-            trained = _trained_mask(segments[n], lp.shape[-1], leaf=n not in inner)
+            trained = trained_mask(segments[n], lp.shape[-1], leaf=n not in inner)
             if trained.any():
                 lengths.append(float(trained.sum()))
                 logp += float(lp[-1].double().cpu()[trained].sum())
@@ -83,10 +85,3 @@ def tree_rollout_metrics(rewards, trees: list, node_logprobs: list) -> dict:
             "response_length": sum(lengths) / max(len(lengths), 1),
             "entropy": -logp / max(sum(lengths), 1.0)}
 
-
-def _trained_mask(segment, length: int, leaf: bool) -> torch.Tensor:
-    """[L] bool: the trained tokens of a tree node (no mask: all of a leaf's, none of an
-    internal node's)."""
-    if segment.loss_mask is None:
-        return torch.full((length,), leaf, dtype=torch.bool, device="cpu")
-    return torch.as_tensor(segment.loss_mask, device="cpu") != 0
