@@ -298,10 +298,10 @@ class RLTrainer:
         loops = self.start_step(step)
         self._take_reference(step)
         problems = self.train_problems(step)
-        sample, to_groups, layouts, rollout_metrics_of = (
+        sample, to_groups, layouts, metrics = (  # the rollout's kind: trees or one level
             (self._sample_trees, self._tree_groups, self._tree_layouts, self._tree_metrics)
             if self.cfg.rl.rl_rollout == "tree" else
-            (self._sample, self._groups, self._layouts, self._metrics))
+            (self._sample, self._groups, self._layouts, lambda p, r, ro: rollout_metrics(r, ro)))
         ro = sample(step, problems, loops)
         t_rollout = time.perf_counter()
         groups, rewards = to_groups(step, problems, ro)
@@ -314,7 +314,7 @@ class RLTrainer:
             drift = float(torch.stack(self.train_drift).max())
         tokens = float(sum(g.loss_mask.sum() for g in groups))
         t_end = time.perf_counter()
-        rollout = rollout_metrics_of(problems, rewards, ro)
+        rollout = metrics(problems, rewards, ro)
         return self._reduce({
             **rollout, **train, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
@@ -352,9 +352,6 @@ class RLTrainer:
     def _tree_layouts(self, groups: list, trees: list) -> list:
         """``_layouts`` of tree groups: the rollout's per-node log-probs laid out in the rows."""
         return [tree_old_logprobs(g, t.node_logprobs) for g, t in zip(groups, trees)]
-
-    def _metrics(self, problems, rewards, ro) -> dict:
-        return rollout_metrics(rewards, ro)
 
     def _tree_metrics(self, problems, rewards, trees: list) -> dict:
         return {**tree_rollout_metrics(rewards, *zip(*((t.segments, t.node_logprobs)

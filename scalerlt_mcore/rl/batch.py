@@ -63,36 +63,32 @@ def leaf_answers(segments: list) -> list:
     """Per leaf (segment order: the rows of the tree's group), the ids of its trained tokens:
     the model's final answer (an environment's reply in the same node is untrained)."""
     inner = {s.parent for s in segments}
-    return [_trained(s, True) for n, s in enumerate(segments) if n not in inner]
+    return [_trained(s, m) for n, (s, m) in enumerate(zip(segments, trained_masks(segments)))
+            if n not in inner]
 
 
 def first_answers(segments: list) -> list:
     """The trained tokens of the root's children (the model's first answers)."""
+    return [_trained(s, m) for s, m in zip(segments, trained_masks(segments)) if s.parent == 0]
+
+
+def _trained(segment, mask: torch.Tensor) -> list:
+    return torch.as_tensor(segment.tokens, device="cpu")[mask].tolist()
+
+
+def trained_masks(segments: list) -> list:
+    """Per node of a tree, [L_n] bool: its trained tokens (without a loss mask: all of a
+    leaf's, none of an internal node's)."""
     inner = {s.parent for s in segments}
-    return [_trained(s, n not in inner) for n, s in enumerate(segments) if s.parent == 0]
-
-
-def _trained(segment, leaf: bool) -> list:
-    """The ids of a node's trained tokens (``trained_mask``)."""
-    tokens = torch.as_tensor(segment.tokens, device="cpu")
-    return tokens[trained_mask(segment, len(tokens), leaf)].tolist()
-
-
-def trained_mask(segment, length: int, leaf: bool) -> torch.Tensor:
-    """[L] bool: the trained tokens of a tree node (no mask: all of a leaf's, none of an
-    internal node's)."""
-    if segment.loss_mask is None:
-        return torch.full((length,), leaf, dtype=torch.bool, device="cpu")
-    return torch.as_tensor(segment.loss_mask, device="cpu") != 0
+    return [torch.full((len(s.tokens),), n not in inner, dtype=torch.bool, device="cpu")
+            if s.loss_mask is None else torch.as_tensor(s.loss_mask, device="cpu") != 0
+            for n, s in enumerate(segments)]
 
 
 def tree_old_logprobs(group: RLGroup, node_logprobs: list) -> torch.Tensor:
-    """Per-node values in the rows' layout, e.g. old log-probs [R, G, T] of a tree group from
-    the rollout's per-node per-loop log-probs: ``node_logprobs[n]`` [..., L_n] (each token of
-    node n; the root's is ignored; a node's untrained tokens, e.g. the environment's reply,
-    any value: the loss mask drops them) -> [..., G, T], position t of row g holding the
-    value of token t + 1 of the row (as labels), the value of node n in every row below it;
-    0 elsewhere."""
+    """Old log-probs [R, G, T] of a tree group in its rows' layout from the rollout's per-node
+    ``node_logprobs[n]`` [R, L_n] (the root's ignored; untrained tokens any value): position
+    t of row g holds token t + 1 of the row (as labels), in every row below its node."""
     tree = group.tree
     lead = node_logprobs[1].shape[:-1]
     out = node_logprobs[1].new_zeros(*lead, *group.tokens.shape)  # [..., G, T]

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 from megatron.core.utils import unwrap_model
 
+from ..shared_prefix.naive import readout_dict
 from .loop_credit import warmup_weights
 
 
@@ -59,12 +60,8 @@ def sft_forward_step(objective, data_iterator, model, num_loops=None):
     (None: the config's)."""
     batch = next(data_iterator)
     out = model(batch["tokens"], labels=batch["labels"], num_loops=num_loops)  # [R, N, T]
-    output = {"logprobs": out.logprobs}
-    if out.exit_logprobs is not None:
-        output["exit_logprobs"] = out.exit_logprobs
-    weights = unwrap_model(model).loop_weights(out.logprobs.shape[0])
-    if weights is not None:
-        output["loop_weights"] = weights
+    output = readout_dict(unwrap_model(model), out.logprobs.shape[0], out.logprobs,
+                          out.exit_logprobs)
     per_token = bool(getattr(unwrap_model(model).config, "calculate_per_token_loss", False))
     return output, partial(sft_loss, objective.loop_weights, batch["mask"], objective=objective,
                            per_token=per_token)

@@ -2,7 +2,7 @@
 
 import torch
 
-from .batch import trained_mask
+from .batch import trained_masks
 
 
 def summarise(out: list, num_groups: int) -> dict:
@@ -74,10 +74,9 @@ def tree_rollout_metrics(rewards, trees: list, node_logprobs: list) -> dict:
     [R, L_n])."""
     lengths, logp = [], 0.0
     for segments, lps in zip(trees, node_logprobs):
-        inner = {s.parent for s in segments}
+        masks = trained_masks(segments)
         for n in range(1, len(segments)):
-            lp = lps[n]
-            trained = trained_mask(segments[n], lp.shape[-1], leaf=n not in inner)
+            lp, trained = lps[n], masks[n]
             if trained.any():
                 lengths.append(float(trained.sum()))
                 logp += float(lp[-1].double().cpu()[trained].sum())

@@ -1,8 +1,6 @@
-"""The replay engine of one group: its run state and the calls every phase makes (``GroupRun``:
-the wave loss, a scored call, the grad scaling), the model a wave's loss receives
-(``WaveModel``), and the phases of a one-level group (prompt producer, waves, joint replay) or
-of a naive plan. ``tree_schedule.TreeReplay`` runs a tree's phases with the same calls; the
-schedule (``schedule.py``) builds the runs and keeps MCore's interface."""
+"""The replay engine of a group: its run state and the calls every phase makes (``GroupRun``),
+the model a wave's loss receives (``WaveModel``), a one-level group's phases or a naive plan's
+(``WaveReplay``); ``tree_schedule.TreeReplay`` runs a tree's phases with the same calls."""
 
 import contextlib
 from collections.abc import Callable
@@ -63,12 +61,7 @@ class GroupRun:
     results: dict = field(default_factory=dict)  # wave number -> loss_func's dict
     state_dtype: Optional[torch.dtype] = None  # the prompt producer's state dtype
     checkpoint_waves: bool = False  # recompute each wave in its backward
-    phase_callback: Optional[Callable] = None  # phase_callback(phase, group) after each phase
-
-    def phase(self, name: str) -> None:
-        """Report the end of phase ``name`` (``schedule.PHASES``) to the phase callback."""
-        if self.phase_callback is not None:
-            self.phase_callback(name, self.group)
+    phase: Callable = lambda name: None  # called with each phase's name as it ends (PHASES)
 
     def scaled(self, loss: Tensor) -> Tensor:
         """``loss`` through the config's ``grad_scale_func`` (mixed precision), as MCore's
@@ -218,13 +211,10 @@ def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
     ``waves_context``, so the sync-enabled part is still one backward."""
     with waves_context():
         for n, wave in enumerate(waves[:-1]):
-            _naive_microbatch(run, wave, n)
+            run.wave_loss(wave, None, n).backward()
+            run.phase("naive")
     run.guard.verify("naive step", contents=True)
-    _naive_microbatch(run, waves[-1], len(waves) - 1)
-
-
-def _naive_microbatch(run: GroupRun, wave: WaveBatch, wave_no: int) -> None:
-    run.wave_loss(wave, None, wave_no).backward()
+    run.wave_loss(waves[-1], None, len(waves) - 1).backward()
     run.phase("naive")
 
 

@@ -15,9 +15,7 @@ A group whose rows are a prefix tree of depth >= 2 (``SharedPrefixGroup.tree``) 
 depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (the plan
 retains or recomputes each node's graph, ``GroupPlan.retain_nodes``); its root's replay is its one
 backward outside ``no_sync``. A depth-1 tree is a one-level group. The phases run in
-``replay.py`` (each group's ``GroupRun`` and its calls; a one-level group's phases) and
-``tree_schedule.py``; this module keeps MCore's interface: the call's arguments, the checks,
-the groups' runs, ``no_sync`` and finalize.
+``replay.py`` and ``tree_schedule.py``; this module keeps MCore's interface.
 
 The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,
 model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
@@ -131,7 +129,7 @@ class SharedPrefixSchedule:
         self.chooser = chooser
         self.checkpoint_waves = checkpoint_waves
         self.max_response_length = max_response_length
-        self.phase_callback = phase_callback
+        self.phase_callback = phase_callback or (lambda phase, group: None)
 
     def __call__(self, *, num_loops: Optional[int] = None, temperature: float = 1.0, **kwargs):
         """Takes every keyword argument of the installed MCore's forward-backward function
@@ -216,7 +214,7 @@ class SharedPrefixSchedule:
                          collect_non_loss_data=collect_non_loss_data,
                          plan=self._plan(g, inner, num_loops),
                          checkpoint_waves=self.checkpoint_waves,
-                         phase_callback=self.phase_callback)
+                         phase=lambda name, g=g: self.phase_callback(name, g))
                 for n, g in enumerate(groups)]
 
     def _plan(self, group: SharedPrefixGroup, inner, num_loops: int) -> GroupPlan:
@@ -248,11 +246,8 @@ class SharedPrefixSchedule:
                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
 
     def score_group(self, run: GroupRun):
-        """forward_only: the prompt computed once, every wave's ``loss_func`` called as MCore
-        calls it (``non_loss_data=True`` with ``collect_non_loss_data``); no graph is built.
-        The waves are the plan's (a naive plan's microbatches are scored as waves); a tree
-        group's calls are those of its training (``TreeReplay.score``: each node against its
-        path, in the group's layout), or its rows as full sequences under a naive plan."""
+        """forward_only, no graph: the group's loss calls as its training makes them, each
+        ``loss_func`` called as MCore calls it (``WaveReplay.score``, ``TreeReplay.score``)."""
         return _replay(run).score()
 
 
