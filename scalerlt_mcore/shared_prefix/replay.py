@@ -130,8 +130,8 @@ class GroupRun:
 
 class WaveReplay:
     """A one-level group's phases, or a naive plan's microbatches, on its ``GroupRun`` (as
-    ``TreeReplay`` a tree's); ``prompt``: score against the prompt's state (else, a tree
-    under a naive plan, its rows as full sequences)."""
+    ``TreeReplay`` a tree's); ``prompt``: score against the prompt's state (False: the rows
+    as full sequences, for a tree under a naive plan)."""
 
     def __init__(self, run: GroupRun, prompt: bool = True):
         self.run, self.prompt = run, prompt
