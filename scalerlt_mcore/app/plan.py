@@ -10,9 +10,6 @@ naive micro-batch 1, naive with activation recompute, joint replay and joint rep
 recompute: the peak of activations + prefix adjoints, the step's FLOPs and the plan chosen under
 the budget left beside the model state; then the plan the run itself would choose. Nothing
 that fits, or a run whose own plan does not fit: one line naming the shortfall, exit status 1.
-
-Limits: joint replay with recompute is not held to 10% by the planner's tests (the planner
-does not plan it; its row is unverified), naive with recompute is.
 """
 
 import argparse
@@ -76,7 +73,6 @@ class Row:
     memory: MemoryEstimate
     flops: float
     """Per GPU per RL step: every group of the rank, every ``grpo_iterations`` pass."""
-    note: str = ""
 
 
 @dataclass
@@ -229,26 +225,22 @@ def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_wa
     return flops
 
 
-def _naive_row(name, m, cfg, workload, recompute, note="") -> Row:
+def _naive_row(name, m, cfg, workload, recompute) -> Row:
     P, S, G = workload.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
     plan, loss = GroupPlan(1, naive=True), _loss_per_position(cfg)
     return Row(name, plan, plan_memory(m, P, S, G, plan, loss_per_position=loss),
-               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload), note)
+               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload))
 
 
 def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
     """Joint replay by the planner's choice (largest wave, retain before recompute) under
-    ``budget``; the smallest plan's peak when none fits."""
+    ``budget``, on ``model`` as built (with or without activation recompute); the smallest
+    plan's peak when none fits or the planner refuses (checkpointed waves under recompute)."""
     group = _group(cfg, workload)
     P, S, G = group.prompt_length, group.response_length, group.group_size
     waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
     planner = Planner("auto", "auto", memory_budget=max(budget, 1.0), checkpoint_waves=waves,
                       loss_per_position=_loss_per_position(cfg))
-    if recompute:  # the planner refuses a budget under recompute (its model does not hold)
-        plan = GroupPlan(G, retain=True)
-        return Row(name, None, planner.memory(m, P, S, G, plan),
-                   _flops(m, P, S, G, plan, waves, True) * _groups(cfg, workload),
-                   f"waves of {G}, prompt retained: unverified, the planner does not plan it")
     try:
         plan = planner(group, model, cfg.model.looped_num_loops)
     except ValueError:
@@ -368,7 +360,7 @@ def format_report(r: Report) -> str:
         e = row.memory
         lines.append(f"  {row.name:<34}{e.activation_bytes / size:12.2f}"
                      f"{e.adjoint_bytes / size:10.2f}{e.peak_bytes / size:9.2f}"
-                     f"{row.flops:10.3g}  {row.note or _plan_text(row.plan)}")
+                     f"{row.flops:10.3g}  {_plan_text(row.plan)}")
     lines.append("")
     if r.run_plan is None:
         lines.append(f"the run's schedule: {r.run_error}")
@@ -395,10 +387,8 @@ def shortfall(r: Report) -> str:
         return (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
                 f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
                 f"per GPU (--global-batch-size), or raise --world-size")
-    verified = [row for row in r.rows if not row.note]
-    if not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
-               for row in verified):
-        least = min(verified, key=lambda row: row.memory.peak_bytes)
+    if not any(row.plan is not None and held + row.memory.peak_bytes <= gpu for row in r.rows):
+        least = min(r.rows, key=lambda row: row.memory.peak_bytes)
         return (f"needs {_size(held + least.memory.peak_bytes)} per GPU at the least "
                 f"({least.name}), {have}: lower --plan-prompt-length or "
                 f"--rl-max-response-length, or raise --world-size")
