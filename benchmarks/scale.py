@@ -323,7 +323,7 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
     """``wl``'s rows at full size: the plan command's report, its run planned under the budget
     the GPU leaves (a tree: its rows as one-level sequences, and the tree's joint rows from
     the planner's tree model)."""
-    from scalerlt_mcore.app.plan import Workload, make_report, shortfall
+    from scalerlt_mcore.app.plan import Workload, make_report, shortfall, smallest_change
 
     cfg, gpu = _for_workload(cfg0, wl), GPU_GIB * GIB
     work = Workload(WORLD_SIZE, wl.prompt_length, gpu)
@@ -340,6 +340,8 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
         rows[2:] = _tree_rows(cfg, model, twin, wl, budget, held, gpu, freed)
         says = "refuses rl_rollout tree (one-level groups only)"
     else:
+        if shortfall(report):  # as the command prints it: with the smallest change that fits
+            report.change = smallest_change(cfg, work, model, twin)
         says = shortfall(report) or "fits"
         says = f"refuses: {refused}; at the shape: {says}" if refused else says
     naive, naive_rc = ((None, None) if report.state_bytes + cache > gpu else

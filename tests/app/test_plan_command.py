@@ -167,7 +167,46 @@ def test_shortfall_names_the_numbers(capsys):
     assert abs(_mib(got[3]) - gpu) <= 0.005 * 2**20
     code = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
     out, err = capsys.readouterr()
-    assert code == 1 and "none fits" in out and err == f"error: {line}\n"
+    assert code == 1 and "none fits" in out
+    # recompute is among the rows already: the change named is the longest prompt that fits
+    got = re.fullmatch(re.escape(f"error: {line}; the smallest change that fits: "
+                                 f"--plan-prompt-length ") + r"(\d+) \(the longest prompt that "
+                       r"fits\)\n", err)
+    assert got, err
+    longest = int(got[1])
+    with model_parallel_context(seed=1):
+        for P_, fits in ((longest, True), (longest + 1, False)):
+            at = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu, prompt_length=P_))
+            room = gpu - at.resident_bytes
+            planned = (at.state_bytes + at.rollout_cache <= gpu and at.run_plan is not None
+                       and any(r.plan is not None and r.memory.peak_bytes <= room
+                               for r in at.rows))
+            assert planned == fits, (P_, shortfall(at))
+
+
+def test_shortfall_names_recompute_where_it_fits(capsys):
+    """A run whose own budget (--shared-prefix-memory-budget) is below joint replay's smallest
+    plan but above the recompute row's one-wave peak: the command names the recompute flags as
+    the change, and the run with them fits (status 0)."""
+    cfg, workload = parse(TINY)
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+    plain, rc = report.rows[2].memory.peak_bytes, report.rows[3].memory.peak_bytes
+    with model_parallel_context(seed=1):
+        tight = make_report(cfg, dataclasses.replace(workload, gpu_bytes=report.state_bytes
+                                                     + 0.5 * rc))
+    least = tight.rows[2].memory.peak_bytes  # joint replay's smallest plan (none fits there)
+    assert tight.rows[2].plan is None and rc < least <= plain, (rc, least, plain)
+    budget = ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
+              repr((rc + least) / 2 / 2**20)]
+    code = main(TINY + budget)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.fullmatch(r"error: the run's schedule finds no plan: .+; the smallest change that "
+                        r"fits: add --recompute-granularity full --recompute-method uniform "
+                        r"--recompute-num-layers 1 \(waves of \d+, prompt \w+, [\d.]+ MiB per "
+                        r"GPU\)\n", err), err
+    assert main(TINY + budget + RECOMPUTE) == 0, capsys.readouterr()
 
 
 def test_model_state_over_the_gpu_is_refused_by_name(capsys):
@@ -176,7 +215,9 @@ def test_model_state_over_the_gpu_is_refused_by_name(capsys):
     assert code == 1, err
     assert re.fullmatch(r"error: the model state and rollout cache need [\d.]+ MiB per GPU, the "
                         r"GPU has 0.00 MiB: lower --plan-prompt-length, --grpo-group-size or "
-                        r"the prompts per GPU \(--global-batch-size\), or raise --world-size\n",
+                        r"the prompts per GPU \(--global-batch-size\), or raise --world-size; "
+                        r"neither activation recompute nor a shorter prompt fits \(tensor "
+                        r"parallelism is not evaluated: the command plans TP 1\)\n",
                         err), err
 
 
