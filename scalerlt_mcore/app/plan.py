@@ -10,9 +10,6 @@ naive micro-batch 1, naive with activation recompute, joint replay and joint rep
 recompute: the peak of activations + prefix adjoints, the step's FLOPs and the plan chosen under
 the budget left beside the model state; then the plan the run itself would choose. Nothing
 that fits, or a run whose own plan does not fit: one line naming the shortfall, exit status 1.
-
-Limits: joint replay with recompute is not held to 10% by the planner's tests (the planner
-does not plan it; its row is unverified), naive with recompute is.
 """
 
 import argparse
@@ -76,7 +73,6 @@ class Row:
     memory: MemoryEstimate
     flops: float
     """Per GPU per RL step: every group of the rank, every ``grpo_iterations`` pass."""
-    note: str = ""
 
 
 @dataclass
@@ -93,6 +89,9 @@ class Report:
     run_plan: Optional[GroupPlan]
     run_memory: Optional[MemoryEstimate]
     run_error: str = ""
+    change: Optional[str] = None
+    """Where the run does not fit: the smallest change found that fits, '' where none was
+    (``smallest_change``); None: not looked for."""
 
     @property
     def state_bytes(self) -> int:
@@ -229,26 +228,22 @@ def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_wa
     return flops
 
 
-def _naive_row(name, m, cfg, workload, recompute, note="") -> Row:
+def _naive_row(name, m, cfg, workload, recompute) -> Row:
     P, S, G = workload.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
     plan, loss = GroupPlan(1, naive=True), _loss_per_position(cfg)
     return Row(name, plan, plan_memory(m, P, S, G, plan, loss_per_position=loss),
-               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload), note)
+               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload))
 
 
 def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
     """Joint replay by the planner's choice (largest wave, retain before recompute) under
-    ``budget``; the smallest plan's peak when none fits."""
+    ``budget``, on ``model`` as built (with or without activation recompute); the smallest
+    plan's peak when none fits or the planner refuses (checkpointed waves under recompute)."""
     group = _group(cfg, workload)
     P, S, G = group.prompt_length, group.response_length, group.group_size
     waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
     planner = Planner("auto", "auto", memory_budget=max(budget, 1.0), checkpoint_waves=waves,
                       loss_per_position=_loss_per_position(cfg))
-    if recompute:  # the planner refuses a budget under recompute (its model does not hold)
-        plan = GroupPlan(G, retain=True)
-        return Row(name, None, planner.memory(m, P, S, G, plan),
-                   _flops(m, P, S, G, plan, waves, True) * _groups(cfg, workload),
-                   f"waves of {G}, prompt retained: unverified, the planner does not plan it")
     try:
         plan = planner(group, model, cfg.model.looped_num_loops)
     except ValueError:
@@ -318,9 +313,61 @@ def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
 
 
 def plan_run(cfg, workload: Workload) -> Report:
-    """``make_report`` in a process of its own (a one-rank MCore model-parallel context)."""
+    """``make_report`` in a process of its own (a one-rank MCore model-parallel context); where
+    the run does not fit, with the smallest change that does."""
     with model_parallel_context(seed=cfg.training.seed):
-        return make_report(cfg, workload)
+        model = meta_model(cfg)
+        twin = meta_model(cfg, recompute=True)
+        report = make_report(cfg, workload, model, twin)
+        if shortfall(report):
+            report.change = smallest_change(cfg, workload, model, twin)
+        return report
+
+
+RECOMPUTE_FLAGS = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+"""``RECOMPUTE`` as the training command's flags."""
+
+
+def with_recompute(cfg):
+    """A copy of ``cfg`` with ``RECOMPUTE``'s activation recompute."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model = dataclasses.replace(cfg.model, **RECOMPUTE)
+    return cfg
+
+
+def smallest_change(cfg, workload: Workload, model, twin) -> str:
+    """The smallest change of the run found to fit, in flags, evaluated on the meta models:
+    MCore's full recompute (where the run has none and its own schedule then fits), else the
+    longest prompt that fits (halving, then a bisection); '' when neither fits. Tensor
+    parallelism is not evaluated (the command builds TP 1 in one process)."""
+    if cfg.model.recompute_granularity is None:
+        report = make_report(with_recompute(cfg), workload, twin, twin)
+        if not shortfall(report):
+            return (f"add {RECOMPUTE_FLAGS} ({_plan_text(report.run_plan)}, "
+                    f"{_size(report.resident_bytes + report.run_memory.peak_bytes)} per GPU)")
+    P = longest_prompt(cfg, workload, model, twin)
+    return "" if P is None else f"--plan-prompt-length {P} (the longest prompt that fits)"
+
+
+def longest_prompt(cfg, workload: Workload, model, twin) -> Optional[int]:
+    """The longest prompt below the workload's at which the model state and rollout cache fit,
+    a row's plan fits beside them and the run's schedule finds a plan (memory grows with the
+    prompt; the run may still need the ``--shared-prefix-memory-budget`` its shortfall names
+    there), or None where one token does not fit."""
+    def fits(P: int) -> bool:
+        return plannable(make_report(cfg, dataclasses.replace(workload, prompt_length=P),
+                                     model, twin))
+
+    high = workload.prompt_length  # does not fit
+    low = high // 2
+    while low >= 1 and not fits(low):
+        high, low = low, low // 2
+    if low < 1:
+        return None
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 # ---- printing ---------------------------------------------------------------------------------
@@ -368,7 +415,7 @@ def format_report(r: Report) -> str:
         e = row.memory
         lines.append(f"  {row.name:<34}{e.activation_bytes / size:12.2f}"
                      f"{e.adjoint_bytes / size:10.2f}{e.peak_bytes / size:9.2f}"
-                     f"{row.flops:10.3g}  {row.note or _plan_text(row.plan)}")
+                     f"{row.flops:10.3g}  {_plan_text(row.plan)}")
     lines.append("")
     if r.run_plan is None:
         lines.append(f"the run's schedule: {r.run_error}")
@@ -387,29 +434,49 @@ def _size(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
 
 
+def plannable(r: Report) -> bool:
+    """The model state and rollout cache fit, a row's plan fits beside the state, and the run's
+    schedule finds a plan: what ``shortfall`` checks but the run's plan's own peak."""
+    gpu, held = r.workload.gpu_bytes, r.resident_bytes
+    return (r.state_bytes + r.rollout_cache <= gpu and r.run_plan is not None
+            and any(row.plan is not None and held + row.memory.peak_bytes <= gpu
+                    for row in r.rows))
+
+
 def shortfall(r: Report) -> str:
-    """'' when the run fits; else one line naming what does not fit and by how much."""
+    """'' when the run fits; else one line naming what does not fit and by how much, and the
+    smallest change found that fits (``Report.change``, where ``plan_run`` looked for one)."""
     gpu, state, held = r.workload.gpu_bytes, r.state_bytes, r.resident_bytes
     have = f"the GPU has {_size(gpu)}"
     if state + r.rollout_cache > gpu:
-        return (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
-                f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
-                f"per GPU (--global-batch-size), or raise --world-size")
-    verified = [row for row in r.rows if not row.note]
-    if not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
-               for row in verified):
-        least = min(verified, key=lambda row: row.memory.peak_bytes)
-        return (f"needs {_size(held + least.memory.peak_bytes)} per GPU at the least "
-                f"({least.name}), {have}: lower --plan-prompt-length or "
-                f"--rl-max-response-length, or raise --world-size")
-    if r.run_plan is None:
-        return f"the run's schedule finds no plan: {r.run_error}"
-    need = held + r.run_memory.peak_bytes
-    if need > gpu:
-        return (f"the run's plan ({_plan_text(r.run_plan)}) needs {_size(need)} per GPU, "
-                f"{have}: set --shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or "
-                f"lower")
-    return ""
+        short = (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
+                 f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
+                 f"per GPU (--global-batch-size), or raise --world-size")
+    elif not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
+                 for row in r.rows):
+        least = min(r.rows, key=lambda row: row.memory.peak_bytes)
+        short = (f"needs {_size(held + least.memory.peak_bytes)} per GPU at the least "
+                 f"({least.name}), {have}: lower --plan-prompt-length or "
+                 f"--rl-max-response-length, or raise --world-size")
+    elif r.run_plan is None:
+        short = f"the run's schedule finds no plan: {r.run_error}"
+    elif held + r.run_memory.peak_bytes > gpu:
+        return (f"the run's plan ({_plan_text(r.run_plan)}) needs "
+                f"{_size(held + r.run_memory.peak_bytes)} per GPU, {have}: set "
+                f"--shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or lower")
+    else:
+        return ""
+    return short + _change_text(r.change)
+
+
+def _change_text(change: Optional[str]) -> str:
+    """The shortfall line's end: the smallest change that fits, or that none was found."""
+    if change is None:
+        return ""
+    if change:
+        return f"; the smallest change that fits: {change}"
+    return ("; neither activation recompute nor a shorter prompt fits (tensor parallelism is "
+            "not evaluated: the command plans TP 1)")
 
 
 def main(argv=None) -> int:

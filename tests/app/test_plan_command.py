@@ -14,6 +14,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,11 +22,12 @@ from helpers.h20 import CONFIGS, REPO, checkpoint_dir
 from helpers.sp import make_group
 
 from scalerlt_mcore.app.config import model_config, objective_from, parse_args, schedule_from
-from scalerlt_mcore.app.plan import GIB, main, make_report, parse, shortfall
+from scalerlt_mcore.app.plan import GIB, main, make_report, meta_model, parse, shortfall
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import build_model
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
+from scalerlt_mcore.shared_prefix.planner import GroupPlan, Planner
 from scalerlt_mcore.testing import model_parallel_context
 
 RTOL = 0.10
@@ -66,14 +68,19 @@ def test_public_config_on_an_h20_node(name, tmp_path, capsys):
     assert "none fits" not in out
 
 
-def _measured_peak(plan) -> int:
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+"""The plan command's "recompute" rows' setting (``app.plan.RECOMPUTE``) as flags."""
+
+
+def _measured_peak(plan, recompute: bool = False) -> int:
     """``SavedTensorProbe``'s peak of the run's schedule training one group by ``plan`` on CPU
-    (the tiny config's model with real weights)."""
+    (the tiny config's model with real weights; ``recompute``: with ``RECOMPUTE``)."""
     extra = (["--shared-prefix-schedule", "naive", "--micro-batch-size", str(plan.wave_size)]
              if plan.naive else
              ["--shared-prefix-wave-size", str(plan.wave_size),
               "--shared-prefix-prompt", "retain" if plan.retain else "recompute"])
-    cfg = parse_args(RUN + extra)
+    cfg = parse_args(RUN + extra + RECOMPUTE * recompute)
     model = build_model(cfg, model_config(cfg, "cpu"), run_vocab_size(cfg), "cpu")
     R = cfg.model.looped_num_loops
     group = make_group(G, P, S, R, seed=0, dtype=torch.float32, vocab=model.vocab_size)
@@ -102,6 +109,36 @@ def test_predictions_match_a_cpu_run():
             assert err <= RTOL, (row.plan, row.memory.saved_bytes, got)
 
 
+def test_recompute_rows_are_planned_under_the_budget():
+    """A GPU of the model state and 80% of joint replay's one-wave peak with recompute: the
+    "joint replay, recompute" row is the planner's plan on the recompute twin (smaller waves),
+    fits the budget, and its predicted saved bytes, as naive's with recompute, are within 10%
+    of a CPU run with MCore's full recompute."""
+    cfg, workload = parse(TINY)
+    with model_parallel_context(seed=1):
+        big = make_report(cfg, workload)
+        one_wave = big.rows[3]
+        assert one_wave.plan == GroupPlan(G, retain=True)
+        small = dataclasses.replace(workload, gpu_bytes=big.state_bytes
+                                    + 0.8 * one_wave.memory.peak_bytes)
+        report = make_report(cfg, small)
+        naive, joint = report.rows[1], report.rows[3]
+        assert joint.name == "joint replay, recompute" and joint.plan is not None
+        assert joint.plan.wave_size < G and joint.memory.peak_bytes <= report.budget
+        twin = meta_model(cfg, recompute=True)
+        planner = Planner("auto", "auto", memory_budget=report.budget,
+                          loss_per_position=objective_from(cfg).saved_per_position)
+        group = SimpleNamespace(prompt_length=P, response_length=S, group_size=G, group_id=0,
+                                tree=None)
+        assert joint.plan == planner(group, twin, cfg.model.looped_num_loops)
+        for row in (naive, joint):
+            got = _measured_peak(row.plan, recompute=True)
+            err = abs(row.memory.saved_bytes / got - 1)
+            print(f"\n[plan] {row.name} {row.plan}: predicted {row.memory.saved_bytes} B, "
+                  f"measured {got} B ({err:.1%})")
+            assert err <= RTOL, (row.plan, row.memory.saved_bytes, got)
+
+
 def _mib(text: str) -> float:
     return float(text) * 2**20
 
@@ -119,8 +156,8 @@ def test_shortfall_names_the_numbers(capsys):
         assert report.rollout_cache < least
         gpu = report.state_bytes + max(report.rollout_cache, 0.5 * least)
         short = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu))
-    # the smallest verified step: naive micro-batch 1 with recompute, or the smallest joint
-    least = min(row.memory.peak_bytes for row in short.rows[:3])
+    # the smallest step of any row: naive micro-batch 1 or joint replay, with recompute or not
+    least = min(row.memory.peak_bytes for row in short.rows)
     line = shortfall(short)
     got = re.fullmatch(r"needs ([\d.]+) MiB per GPU at the least \(([^)]+)\), the GPU has "
                        r"([\d.]+) MiB: lower --plan-prompt-length or --rl-max-response-length, "
@@ -130,7 +167,46 @@ def test_shortfall_names_the_numbers(capsys):
     assert abs(_mib(got[3]) - gpu) <= 0.005 * 2**20
     code = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
     out, err = capsys.readouterr()
-    assert code == 1 and "none fits" in out and err == f"error: {line}\n"
+    assert code == 1 and "none fits" in out
+    # recompute is among the rows already: the change named is the longest prompt that fits
+    got = re.fullmatch(re.escape(f"error: {line}; the smallest change that fits: "
+                                 f"--plan-prompt-length ") + r"(\d+) \(the longest prompt that "
+                       r"fits\)\n", err)
+    assert got, err
+    longest = int(got[1])
+    with model_parallel_context(seed=1):
+        for P_, fits in ((longest, True), (longest + 1, False)):
+            at = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu, prompt_length=P_))
+            room = gpu - at.resident_bytes
+            planned = (at.state_bytes + at.rollout_cache <= gpu and at.run_plan is not None
+                       and any(r.plan is not None and r.memory.peak_bytes <= room
+                               for r in at.rows))
+            assert planned == fits, (P_, shortfall(at))
+
+
+def test_shortfall_names_recompute_where_it_fits(capsys):
+    """A run whose own budget (--shared-prefix-memory-budget) is below joint replay's smallest
+    plan but above the recompute row's one-wave peak: the command names the recompute flags as
+    the change, and the run with them fits (status 0)."""
+    cfg, workload = parse(TINY)
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+    plain, rc = report.rows[2].memory.peak_bytes, report.rows[3].memory.peak_bytes
+    with model_parallel_context(seed=1):
+        tight = make_report(cfg, dataclasses.replace(workload, gpu_bytes=report.state_bytes
+                                                     + 0.5 * rc))
+    least = tight.rows[2].memory.peak_bytes  # joint replay's smallest plan (none fits there)
+    assert tight.rows[2].plan is None and rc < least <= plain, (rc, least, plain)
+    budget = ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
+              repr((rc + least) / 2 / 2**20)]
+    code = main(TINY + budget)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.fullmatch(r"error: the run's schedule finds no plan: .+; the smallest change that "
+                        r"fits: add --recompute-granularity full --recompute-method uniform "
+                        r"--recompute-num-layers 1 \(waves of \d+, prompt \w+, [\d.]+ MiB per "
+                        r"GPU\)\n", err), err
+    assert main(TINY + budget + RECOMPUTE) == 0, capsys.readouterr()
 
 
 def test_model_state_over_the_gpu_is_refused_by_name(capsys):
@@ -139,7 +215,9 @@ def test_model_state_over_the_gpu_is_refused_by_name(capsys):
     assert code == 1, err
     assert re.fullmatch(r"error: the model state and rollout cache need [\d.]+ MiB per GPU, the "
                         r"GPU has 0.00 MiB: lower --plan-prompt-length, --grpo-group-size or "
-                        r"the prompts per GPU \(--global-batch-size\), or raise --world-size\n",
+                        r"the prompts per GPU \(--global-batch-size\), or raise --world-size; "
+                        r"neither activation recompute nor a shorter prompt fits \(tensor "
+                        r"parallelism is not evaluated: the command plans TP 1\)\n",
                         err), err
 
 

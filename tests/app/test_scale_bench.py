@@ -71,12 +71,14 @@ def test_full_size_rows_fit_a_large_gpu(mcore_single, monkeypatch):
         _check_totals(e)
         assert all(r["fits"] for r in e["rows"]), name
         joint = e["rows"][2]
-        assert e["joint_best"]["plan"] == joint["plan"] and not e["joint_best"]["unverified"]
+        assert e["joint_best"]["plan"] == joint["plan"]
+        assert e["joint_best"]["schedule"] == "joint replay"
         assert e["naive_over_joint_flops"] == pytest.approx(e["naive_best"]["flops"]
                                                             / joint["flops"])
         assert e["naive_over_joint_flops"] > 1
-    assert entries["one"]["rows"][2]["plan"] == "waves of 4, prompt retained"
-    assert entries["tree"]["rows"][2]["plan"] == "waves of 2, 3/3 internal nodes retained"
+    for i in (2, 3):  # joint replay without and with recompute: the planner's plans
+        assert entries["one"]["rows"][i]["plan"] == "waves of 4, prompt retained"
+        assert entries["tree"]["rows"][i]["plan"] == "waves of 2, 3/3 internal nodes retained"
     assert entries["one"]["plan_command"].endswith("fits")  # after any refusal of the flags
 
 
@@ -92,6 +94,26 @@ def test_full_size_rows_that_do_not_fit_say_by_how_much(mcore_single, monkeypatc
         assert all(r["shortfall_bytes"] > 0 for r in e["rows"]), name
         assert e["rows"][2]["plan"] == "none fits" and e["naive_over_joint_flops"] is None
     assert "needs" in e["plan_command"] or e["plan_command"].startswith("refuses")
+
+
+def test_joint_replay_with_recompute_where_only_it_fits(mcore_single, monkeypatch):
+    """A GPU between the recompute row's one-wave total and joint replay's smallest: joint
+    replay with recompute is the best joint plan, the planner's under the budget (its peak
+    within it), and naive / joint FLOPs is taken against it."""
+    big = _entries(monkeypatch, 90.0)
+    for name, e in big.items():
+        plain, rc = e["rows"][2], e["rows"][3]
+        assert rc["total_bytes"] < plain["total_bytes"], name
+    gpu = {n: (e["rows"][3]["total_bytes"] + 1) / GIB for n, e in big.items()}
+    for name in big:
+        got = _entries(monkeypatch, gpu[name])[name]
+        _check_totals(got)
+        plain, rc = got["rows"][2], got["rows"][3]
+        assert not plain["fits"] and rc["fits"] and rc["plan"] != "none fits", name
+        assert rc["peak_bytes"] <= got["budget_bytes"], name
+        assert got["joint_best"]["schedule"] == "joint replay, recompute", name
+        assert got["naive_over_joint_flops"] == pytest.approx(got["naive_best"]["flops"]
+                                                              / rc["flops"])
 
 
 @pytest.mark.parametrize("wl", [ONE, TREE], ids=["one-level", "tree"])
