@@ -65,6 +65,7 @@ test-mcore: $(MCORE_STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.scale
+	$(PY) -m benchmarks.subdivided
 
 # GPU acceptance check on one CUDA GPU with no network (docs/gpu.md, "The GPU acceptance
 # check"): the machine's python3 and CUDA torch, megatron-core $(MCORE) and missing

@@ -268,6 +268,8 @@ def _plan_text(plan, tree=None) -> str:
         internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
         kept = sum(plan.retain_nodes[n] for n in internal)
         return f"waves of {plan.wave_size}, {kept}/{len(internal)} internal nodes retained"
+    if plan.prompt_segments > 1:
+        return f"waves of {plan.wave_size}, prompt recomputed in {plan.prompt_segments} segments"
     return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
 
 

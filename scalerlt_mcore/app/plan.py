@@ -236,9 +236,10 @@ def _naive_row(name, m, cfg, workload, recompute) -> Row:
 
 
 def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
-    """Joint replay by the planner's choice (largest wave, retain before recompute) under
-    ``budget``, on ``model`` as built (with or without activation recompute); the smallest
-    plan's peak when none fits or the planner refuses (checkpointed waves under recompute)."""
+    """Joint replay by the planner's choice (largest wave, retain before recompute, then the
+    fewest prompt segments) under ``budget``, on ``model`` as built (with or without activation
+    recompute); the smallest plan's peak when none fits or the planner refuses (checkpointed
+    waves under recompute)."""
     group = _group(cfg, workload)
     P, S, G = group.prompt_length, group.response_length, group.group_size
     waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
@@ -247,7 +248,7 @@ def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
     try:
         plan = planner(group, model, cfg.model.looped_num_loops)
     except ValueError:
-        plan, chosen = GroupPlan(1), None
+        plan, chosen = planner.smallest_plan(P), None
     else:
         chosen = plan
     return Row(name, chosen, planner.memory(m, P, S, G, plan),
@@ -388,6 +389,8 @@ def _plan_text(plan: Optional[GroupPlan]) -> str:
         return "none fits"
     if plan.naive:
         return f"naive, micro-batch {plan.wave_size}"
+    if plan.prompt_segments > 1:
+        return f"waves of {plan.wave_size}, prompt recomputed in {plan.prompt_segments} segments"
     return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
 
 

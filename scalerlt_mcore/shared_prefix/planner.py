@@ -46,12 +46,15 @@ import torch.distributed as dist
 from ..model.attention import LoopedCoreAttention
 from ..model.config import FieldError
 from .probe import SavedTensorProbe
+from .replay import segment_bounds
 from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
 DEFAULT_PROMPT = "auto"
 """The prompt mode when none is given (the ``Planner``'s, hence the schedule's and the app's)."""
 SCHEDULES = ("joint_replay", "naive", "auto")
+DEFAULT_SEGMENTS = "auto"
+"""Prompt segments when none are given: one unless only more fit the memory budget."""
 INT64 = 8
 
 
@@ -74,10 +77,21 @@ class GroupPlan:
     continues its parent's replay chain (``tree_chain_parent``) is retained only with it.
     Always None for a one-level group."""
 
+    prompt_segments: int = 1
+    """A one-level group's joint replay: the prompt replayed in this many query segments, each
+    in a backward of its own (``replay.SubdividedReplay``); > 1 needs the prompt recomputed."""
+
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
             raise ValueError(f"GroupPlan.wave_size must be an integer >= 1, got "
                              f"{self.wave_size!r}")
+        segments = self.prompt_segments
+        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+            raise ValueError(f"GroupPlan.prompt_segments must be an integer >= 1, got "
+                             f"{segments!r}")
+        if segments > 1 and (self.retain or self.naive or self.retain_nodes is not None):
+            raise ValueError(f"GroupPlan.prompt_segments {segments} replays a recomputed "
+                             f"prompt: it cannot go with retain, naive or retain_nodes")
         nodes = self.retain_nodes
         if nodes is not None and (not isinstance(nodes, tuple)
                                   or not all(isinstance(r, bool) for r in nodes)):
@@ -651,6 +665,52 @@ def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                           adjoint_bytes=adjoint_bytes(m, P) if n > 1 else 0)
 
 
+def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
+                      checkpoint_waves: bool = False,
+                      loss_per_position: Optional[float] = None) -> MemoryEstimate:
+    """Peak memory of joint replay with the prompt replayed in ``plan.prompt_segments``
+    segments (``replay._train_subdivided``): every wave against the K/V leaves (no prompt
+    graph), then each segment's replay alone; the leaves are >= fp32 at the trained depths and
+    in the model's dtype at graph-free ones; a segment's replay reads the earlier positions'
+    K/V as views of the leaves, and saving them keeps the leaves' whole storage."""
+    W = min(plan.wave_size, G)
+    last = G - (-(-G // W) - 1) * W
+    trained = _kv_numel(m, P) * m.acc_bytes  # graph-free loops read theirs without saving
+    cascade = m.prefix_attention == "cascade"
+    base = max(trained if cascade else 0, _recomputed_kv_bytes(m, P, m.acc_bytes))
+    visible, full, recompute = [], [], []
+    for w in {W, last}:
+        wave = wave_bytes(m, P, S, w, loss_per_position)
+        visible.append(base + (0 if checkpoint_waves else wave))
+        full.append(base + wave)
+        back = _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False), w,
+                              S - 1, m.prefix_attention, P)
+        recompute += [base + back] if back else []
+    for start, end in segment_bounds(P, plan.prompt_segments):
+        held = 0 if start == 0 else max(trained if cascade else 0,
+                                        _recomputed_kv_bytes(m, P, m.acc_bytes))
+        kind = "causal" if start == 0 else m.prefix_attention
+        graph = segment_bytes(m, start, end, G * (P + S))
+        visible.append(held + graph)
+        full.append(held + graph)
+        back = _backward_peak(m, graph, 1, end - start, kind, start)
+        recompute += [held + back] if back else []
+    return MemoryEstimate(saved_bytes=max(visible + recompute),
+                          activation_bytes=max(full + recompute),
+                          adjoint_bytes=adjoint_bytes(m, P))
+
+
+def segment_bytes(m: ModelShape, start: int, end: int, group_tokens: int) -> int:
+    """A prompt segment's replay graph (positions ``start`` .. ``end`` against the earlier
+    ones; the prefix K/V storage not included); ``group_tokens``: the group's token ids,
+    whose storage its slice keeps."""
+    saved = _Saved()
+    _block(m, saved, 1, end - start, "causal" if start == 0 else m.prefix_attention,
+           prefix=start, readout=False)
+    saved.add(group_tokens * INT64 + (end - start) * INT64 * (not m.rope_dim))  # ids, positions
+    return saved.total
+
+
 def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
                  loss_per_position: Optional[float] = None) -> MemoryEstimate:
     """Peak memory of naive training of one group in microbatches of full sequences."""
@@ -666,6 +726,8 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                 loss_per_position: Optional[float] = None) -> MemoryEstimate:
     if plan.naive:
         return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
+    if plan.prompt_segments > 1:
+        return subdivided_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
     return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
 
 
@@ -892,13 +954,15 @@ class CostModel:
 
     def joint_time(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                    checkpoint_waves: bool = False) -> float:
-        W = min(plan.wave_size, G)
+        W, k = min(plan.wave_size, G), plan.prompt_segments
         n = -(-G // W)
-        prompt_passes = 3 if plan.retain or n == 1 else 4  # forward(s) + backward (2)
+        recomputed = not plan.retain and (n > 1 or k > 1)
+        prompt_passes = 4 if recomputed else 3  # forward(s) + backward (2)
         wave_passes = 4 if checkpoint_waves else 3
         flops = (prompt_passes * _pass_flops(m, 1, P, 0)
                  + wave_passes * _pass_flops(m, G, S, P, readout=True))
-        calls = (n * 2 + 2 + (0 if plan.retain or n == 1 else 1)) * m.depths
+        prompt_calls = 3 * k if k > 1 else 2 + recomputed  # per segment: forward twice, backward
+        calls = (n * 2 + prompt_calls) * m.depths
         calls += n * m.depths * checkpoint_waves
         return self.call_s * calls + self.flop_s * flops
 
@@ -986,6 +1050,17 @@ def _time_step(model, tokens) -> float:
 # ---- choosing a plan ------------------------------------------------------------------------
 
 
+def _check_segments(segments, prompt: str) -> None:
+    if segments == "auto":
+        return
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise FieldError("prompt_segments", f"must be an integer >= 1 or 'auto', got "
+                         f"{segments!r}")
+    if segments > 1 and prompt == "retain":
+        raise FieldError("prompt_segments", f"{segments} replays the prompt in segments, which "
+                         f"recomputes it: it cannot go with prompt 'retain'")
+
+
 def _check_wave_size(wave_size) -> None:
     if wave_size == "auto":
         return
@@ -1012,14 +1087,19 @@ class Planner:
         (e.g. ``shared_cost_model``).
     loss_per_position: the caller's loss's saved accumulator tensors of [R, rows, T] per
         position (needed with a memory budget); the planner knows no loss.
+    prompt_segments: an integer: a one-level group's prompt replayed in that many query
+        segments (> 1: the prompt recomputed); "auto": one, or where no plan fits the budget
+        otherwise the fewest segments (a power of two) with which one does, at the largest
+        wave that fits with them.
     """
 
     def __init__(self, wave_size, prompt: str = DEFAULT_PROMPT,
                  memory_budget: Optional[float] = None, schedule: str = "joint_replay",
                  cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
                  naive_micro_batch_size: Optional[int] = None,
-                 loss_per_position: Optional[float] = None):
+                 loss_per_position: Optional[float] = None, prompt_segments=DEFAULT_SEGMENTS):
         _check_wave_size(wave_size)
+        _check_segments(prompt_segments, prompt)
         if prompt not in PROMPT_MODES + ("auto",):
             raise FieldError("prompt", f"must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
         if schedule not in SCHEDULES:
@@ -1038,6 +1118,7 @@ class Planner:
         self.checkpoint_waves = checkpoint_waves
         self.naive_micro_batch_size = naive_micro_batch_size
         self.loss_per_position = loss_per_position
+        self.prompt_segments = prompt_segments
 
     def __call__(self, group, model, num_loops: Optional[int] = None) -> GroupPlan:
         """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's)."""
@@ -1046,8 +1127,9 @@ class Planner:
         tree = getattr(group, "tree", None)
         if tree is not None and tree.depth > 1 and self.schedule != "naive":
             return self._tree(group, model, num_loops)
-        if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt):
-            return GroupPlan(min(self.wave_size, G), retain=self.prompt == "retain")
+        if self.schedule == "joint_replay" and "auto" not in (self.wave_size, self.prompt,
+                                                              self.prompt_segments):
+            return self._fixed(min(self.wave_size, G))
         m = ModelShape.from_model(model, num_loops)
         if callable(self.cost_model) and not isinstance(self.cost_model, CostModel):
             self.cost_model = self.cost_model(model)  # calibrated at the first plan
@@ -1087,6 +1169,9 @@ class Planner:
                              f"a tree group (depth {tree.depth}) needs an integer "
                              f"wave_size (or schedule 'naive')")
         W = min(self.wave_size, G)
+        if self.prompt_segments not in (1, "auto"):
+            raise FieldError("prompt_segments", f"subdivides a one-level group's prompt; group "
+                             f"{group.group_id} is a tree (depth {tree.depth}): give 1 or 'auto'")
         if self.prompt != "auto" or self.budget is None:
             return GroupPlan(W, retain=self.prompt != "recompute")
         m = ModelShape.from_model(model, num_loops)
@@ -1148,23 +1233,61 @@ class Planner:
     def _modes(self) -> tuple:
         return {"retain": (True,), "recompute": (False,), "auto": (True, False)}[self.prompt]
 
+    def _fixed(self, W: int) -> GroupPlan:
+        """The plan of a given wave size, prompt mode and segment count."""
+        if self.prompt_segments not in (1, "auto"):
+            return GroupPlan(W, prompt_segments=self.prompt_segments)
+        return GroupPlan(W, retain=self.prompt == "retain")
+
     def _joint(self, m, P, S, G, group_id) -> GroupPlan:
         if self.wave_size != "auto":
             W = min(self.wave_size, G)
-            if self.prompt != "auto":
-                return GroupPlan(W, retain=self.prompt == "retain")
-            return GroupPlan(W, retain=self._fits(m, P, S, G, GroupPlan(W, retain=True)))
+            if self.prompt != "auto" or self.prompt_segments not in (1, "auto"):
+                plan = self._fixed(W)
+            else:
+                plan = GroupPlan(W, retain=self._fits(m, P, S, G, GroupPlan(W, retain=True)))
+            if self.prompt_segments == "auto" and not plan.retain and not self._fits(
+                    m, P, S, G, plan):
+                return self._subdivided(m, P, S, G, (W,)) or plan
+            return plan
         for W in range(G, 0, -1):
-            for retain in self._modes():
-                plan = GroupPlan(W, retain=retain)
+            for plan in self._whole_prompt_plans(W):
                 if self._fits(m, P, S, G, plan):
                     return plan
-        smallest = GroupPlan(1, retain=self._modes()[-1])
+        if self.prompt_segments == "auto" and self.prompt != "retain":
+            plan = self._subdivided(m, P, S, G, range(G, 0, -1))
+            if plan is not None:
+                return plan
+        smallest = self.smallest_plan(P)
         need = self.memory(m, P, S, G, smallest).peak_bytes
         raise ValueError(
             f"group {group_id} (P={P}, S={S}, G={G}): no joint-replay plan fits the memory "
             f"budget of {self.budget / 2**20:.2f} MiB; the smallest ({smallest}) needs "
             f"{need / 2**20:.2f} MiB")
+
+    def smallest_plan(self, P: int) -> GroupPlan:
+        """The one-level joint plan of the least memory this planner may choose: waves of 1,
+        the prompt in P segments where it may subdivide, else recomputed where it may."""
+        if self.prompt_segments == "auto" and self.prompt != "retain":
+            return GroupPlan(1, prompt_segments=P) if P > 1 else GroupPlan(1)
+        return self._whole_prompt_plans(1)[-1]
+
+    def _whole_prompt_plans(self, W: int) -> list:
+        if self.prompt_segments not in (1, "auto"):
+            return [GroupPlan(W, prompt_segments=self.prompt_segments)]
+        return [GroupPlan(W, retain=retain) for retain in self._modes()]
+
+    def _subdivided(self, m, P, S, G, widths) -> Optional[GroupPlan]:
+        """The fewest prompt segments (2, 4, 8, ... up to P) with which a wave of ``widths``
+        (largest first) fits the budget, at the largest such wave; None if none does."""
+        n = 2
+        while n < 2 * P:
+            for W in widths:
+                plan = GroupPlan(W, prompt_segments=min(n, P))
+                if self._fits(m, P, S, G, plan):
+                    return plan
+            n *= 2
+        return None
 
     def _naive_or_raise(self, m, P, S, G, group_id) -> GroupPlan:
         plan = self._naive(m, P, S, G)

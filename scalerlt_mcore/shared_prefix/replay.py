@@ -69,11 +69,16 @@ class GroupRun:
         scale = self.config.grad_scale_func
         return scale(loss) if scale is not None else loss
 
-    def prompt_state(self) -> PrefixState:
-        """The prompt's prefix state (R loops), with grad unless called under no_grad."""
+    def prompt_state(self, start: int = 0, end: Optional[int] = None,
+                     prefix: Optional[PrefixState] = None) -> PrefixState:
+        """The prefix state (R loops) of prompt positions ``start`` .. ``end`` (default: the
+        whole prompt) against ``prefix`` (the earlier positions' state), with grad unless
+        called under no_grad."""
         g = self.group
-        return self.inner(g.tokens[:1, : g.prompt_length], return_prefix_state=True,
-                          readout=False, num_loops=self.num_loops).prefix_state
+        end = g.prompt_length if end is None else end
+        return self.inner(g.tokens[:1, start:end], prefix_state=as_prefix(prefix, self.state_dtype),
+                          return_prefix_state=True, readout=False,
+                          num_loops=self.num_loops).prefix_state
 
     def wave_loss(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
                   model=None) -> Tensor:
@@ -144,6 +149,9 @@ class WaveReplay:
         if run.plan.naive:
             _train_naive(run, waves, waves_context)
             return len(waves)
+        if run.plan.prompt_segments > 1:
+            _train_subdivided(run, waves, waves_context)
+            return len(waves)
         adjoints, state = None, None
         with waves_context():
             if len(waves) > 1:
@@ -157,7 +165,12 @@ class WaveReplay:
         """forward_only: every wave of the plan (a naive plan's microbatches scored as waves)
         -> the merged result."""
         run = self.run
-        state = run.prompt_state() if self.prompt else None
+        state = None
+        if self.prompt and run.plan.prompt_segments > 1:  # the numbers its training reads
+            state = _segmented_state(run, segment_bounds(run.group.prompt_length,
+                                                         run.plan.prompt_segments))
+        elif self.prompt:
+            state = run.prompt_state()
         for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
             run.results[n] = run.score_call(wave, state, n)
         return merge(run.results, run.per_token)
@@ -216,6 +229,101 @@ def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
     run.guard.verify("naive step", contents=True)
     run.wave_loss(waves[-1], None, len(waves) - 1).backward()
     run.phase("naive")
+
+
+# ---- the subdivided replay: the prompt replayed in query segments ----------------------------
+#
+# Phase 1 runs the prompt segment by segment under no_grad, each segment against the earlier
+# segments' K/V as the replay reads them (>= fp32 leaves), written into one state of P
+# positions; its leaves collect every wave's adjoints (phase 2 trains all the waves). Phase 3
+# recomputes each segment, from the last to the first, with grad against the leaves' earlier
+# positions and backpropagates it alone: its adjoint in, the earlier positions' adjoints out,
+# into the leaves' grads. Every backward but the first segment's runs inside
+# ``waves_context``; the first segment's is the group's last, and adds an exact zero through
+# every parameter (``_zero_touch``), so that every parameter's gradient hook runs in it as in
+# a plain replay (MCore DDP's overlapped reduction launches a bucket once all its parameters
+# are ready): one sync-enabled backward per step. A moment holds the K/V leaves and their
+# adjoints beside one wave's graph or one segment's, never the whole prompt's.
+
+
+def segment_bounds(P: int, segments: int) -> list:
+    """[(start, end)] of ``segments`` query segments of P prompt positions (at most P), as
+    equal as they can be, the longer ones first."""
+    n = min(segments, P)
+    q, r = divmod(P, n)
+    ends = [q * (k + 1) + min(k + 1, r) for k in range(n)]
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _segmented_state(run: GroupRun, bounds: list) -> PrefixState:
+    """The prompt's state computed segment by segment under no_grad, each against the earlier
+    positions of the state built so far (trained depths promoted to >= fp32, as the leaves)."""
+    trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+    flags, full = [*trained, *trained], None
+    with torch.no_grad():
+        for s, e in bounds:
+            own = run.prompt_state(s, e, None if full is None else _first(full, s))
+            if full is None:
+                run.state_dtype = own.boundary.dtype
+                full = [t.new_empty((bounds[-1][1], *t.shape[1:]),
+                                    dtype=_wide(t.dtype) if grad else t.dtype)
+                        for t, grad in zip(own.tensors()[:-1], flags)]  # [P, 1, ng, hn] each
+                full = PrefixState.from_tensors([*full, own.boundary], own.signature)
+            for buf, t in zip(full.tensors()[:-1], own.tensors()[:-1]):
+                buf[s:e] = t
+            full.boundary = own.boundary
+    return full
+
+
+def _train_subdivided(run: GroupRun, waves: list, waves_context) -> None:
+    """The three phases with the prompt replayed in segments (see above)."""
+    bounds = segment_bounds(run.group.prompt_length, run.plan.prompt_segments)
+    with waves_context():
+        run.guard.verify("prompt producer")
+        trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+        leaves = _segmented_state(run, bounds).detached_leaves(torch.float32, trained)
+        run.phase("prompt_producer")
+        _run_waves(run, leaves, waves)
+        run.guard.verify("joint replay", contents=True)
+        for k in range(len(bounds) - 1, 0, -1):
+            _replay_segment(run, leaves, bounds[k])
+    _replay_segment(run, leaves, bounds[0], _zero_touch(run.inner))
+
+
+def _replay_segment(run: GroupRun, leaves: PrefixState, bounds: tuple,
+                    extra: Optional[Tensor] = None) -> None:
+    """One backward of prompt segment ``bounds`` recomputed with grad against the leaves'
+    earlier positions (its K/V's adjoints in; with the prompt's last segment its boundary's)
+    and of ``extra`` (a scalar)."""
+    s, e = bounds
+    own = run.prompt_state(s, e, _first(leaves, s) if s else None)
+    roots, grads = ([extra], [None]) if extra is not None else ([], [])
+    for t, leaf in zip(own.tensors()[:-1], leaves.tensors()[:-1]):  # keys, values
+        if t.requires_grad and leaf.requires_grad and leaf.grad is not None:
+            roots.append(t)
+            grads.append(leaf.grad[s:e].to(t.dtype, copy=True))  # not a view the backward adds to
+    if own.boundary.requires_grad:  # before the prompt's end a zero: its graph is freed too
+        last = e == run.group.prompt_length and leaves.boundary.grad is not None
+        roots.append(own.boundary)
+        grads.append(leaves.boundary.grad.to(own.boundary.dtype) if last
+                     else torch.zeros_like(own.boundary))
+    torch.autograd.backward(roots, grads)
+    run.phase("joint_replay")
+
+
+def _zero_touch(module) -> Tensor:
+    """An exact 0 through one element of every trainable parameter (its gradient: zeros)."""
+    return torch.stack([p.view(-1)[0] for p in module.parameters() if p.requires_grad]).sum() * 0
+
+
+def _first(state: PrefixState, n: int) -> PrefixState:
+    """The state's first n positions (views; the boundary as it is)."""
+    return PrefixState([k[:n] for k in state.keys], [v[:n] for v in state.values],
+                       state.boundary, state.signature)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:

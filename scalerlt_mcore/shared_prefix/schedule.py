@@ -56,7 +56,7 @@ Each group is trained by its plan (``planner.GroupPlan``: wave size and prompt m
 full sequences in microbatches, the last one sync-enabled), chosen per group by the schedule's
 ``Planner`` (fixed, ``wave_size="auto"`` within a memory budget, ``schedule="naive"``, or
 ``"auto"`` by a cost model) or by a caller's ``chooser``. Each group's result dict carries its
-plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``.
+plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``, ``prompt_segments``.
 """
 
 import contextlib
@@ -243,7 +243,8 @@ class SharedPrefixSchedule:
         """All three phases for one group (``_replay``); phases 1-2 inside ``waves_context``."""
         plan, num_waves = run.plan, _replay(run).train(waves_context)
         return merge(run.results, run.per_token, num_waves=num_waves, wave_size=plan.wave_size,
-                     retain=int(plan.retain and not plan.naive), naive=int(plan.naive))
+                     retain=int(plan.retain and not plan.naive), naive=int(plan.naive),
+                     prompt_segments=plan.prompt_segments)
 
     def score_group(self, run: GroupRun):
         """forward_only, no graph: the group's loss calls as its training makes them, each

@@ -145,14 +145,17 @@ def _mib(text: str) -> float:
 
 def test_shortfall_names_the_numbers(capsys):
     """A GPU that holds the model state and the rollout cache (not beside a training step),
-    but not the smallest step beside the state: a long prompt, short responses (a small
-    cache)."""
+    but not the smallest step of any row beside the state (joint replay's in as many prompt
+    segments as prompt tokens): a long prompt, short responses (a small cache)."""
     flags = TINY + ["--plan-prompt-length", "56", "--rl-max-response-length", "4"]
     cfg, workload = parse(flags)
     with model_parallel_context(seed=1):
         report = make_report(cfg, workload)
         assert shortfall(report) == ""
-        least = min(row.memory.peak_bytes for row in report.rows[:2])
+        # each row's smallest step: on a GPU that holds only the state and the cache
+        starved = make_report(cfg, dataclasses.replace(
+            workload, gpu_bytes=report.state_bytes + report.rollout_cache))
+        least = min(row.memory.peak_bytes for row in starved.rows)
         assert report.rollout_cache < least
         gpu = report.state_bytes + max(report.rollout_cache, 0.5 * least)
         short = make_report(cfg, dataclasses.replace(workload, gpu_bytes=gpu))
@@ -196,7 +199,9 @@ def test_shortfall_names_recompute_where_it_fits(capsys):
         tight = make_report(cfg, dataclasses.replace(workload, gpu_bytes=report.state_bytes
                                                      + 0.5 * rc))
     least = tight.rows[2].memory.peak_bytes  # joint replay's smallest plan (none fits there)
-    assert tight.rows[2].plan is None and rc < least <= plain, (rc, least, plain)
+    rc = tight.rows[3].memory.peak_bytes  # the recompute row's plan there
+    assert tight.rows[2].plan is None and tight.rows[3].plan is not None
+    assert rc < least <= plain, (rc, least, plain)
     budget = ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
               repr((rc + least) / 2 / 2**20)]
     code = main(TINY + budget)
@@ -204,8 +209,8 @@ def test_shortfall_names_recompute_where_it_fits(capsys):
     assert code == 1, err
     assert re.fullmatch(r"error: the run's schedule finds no plan: .+; the smallest change that "
                         r"fits: add --recompute-granularity full --recompute-method uniform "
-                        r"--recompute-num-layers 1 \(waves of \d+, prompt \w+, [\d.]+ MiB per "
-                        r"GPU\)\n", err), err
+                        r"--recompute-num-layers 1 \(waves of \d+, prompt [\w ]+, [\d.]+ MiB "
+                        r"per GPU\)\n", err), err
     assert main(TINY + budget + RECOMPUTE) == 0, capsys.readouterr()
 
 

@@ -80,13 +80,14 @@ def _naive(model, groups, spec, scheme, gate_coef, beta, per_mb, num_loops=None)
     return sum(float(o["loss"]) for o in out) / len(groups)
 
 
-def _joint(model, groups, spec, scheme, gate_coef, beta, wave, ck, num_loops=None):
-    """Joint replay of ``groups`` with ``num_loops`` loops (None: the config's)."""
+def _joint(model, groups, spec, scheme, gate_coef, beta, wave, ck, num_loops=None, **plan):
+    """Joint replay of ``groups`` with ``num_loops`` loops (None: the config's); ``plan``: the
+    schedule's planner keywords or a ``chooser``."""
     objective = RLObjective(normalization=spec.normalization, clip_low=spec.clip_low,
                             clip_high=spec.clip_high, kl_coef=spec.kl_coef,
                             loop_weights=scheme, exit_gate_coef=gate_coef,
                             exit_entropy_coef=beta)
-    fb = get_shared_prefix_forward_backward_func(wave, checkpoint_waves=ck)
+    fb = get_shared_prefix_forward_backward_func(wave, checkpoint_waves=ck, **plan)
     return fb(forward_step_func=rl_forward_step(objective), data_iterator=iter(groups),
               model=model, num_microbatches=len(groups), seq_length=0, micro_batch_size=1,
               num_loops=num_loops)

@@ -5,17 +5,11 @@ wave or several) and of naive microbatches, within 10% as without recompute, for
 layout and the public families in f32 and bf16, with truncated backprop and the exit gate;
 and a memory budget planned there: the chosen plan's measured peak fits the budget."""
 
-import tempfile
-
 import pytest
 import torch
-from helpers.exit_gate import _gated
-from helpers.reference_huginn import write_huginn_checkpoint, write_retrofit_checkpoint
-from helpers.reference_nanbeige import write_nanbeige_checkpoint
-from helpers.reference_ouro import write_ouro_checkpoint
+from helpers.families import BUILDERS, SETTINGS
 from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
 
-from scalerlt_mcore.model.looped_import import looped_gpt_from_pretrained
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix import naive_step as library_naive_step
@@ -24,15 +18,6 @@ from scalerlt_mcore.testing import run_distributed
 
 PREDICTION_RTOL = 0.10
 MEASURED = {}
-SETTINGS = {
-    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
-                           recompute_num_layers=1),
-    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform",
-                           recompute_num_layers=2),
-    "full-block-1": dict(recompute_granularity="full", recompute_method="block",
-                         recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective"),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,39 +29,6 @@ def _report():
               f"{MEASURED[low]:.4f} ({low}) .. {MEASURED[high]:.4f} ({high})")
 
 
-def _family(write, dtype, **config):
-    """A tiny random checkpoint of a public family, imported with ``config``, in ``dtype``."""
-    def build():
-        with tempfile.TemporaryDirectory() as d:
-            write(d)
-            return looped_gpt_from_pretrained(d, use_cpu_initialization=True, **config).to(dtype)
-    return build
-
-
-def _gpt(dtype, **kw):
-    return lambda **setting: build_model(hidden=32, heads=4, **kw, **setting).to(dtype)
-
-
-BUILDERS = {
-    "arch-f32": _gpt(torch.float32, R=2, arch=True),
-    "arch-concat-bf16": _gpt(torch.bfloat16, R=2, arch=True, attn="concat"),
-    "rms-gqa-f32": _gpt(torch.float32, R=2, num_query_groups=2, layers=3,
-                        normalization="RMSNorm"),
-    "truncated-arch-bf16": _gpt(torch.bfloat16, R=3, arch=True, looped_backprop_loops=2),
-    "exit-gate-f32": lambda **s: _gated(R=3, hidden=32, heads=4, **s),
-    "exit-gate-truncated-bf16": lambda **s: _gated(R=3, hidden=32, heads=4,
-                                                   looped_backprop_loops=2, **s).to(
-                                                       torch.bfloat16),
-    "ouro-f32": lambda **s: _family(write_ouro_checkpoint, torch.float32, **s)(),
-    "ouro-bf16": lambda **s: _family(write_ouro_checkpoint, torch.bfloat16, **s)(),
-    "huginn-truncated-f32": lambda **s: _family(write_huginn_checkpoint, torch.float32,
-                                                looped_backprop_loops=1, **s)(),
-    "huginn-bf16": lambda **s: _family(write_huginn_checkpoint, torch.bfloat16, **s)(),
-    "retrofit-f32": lambda **s: _family(write_retrofit_checkpoint, torch.float32, **s)(),
-    "retrofit-bf16": lambda **s: _family(write_retrofit_checkpoint, torch.bfloat16, **s)(),
-    "nanbeige-f32": lambda **s: _family(write_nanbeige_checkpoint, torch.float32, **s)(),
-    "nanbeige-bf16": lambda **s: _family(write_nanbeige_checkpoint, torch.bfloat16, **s)(),
-}
 CASES = [(b, s) for b in ("arch-f32", "arch-concat-bf16") for s in SETTINGS] + [
     ("rms-gqa-f32", "full-uniform-2"), ("truncated-arch-bf16", "full-uniform-1"),
     ("truncated-arch-bf16", "selective"), ("exit-gate-f32", "full-block-1"),

@@ -61,6 +61,7 @@ SCHEDULE_FLAGS = {
     "shared_prefix_checkpoint_waves": "checkpoint_waves",
     "rl_max_response_length": "max_response_length",
     "shared_prefix_prompt": "prompt",
+    "shared_prefix_prompt_segments": "prompt_segments",
     "shared_prefix_memory_budget": "memory_budget",
     "micro_batch_size": "naive_micro_batch_size",
 }

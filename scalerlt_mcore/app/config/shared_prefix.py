@@ -4,7 +4,7 @@ prompt (its keys reach the schedule and its ``Planner`` through ``SCHEDULE_FLAGS
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
-from ...shared_prefix.planner import DEFAULT_PROMPT
+from ...shared_prefix.planner import DEFAULT_PROMPT, DEFAULT_SEGMENTS
 from .builders import schedule_from
 from .library import SCHEDULE_FLAGS, library_errors
 
@@ -27,6 +27,11 @@ class SharedPrefixArgs:
     shared_prefix_prompt: Literal["retain", "recompute", "auto"] = DEFAULT_PROMPT
     """``retain`` (keep the prompt's graph: the prompt is computed once), ``recompute`` (run
     it again in the joint replay), or ``auto`` (retain unless only recompute fits the budget)."""
+    shared_prefix_prompt_segments: Union[int, Literal["auto"]] = DEFAULT_SEGMENTS
+    """Query segments the joint replay recomputes the prompt in, each in a backward of its own
+    (a long prompt's replay then holds one segment's graph, not the whole prompt's; > 1 needs
+    the prompt recomputed), or ``auto``: one, or the fewest that fit
+    ``shared_prefix_memory_budget`` where nothing else does."""
     shared_prefix_memory_budget: Optional[float] = None
     """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
     None: no budget."""
