@@ -686,7 +686,7 @@ def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
         back = _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False), w,
                               S - 1, m.prefix_attention, P)
         recompute += [base + back] if back else []
-    for start, end in segment_bounds(P, plan.prompt_segments):
+    for start, end in _largest_segments(segment_bounds(P, plan.prompt_segments)):
         held = 0 if start == 0 else max(trained if cascade else 0,
                                         _recomputed_kv_bytes(m, P, m.acc_bytes))
         kind = "causal" if start == 0 else m.prefix_attention
@@ -698,6 +698,14 @@ def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     return MemoryEstimate(saved_bytes=max(visible + recompute),
                           activation_bytes=max(full + recompute),
                           adjoint_bytes=adjoint_bytes(m, P))
+
+
+def _largest_segments(bounds: list) -> list:
+    """The segments whose replay can hold the most: the first (causal, no prefix), and of the
+    others the first, the last long one and the last (a segment's bytes grow with its length
+    and with its prefix; the longer segments come first)."""
+    long = max(k for k, (s, e) in enumerate(bounds) if e - s == bounds[0][1] - bounds[0][0])
+    return [bounds[k] for k in sorted({0, 1, long, len(bounds) - 1}) if k < len(bounds)]
 
 
 def segment_bytes(m: ModelShape, start: int, end: int, group_tokens: int) -> int:
