@@ -79,7 +79,7 @@ class GroupPlan:
 
     prompt_segments: int = 1
     """A one-level group's joint replay: the prompt replayed in this many query segments, each
-    in a backward of its own (``replay.SubdividedReplay``); > 1 needs the prompt recomputed."""
+    in a backward of its own (``replay._train_subdivided``); > 1 needs the prompt recomputed."""
 
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
@@ -687,8 +687,7 @@ def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                               S - 1, m.prefix_attention, P)
         recompute += [base + back] if back else []
     for start, end in _largest_segments(segment_bounds(P, plan.prompt_segments)):
-        held = 0 if start == 0 else max(trained if cascade else 0,
-                                        _recomputed_kv_bytes(m, P, m.acc_bytes))
+        held = 0 if start == 0 else base  # the leaves, read and saved through views
         kind = "causal" if start == 0 else m.prefix_attention
         graph = segment_bytes(m, start, end, G * (P + S))
         visible.append(held + graph)

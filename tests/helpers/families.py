@@ -20,7 +20,7 @@ SETTINGS = {
                            recompute_num_layers=2),
     "full-block-1": dict(recompute_granularity="full", recompute_method="block",
                          recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective"),
+    "selective": dict(recompute_granularity="selective"),  # MCore's default: core_attn
 }
 
 

@@ -12,6 +12,7 @@ through stock MCore (tests/helpers/sp.py), fp64 <= 1e-12 and fp32 <= 1e-6 per te
 
 import pytest
 import torch
+from helpers.calls import Calls
 from helpers.replay_exact import DTYPES, GRID, TOL, _assert_close_rel, _case_id
 from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
 
@@ -61,41 +62,6 @@ def test_two_groups_retained(mcore_single, ck):
     assert max(rel_errors(grads(model), ref).values()) <= 1e-12
 
 
-class _Counter:
-    """Prompt-length forwards of the model, and backward calls inside / outside no_sync."""
-
-    def __init__(self, model, P: int, monkeypatch):
-        self.prompt_forwards, self.synced, self.unsynced, self.in_no_sync = 0, 0, 0, False
-        model.embedding.register_forward_pre_hook(self._forward, with_kwargs=True)
-        self.P = P
-        backward = torch.autograd.backward
-
-        def counted(*args, **kwargs):
-            if self.in_no_sync:
-                self.unsynced += 1
-            else:
-                self.synced += 1
-            return backward(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, "backward", counted)
-
-    def _forward(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.prompt_forwards += int(ids.shape[1] == self.P)
-
-    def no_sync(self):
-        counter = self
-
-        class _Ctx:
-            def __enter__(self):
-                counter.in_no_sync = True
-
-            def __exit__(self, *exc):
-                counter.in_no_sync = False
-
-        return _Ctx()
-
-
 @pytest.mark.parametrize("prompt,forwards", [("recompute", 2), ("retain", 1)])
 def test_prompt_forwards_and_one_synced_backward(mcore_single, monkeypatch, prompt, forwards):
     """Per multi-wave group the prompt runs twice under recompute and once under retain; the
@@ -103,13 +69,13 @@ def test_prompt_forwards_and_one_synced_backward(mcore_single, monkeypatch, prom
     R, P = 2, 9
     model = build_model(R=R).double()
     groups = [make_group(5, P, 4, R, seed=s, group_id=s) for s in (1, 2, 3)]
-    counter = _Counter(model, P, monkeypatch)
+    counter = Calls(model, monkeypatch)
     model.config.no_sync_func = counter.no_sync
     try:
         joint_step(model, groups, LossSpec(), 2, prompt=prompt)
     finally:
         model.config.no_sync_func = None
-    assert counter.prompt_forwards == forwards * len(groups)
+    assert counter.lengths.count(P) == forwards * len(groups)
     assert counter.synced == 1
     assert counter.unsynced == 3 * len(groups) - 1  # 3 waves per group, all but one backward
 
@@ -124,7 +90,7 @@ def test_mixed_plans_in_one_step_match_naive(mcore_single, monkeypatch):
     spec = LossSpec(normalization="token_mean", kl_coef=0.1, loop_weights="uniform")
     losses, ref = _naive_grads(model, groups, spec, 2)
     model.zero_grad(set_to_none=True)
-    counter = _Counter(model, 9, monkeypatch)
+    counter = Calls(model, monkeypatch)
     model.config.no_sync_func = counter.no_sync
     try:
         out = joint_step(model, groups, spec, 1, chooser=lambda g, m: plans[g.group_id])

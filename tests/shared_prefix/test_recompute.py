@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import torch
 from helpers.exit_gate import _gated, _joint, _naive
+from helpers.families import SETTINGS as FAMILY_SETTINGS
 from helpers.sp import (
     LossSpec,
     build_model,
@@ -34,13 +35,7 @@ from scalerlt_mcore.testing import run_distributed
 
 TOL = 1e-12
 SETTINGS = {
-    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
-                           recompute_num_layers=1),
-    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform",
-                           recompute_num_layers=2),
-    "full-block-1": dict(recompute_granularity="full", recompute_method="block",
-                         recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective"),  # MCore's default: core_attn
+    **FAMILY_SETTINGS,
     # MCore's MLP recompute returns the fc2 bias parameter through its checkpoint (which
     # gives the parameter a grad_fn): a model without linear biases, as Llama's
     "selective-all": dict(recompute_granularity="selective",

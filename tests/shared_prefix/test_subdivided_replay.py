@@ -20,6 +20,7 @@ prompt replayed in query segments, each in a backward of its own, is exact and h
 
 import pytest
 import torch
+from helpers.calls import Calls
 from helpers.exit_gate import _gated, _joint, _naive
 from helpers.families import BUILDERS, SETTINGS
 from helpers.sp import LossSpec, build_model, grads, joint_step, make_group, naive_step, rel_errors
@@ -90,39 +91,6 @@ def test_two_groups_and_scoring(mcore_single):
         torch.testing.assert_close(a["logprobs"], b["logprobs"], rtol=1e-13, atol=1e-13)
 
 
-class _Calls:
-    """Forwards of the model by token count, and backward calls inside / outside no_sync."""
-
-    def __init__(self, model, monkeypatch):
-        self.lengths, self.synced, self.unsynced, self.in_no_sync = [], 0, 0, False
-        model.embedding.register_forward_pre_hook(self._forward, with_kwargs=True)
-        backward = torch.autograd.backward
-
-        def counted(*args, **kwargs):
-            if self.in_no_sync:
-                self.unsynced += 1
-            else:
-                self.synced += 1
-            return backward(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, "backward", counted)
-
-    def _forward(self, module, args, kwargs):
-        self.lengths.append(kwargs.get("input_ids", args[0] if args else None).shape[1])
-
-    def no_sync(self):
-        calls = self
-
-        class _Ctx:
-            def __enter__(self):
-                calls.in_no_sync = True
-
-            def __exit__(self, *exc):
-                calls.in_no_sync = False
-
-        return _Ctx()
-
-
 def test_segments_run_twice_and_one_backward_syncs(mcore_single, monkeypatch):
     """P = 10 in 3 segments (4, 3, 3): each segment runs in the producer and in its replay, the
     whole prompt never; 3 waves and 2 segment replays backpropagate inside no_sync, the first
@@ -130,7 +98,7 @@ def test_segments_run_twice_and_one_backward_syncs(mcore_single, monkeypatch):
     R = 2
     model = build_model(R=R).double()
     group = make_group(5, 10, 6, R, seed=3)
-    calls = _Calls(model, monkeypatch)
+    calls = Calls(model, monkeypatch)
     model.config.no_sync_func = calls.no_sync
     try:
         joint_step(model, [group], LossSpec(), 2, chooser=_plan(2, 3))
