@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..model.decode_graph import DecodeGraphs
 from ..shared_prefix.planner import (
     CostModel,
     GroupPlan,
@@ -86,8 +87,8 @@ class Report:
     """Per-GPU bytes of the model state: parameters, gradient buffers, optimizer, KL reference."""
     rollout_cache: int
     rows: list
-    run_plan: Optional[GroupPlan]
-    run_memory: Optional[MemoryEstimate]
+    run_plan: Optional[GroupPlan] = None
+    run_memory: Optional[MemoryEstimate] = None
     run_error: str = ""
     change: Optional[str] = None
     """Where the run does not fit: the smallest change found that fits, '' where none was
@@ -143,7 +144,7 @@ def parse(argv) -> tuple:
             raise ConfigError(f"{flag} must be > 0, got {value}")
     cfg = parse_args(rest)
     resolve_pretrained(cfg)
-    validate(cfg, args.world_size)
+    validate(cfg, args.world_size, gpu=True)  # a plan for GPUs, wherever it is made
     if cfg.rl.rl_rollout == "tree":
         raise ConfigError("rl_rollout tree: the plan command plans one-level groups (a prompt "
                           "and its G responses)")
@@ -184,6 +185,38 @@ def data_parallel_size(cfg, world_size: int) -> int:
     return world_size // cfg.model.tensor_model_parallel_size
 
 
+HEADROOM = 0.9
+"""The share of what a GPU has left beside the model state that the default budget gives a
+training step's activations and prefix adjoints (the planner's prediction); the rest is for
+what the prediction leaves out: the allocator's fragmentation, workspaces, communication
+buffers."""
+
+
+def device_budget(cfg, model, device: torch.device, world_size: int,
+                  longest_row: int) -> Optional[float]:
+    """The default ``shared_prefix_memory_budget`` in bytes of a run on a CUDA ``device``, as
+    its trainer is built: ``HEADROOM`` x what the device can still allocate (free, or held
+    free by PyTorch's allocator), less the state not allocated yet (Adam's moments, taken at
+    the first step; the KL reference) and the rollout caches graphed decoding keeps (as many
+    as ``DecodeGraphs`` keeps shapes, rows of ``longest_row`` positions at most). None off a
+    GPU or where the run sets a budget."""
+    if cfg.shared_prefix.shared_prefix_memory_budget is not None or device.type != "cuda":
+        return None
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+    state = state_bytes(cfg, model, world_size)
+    pending = state["Adam moments"] + state["KL reference"]
+    if cfg.rl.rl_decode_cuda_graph:
+        pending += DecodeGraphs().capacity * rollout_cache_bytes(
+            cfg, model, Workload(world_size, 0, 0.0), positions=longest_row)
+    budget = HEADROOM * (free - pending)
+    if budget <= 0:
+        raise ValueError(f"shared_prefix_memory_budget: {device} has {_size(free)} free and "
+                         f"the model state still takes {_size(pending)}; nothing is left for "
+                         f"a training step (python -m scalerlt_mcore.plan says what fits)")
+    return budget
+
+
 def state_bytes(cfg, model, world_size: int) -> dict:
     """Per-GPU bytes of the model state: parameters in the run's dtype, MCore DDP's fp32
     gradient buffers (``grad_reduce_in_fp32``), Adam's fp32 moments and (bf16/fp16) fp32 main
@@ -191,18 +224,18 @@ def state_bytes(cfg, model, world_size: int) -> dict:
     reference (a copy of the parameters, with ``grpo_kl_beta`` > 0)."""
     count = sum(p.numel() for p in model.parameters())
     width = next(model.parameters()).dtype.itemsize
-    adam = (8 + 4 * (width < 4)) * count
-    if cfg.training.use_distributed_optimizer:
-        adam /= data_parallel_size(cfg, world_size)
+    shards = data_parallel_size(cfg, world_size) if cfg.training.use_distributed_optimizer else 1
     kl = cfg.rl.grpo_kl_beta > 0
     return {"parameters": width * count, "gradient buffers": 4 * count,
-            "optimizer": round(adam), "KL reference": width * count * kl}
+            "fp32 main weights": round(4 * (width < 4) * count / shards),
+            "Adam moments": round(8 * count / shards), "KL reference": width * count * kl}
 
 
-def rollout_cache_bytes(cfg, model, workload: Workload) -> int:
+def rollout_cache_bytes(cfg, model, workload: Workload, positions: Optional[int] = None) -> int:
     """The rank's rollout K/V cache at its longest: every depth, K and V, in the run's dtype;
     the prompt's once per prompt (``rl_rollout prompt_once``) or per row, the responses' per
-    row; the rank's prompts at once."""
+    row; the rank's prompts at once. ``positions``: each row's, at most (instead of the
+    workload's prompt and the responses)."""
     c, rl = model.config, cfg.rl
     width = next(model.parameters()).dtype.itemsize
     per_token = (c.looped_num_depths * 2 * (c.num_query_groups or c.num_attention_heads)
@@ -210,7 +243,7 @@ def rollout_cache_bytes(cfg, model, workload: Workload) -> int:
     prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
     P, S, G = workload.prompt_length, rl.rl_max_response_length, rl.grpo_group_size
     rows = G * (P + S) if rl.rl_rollout == "per_row" else P + G * S
-    return per_token * prompts * rows
+    return per_token * prompts * (rows if positions is None else G * positions)
 
 
 # ---- the rows ---------------------------------------------------------------------------------
@@ -272,14 +305,20 @@ def _groups(cfg, workload: Workload) -> int:
     return per_rank * cfg.rl.grpo_iterations
 
 
-def run_choice(cfg, model, m: ModelShape, workload: Workload) -> tuple:
+def run_choice(cfg, model, m: ModelShape, workload: Workload, budget: float) -> tuple:
     """(the plan the run's own schedule picks for a group of the workload, its memory, an error
-    line): its planner with the run's budget; ``shared_prefix_schedule auto`` is planned as
-    joint replay (the run picks naive or joint by time measured on its GPU)."""
+    line): its planner with the run's budget (unset: ``HEADROOM`` x ``budget``, what the GPU
+    has left beside the model state, as ``device_budget`` gives a run on it);
+    ``shared_prefix_schedule auto`` is planned as joint replay (the run picks naive or joint
+    by time measured on its GPU)."""
     if cfg.shared_prefix.shared_prefix_schedule == "auto":
         cfg = copy.deepcopy(cfg)
         cfg.shared_prefix.shared_prefix_schedule = "joint_replay"
-    chooser, group = schedule_from(cfg).chooser, _group(cfg, workload)
+    try:
+        chooser = schedule_from(cfg, default_budget=HEADROOM * budget).chooser
+    except ValueError as e:  # no budget left: the shortfall says what does not fit
+        return None, None, str(e)
+    group = _group(cfg, workload)
     try:
         plan = chooser(group, model, cfg.model.looped_num_loops)
     except ValueError as e:
@@ -300,11 +339,12 @@ def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
     twin = meta_model(cfg, recompute=True) if twin is None else twin
     R = cfg.model.looped_num_loops
     m, mr = ModelShape.from_model(plain, R), ModelShape.from_model(twin, R)
-    plan, memory, error = run_choice(cfg, model, ModelShape.from_model(model, R), workload)
     report = Report(cfg, workload, sum(p.numel() for p in model.parameters()),
                     state_bytes(cfg, model, workload.world_size),
-                    rollout_cache_bytes(cfg, model, workload), [], plan, memory, error)
+                    rollout_cache_bytes(cfg, model, workload), [], None, None)
     budget = report.budget
+    report.run_plan, report.run_memory, report.run_error = run_choice(
+        cfg, model, ModelShape.from_model(model, R), workload, budget)
     report.rows = [
         _naive_row("naive, micro-batch 1", m, cfg, workload, False),
         _naive_row("naive, micro-batch 1, recompute", mr, cfg, workload, True),
@@ -427,10 +467,17 @@ def format_report(r: Report) -> str:
         budget = sp.shared_prefix_memory_budget
         lines.append(f"the run's schedule ({sp.shared_prefix_schedule}, wave size "
                      f"{sp.shared_prefix_wave_size}, "
-                     f"{'no budget' if budget is None else f'budget {budget:g} MiB'}): "
+                     f"{_budget_text(budget, r.budget)}): "
                      f"{_plan_text(r.run_plan)}, peak {r.run_memory.peak_bytes / size:.2f} "
                      f"{unit}; {total / size:.2f} {unit} per GPU in training")
     return "\n".join(lines)
+
+
+def _budget_text(mib: Optional[float], left: float) -> str:
+    """The run's budget: its flag's, or the default on its GPU (``HEADROOM`` x ``left``)."""
+    if mib is not None:
+        return f"budget {mib:g} MiB"
+    return f"default budget {HEADROOM * left / 2**20:.0f} MiB: {HEADROOM:.0%} of the rest"
 
 
 def _size(n: float) -> str:

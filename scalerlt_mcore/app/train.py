@@ -179,6 +179,9 @@ def _run(cfg, device: str, notes: list) -> dict:
         print(line, flush=True)
     ddp, optimizer, scheduler = wrap_for_training(cfg, config, model)
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
+    if rank0 and trainer.default_budget is not None:
+        print(f"shared-prefix memory budget: {trainer.default_budget / 2**20:.0f} MiB per group "
+              f"(90% of what {device} has left beside the model state)", flush=True)
     start = resume_after_wrap(cfg, trainer, resume)
     if rank0 and resume is not None:
         print(f"loaded {resume}, resuming at step {start}", flush=True)

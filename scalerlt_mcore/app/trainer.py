@@ -51,7 +51,8 @@ from .config import (
     task_from,
     tokenizer_from,
 )
-from .config.rl import max_reply_tokens, parse_tree_branches, tree_turns
+from .config.rl import max_reply_tokens, parse_tree_branches, task_lengths, tree_turns
+from .plan import device_budget
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
                  "time_step_s")
@@ -124,8 +125,13 @@ class RLTrainer:
         self.reply_tokens = max_reply_tokens(self.task, self.tok) if turns > 1 else 0
         # positions after the prompt: every turn's answer and, between turns, a reply
         self.path_tokens = turns * cfg.rl.rl_max_response_length + (turns - 1) * self.reply_tokens
+        # before the KL reference and Adam's moments exist (device_budget leaves room for them)
+        longest = 1 + task_lengths(self.task, self.tok)[0] + self.path_tokens  # bos, prompt, path
+        self.default_budget = device_budget(cfg, model, self.device, dist.get_world_size(),
+                                            longest)  # bytes; None: the flag's, or none
         self.schedule = schedule_from(cfg, model, self.objective.saved_per_position,
-                                      max_response_length=self.path_tokens)
+                                      max_response_length=self.path_tokens,
+                                      default_budget=self.default_budget)
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world

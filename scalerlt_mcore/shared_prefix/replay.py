@@ -167,7 +167,7 @@ class WaveReplay:
         run = self.run
         state = None
         if self.prompt and run.plan.prompt_segments > 1:  # the numbers its training reads
-            state = _segmented_state(run, segment_bounds(run.group.prompt_length,
+            state = segmented_state(run, segment_bounds(run.group.prompt_length,
                                                          run.plan.prompt_segments))
         elif self.prompt:
             state = run.prompt_state()
@@ -240,7 +240,7 @@ def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
 # positions and backpropagates it alone: its adjoint in, the earlier positions' adjoints out,
 # into the leaves' grads. Every backward but the first segment's runs inside
 # ``waves_context``; the first segment's is the group's last, and adds an exact zero through
-# every parameter (``_zero_touch``), so that every parameter's gradient hook runs in it as in
+# every parameter (``zero_touch``), so that every parameter's gradient hook runs in it as in
 # a plain replay (MCore DDP's overlapped reduction launches a bucket once all its parameters
 # are ready): one sync-enabled backward per step. A moment holds the K/V leaves and their
 # adjoints beside one wave's graph or one segment's, never the whole prompt's.
@@ -255,7 +255,7 @@ def segment_bounds(P: int, segments: int) -> list:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def _segmented_state(run: GroupRun, bounds: list) -> PrefixState:
+def segmented_state(run: GroupRun, bounds: list) -> PrefixState:
     """The prompt's state computed segment by segment under no_grad, each against the earlier
     positions of the state built so far (trained depths promoted to >= fp32, as the leaves)."""
     trained = trained_depths(run.inner.config.with_loops(run.num_loops))
@@ -279,15 +279,29 @@ def _train_subdivided(run: GroupRun, waves: list, waves_context) -> None:
     """The three phases with the prompt replayed in segments (see above)."""
     bounds = segment_bounds(run.group.prompt_length, run.plan.prompt_segments)
     with waves_context():
-        run.guard.verify("prompt producer")
-        trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-        leaves = _segmented_state(run, bounds).detached_leaves(torch.float32, trained)
-        run.phase("prompt_producer")
+        leaves = segmented_leaves(run, bounds)
         _run_waves(run, leaves, waves)
+    replay_segments(run, leaves, bounds, waves_context)
+
+
+def segmented_leaves(run: GroupRun, bounds: list) -> PrefixState:
+    """Phase 1 of a subdivided prompt: its state segment by segment under no_grad, detached
+    into the grad leaves every wave's adjoints collect in."""
+    run.guard.verify("prompt producer")
+    trained = trained_depths(run.inner.config.with_loops(run.num_loops))
+    leaves = segmented_state(run, bounds).detached_leaves(torch.float32, trained)
+    run.phase("prompt_producer")
+    return leaves
+
+
+def replay_segments(run: GroupRun, leaves: PrefixState, bounds: list, waves_context) -> None:
+    """Phase 3 of a subdivided prompt: each segment from the last to the second inside
+    ``waves_context``, then the first, the group's last backward, with ``zero_touch``."""
+    with waves_context():
         run.guard.verify("joint replay", contents=True)
         for k in range(len(bounds) - 1, 0, -1):
             _replay_segment(run, leaves, bounds[k])
-    _replay_segment(run, leaves, bounds[0], _zero_touch(run.inner))
+    _replay_segment(run, leaves, bounds[0], zero_touch(run.inner))
 
 
 def _replay_segment(run: GroupRun, leaves: PrefixState, bounds: tuple,
@@ -311,7 +325,7 @@ def _replay_segment(run: GroupRun, leaves: PrefixState, bounds: tuple,
     run.phase("joint_replay")
 
 
-def _zero_touch(module) -> Tensor:
+def zero_touch(module) -> Tensor:
     """An exact 0 through one element of every trainable parameter (its gradient: zeros)."""
     return torch.stack([p.view(-1)[0] for p in module.parameters() if p.requires_grad]).sum() * 0
 

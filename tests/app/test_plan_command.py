@@ -56,10 +56,11 @@ def test_public_config_on_an_h20_node(name, tmp_path, capsys):
     out = capsys.readouterr().out
     print(f"\n[plan] {name}\n{out}")
     assert code == 0, out
-    numbers = dict(re.findall(r"^  (parameters|gradient buffers|optimizer)\s+([\d.]+)$", out,
-                              re.M))
+    numbers = dict(re.findall(r"^  (parameters|gradient buffers|fp32 main weights|Adam "
+                              r"moments)\s+([\d.]+)$", out, re.M))
     # bf16 parameters, fp32 gradient buffers, fp32 main weights and moments over 8 ranks
-    for part, width in (("parameters", 2), ("gradient buffers", 4), ("optimizer", 12 / 8)):
+    for part, width in (("parameters", 2), ("gradient buffers", 4), ("fp32 main weights", 4 / 8),
+                        ("Adam moments", 8 / 8)):
         assert abs(float(numbers[part]) * GIB / (width * params) - 1) < 0.01, (part, out)
     for row in ("naive, micro-batch 1 ", "naive, micro-batch 1, recompute",
                 "joint replay ", "joint replay, recompute", "rollout cache",

@@ -49,14 +49,15 @@ def _records(run_dir) -> list:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _trainer(argv: list):
-    """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it."""
+def _trainer(argv: list, gpu: bool = False):
+    """``RLTrainer`` on the current MCore state, built as ``train.run`` builds it (its config
+    validated as for a run on GPUs with ``gpu``)."""
     from scalerlt_mcore.app import runtime
     from scalerlt_mcore.app.pretrained import run_vocab_size
     from scalerlt_mcore.app.trainer import RLTrainer
 
     cfg = parse_args(argv)
-    validate(cfg, torch.distributed.get_world_size())
+    validate(cfg, torch.distributed.get_world_size(), gpu=gpu)
     config = runtime.model_config(cfg, "cpu")
     model = runtime.build_model(cfg, config, run_vocab_size(cfg), "cpu")
     return RLTrainer(cfg, model, *runtime.wrap_for_training(cfg, config, model))

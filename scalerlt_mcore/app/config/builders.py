@@ -79,19 +79,23 @@ def sampling_from(cfg: RunConfig, loop: int = -1, **given) -> Sampling:
 
 
 def schedule_from(cfg: RunConfig, model=None, loss_per_position: Optional[float] = None,
-                  max_response_length: Optional[int] = None):
+                  max_response_length: Optional[int] = None,
+                  default_budget: Optional[float] = None):
     """The run's shared-prefix schedule and its planner (``SCHEDULE_FLAGS``): the memory
     budget in bytes, the loss's saved bytes per position (``loss_per_position``, by default
     the run's ``RLObjective.saved_per_position``) and, with ``shared_prefix_schedule: auto``,
     the cost model measured on ``model`` (on rank 0, shared by every rank; without a model,
     measured at the first plan). ``max_response_length``: the most positions after the prompt
     (default ``rl_max_response_length``; a multi-turn tree's path holds every turn and
-    reply)."""
+    reply); ``default_budget``: the budget in bytes where the run sets none (on a GPU, what
+    the device has left beside the model state: ``plan.device_budget``)."""
     kwargs = library_kwargs(cfg, SCHEDULE_FLAGS)
     if max_response_length is not None:
         kwargs["max_response_length"] = max_response_length
     if kwargs["memory_budget"] is not None:
         kwargs["memory_budget"] *= 2**20  # MiB -> bytes
+    else:
+        kwargs["memory_budget"] = default_budget
     if kwargs["schedule"] == "auto":
         kwargs["cost_model"] = shared_cost_model if model is None else shared_cost_model(model)
     if loss_per_position is None:

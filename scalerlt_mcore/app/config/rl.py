@@ -280,7 +280,7 @@ def _check_task(cfg: "RunConfig") -> list[str]:
                 f"{cfg.rl.rl_task} has no environment reply between them (use a multi-turn "
                 f"task, e.g. rl_task multiturn)"]
     try:
-        prompt, answer = _task_lengths(task, tok)
+        prompt, answer = task_lengths(task, tok)
         reply = max_reply_tokens(task, tok) if turns > 1 else 0
     except ValueError as e:
         return [f"rl_task {cfg.rl.rl_task} with tokenizer_type "
@@ -313,7 +313,7 @@ def max_reply_tokens(task, tok, n: int = 256, seed: int = 0) -> int:
                for p in task.sample(seed, n) for answer in (p.answer, ""))
 
 
-def _task_lengths(task, tok) -> tuple[int, int]:
+def task_lengths(task, tok) -> tuple[int, int]:
     """(longest prompt, longest answer) in tokens: the task's own bounds where it states them
     and the tokenizer has one token per character, else measured on 256 sampled problems."""
     if isinstance(task, DatasetTask):  # every row, not a sample of them

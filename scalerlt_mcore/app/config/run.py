@@ -4,7 +4,9 @@
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 from .library import to_dict
 from .logs import LoggingArgs, check_logging
@@ -49,15 +51,16 @@ CHOICES = {k: choices(tp) for k, (_, tp) in KEYS.items() if choices(tp)}
 """Allowed values of each key that is a choice (a ``Literal`` field)."""
 
 
-def validate(cfg: RunConfig, world_size: int) -> None:
+def validate(cfg: RunConfig, world_size: int, gpu: Optional[bool] = None) -> None:
     """Every check, run once: each key's type, then each section's check (the library objects
     the run builds, their own checks reported with the keys' names, and the app's cross-field
     checks). Raises one ConfigError listing all problems. Needs no process group: run it
-    before creating one."""
+    before creating one. ``gpu``: the run is on GPUs (default: whether this host has one)."""
+    gpu = torch.cuda.is_available() if gpu is None else gpu
     errors = _check_types(cfg)
     if not errors:
         errors = (check_model(cfg, world_size) + check_training(cfg, world_size)
-                  + check_rl(cfg) + check_shared_prefix(cfg) + check_tokenizer(cfg)
+                  + check_rl(cfg) + check_shared_prefix(cfg, gpu) + check_tokenizer(cfg)
                   + check_logging(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))

@@ -34,11 +34,14 @@ class SharedPrefixArgs:
     ``shared_prefix_memory_budget`` where nothing else does."""
     shared_prefix_memory_budget: Optional[float] = None
     """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
-    None: no budget."""
+    None: on a GPU 90% of the memory the device has left beside the model state, on CPU no
+    budget."""
 
 
-def check_shared_prefix(cfg: "RunConfig") -> list[str]:
+def check_shared_prefix(cfg: "RunConfig", gpu: bool) -> list[str]:
     """The schedule's and its planner's own checks (the loss's bytes per position change none
-    of them: a placeholder, so that an invalid objective is reported once, by its own check)."""
-    return library_errors(lambda c: schedule_from(c, loss_per_position=1.0), cfg,
-                          SCHEDULE_FLAGS)
+    of them: a placeholder, so that an invalid objective is reported once, by its own check);
+    ``gpu``: the run defaults its budget from the device (a placeholder here)."""
+    return library_errors(lambda c: schedule_from(c, loss_per_position=1.0,
+                                                  default_budget=1.0 if gpu else None),
+                          cfg, SCHEDULE_FLAGS)
