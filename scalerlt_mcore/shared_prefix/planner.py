@@ -78,8 +78,8 @@ class GroupPlan:
     Always None for a one-level group."""
 
     prompt_segments: int = 1
-    """A one-level group's joint replay: the prompt replayed in this many query segments, each
-    in a backward of its own (``replay._train_subdivided``); > 1 needs the prompt recomputed."""
+    """Joint replay: the prompt (a tree's root) replayed in this many query segments, each in a
+    backward of its own (``replay.replay_segments``); > 1 needs the prompt recomputed."""
 
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
@@ -89,14 +89,14 @@ class GroupPlan:
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
             raise ValueError(f"GroupPlan.prompt_segments must be an integer >= 1, got "
                              f"{segments!r}")
-        if segments > 1 and (self.retain or self.naive or self.retain_nodes is not None):
-            raise ValueError(f"GroupPlan.prompt_segments {segments} replays a recomputed "
-                             f"prompt: it cannot go with retain, naive or retain_nodes")
         nodes = self.retain_nodes
         if nodes is not None and (not isinstance(nodes, tuple)
                                   or not all(isinstance(r, bool) for r in nodes)):
             raise ValueError(f"GroupPlan.retain_nodes must be a tuple of bools (one per tree "
                              f"node) or None, got {nodes!r}")
+        if segments > 1 and (self.retain or self.naive or (nodes and nodes[0])):
+            raise ValueError(f"GroupPlan.prompt_segments {segments} replays a recomputed "
+                             f"prompt: it cannot go with retain, naive or a retained root")
 
     def node_retained(self, num_nodes: int) -> tuple:
         """Per node of a tree of ``num_nodes``: whether its graph is retained."""
@@ -675,9 +675,7 @@ def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     K/V as views of the leaves, and saving them keeps the leaves' whole storage."""
     W = min(plan.wave_size, G)
     last = G - (-(-G // W) - 1) * W
-    trained = _kv_numel(m, P) * m.acc_bytes  # graph-free loops read theirs without saving
-    cascade = m.prefix_attention == "cascade"
-    base = max(trained if cascade else 0, _recomputed_kv_bytes(m, P, m.acc_bytes))
+    base = _leaf_read_bytes(m, P)
     visible, full, recompute = [], [], []
     for w in {W, last}:
         wave = wave_bytes(m, P, S, w, loss_per_position)
@@ -686,17 +684,31 @@ def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
         back = _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False), w,
                               S - 1, m.prefix_attention, P)
         recompute += [base + back] if back else []
-    for start, end in _largest_segments(segment_bounds(P, plan.prompt_segments)):
-        held = 0 if start == 0 else base  # the leaves, read and saved through views
-        kind = "causal" if start == 0 else m.prefix_attention
-        graph = segment_bytes(m, start, end, G * (P + S))
-        visible.append(held + graph)
-        full.append(held + graph)
-        back = _backward_peak(m, graph, 1, end - start, kind, start)
-        recompute += [held + back] if back else []
-    return MemoryEstimate(saved_bytes=max(visible + recompute),
-                          activation_bytes=max(full + recompute),
+    segments = segment_moments(m, P, plan.prompt_segments, G * (P + S))
+    return MemoryEstimate(saved_bytes=max(visible + recompute + [segments]),
+                          activation_bytes=max(full + recompute + [segments]),
                           adjoint_bytes=adjoint_bytes(m, P))
+
+
+def segment_moments(m: ModelShape, P: int, segments: int, group_tokens: int) -> int:
+    """The largest moment of a subdivided prompt's replays: one segment's graph (or under
+    recompute its backward's peak) beside the K/V leaves it reads (the first reads none)."""
+    worst = 0
+    for start, end in _largest_segments(segment_bounds(P, segments)):
+        held = 0 if start == 0 else _leaf_read_bytes(m, P)  # read and saved through views
+        kind = "causal" if start == 0 else m.prefix_attention
+        graph = segment_bytes(m, start, end, group_tokens)
+        worst = max(worst, held + graph,
+                    held + _backward_peak(m, graph, 1, end - start, kind, start))
+    return worst
+
+
+def _leaf_read_bytes(m: ModelShape, P: int) -> int:
+    """What a forward against a subdivided prompt's K/V leaves saves of them: their storage
+    at the trained depths under cascade attention (graph-free loops read theirs without
+    saving), at least what recomputing checkpoints take."""
+    trained = _kv_numel(m, P) * m.acc_bytes if m.prefix_attention == "cascade" else 0
+    return max(trained, _recomputed_kv_bytes(m, P, m.acc_bytes))
 
 
 def _largest_segments(bounds: list) -> list:
@@ -763,16 +775,20 @@ def _chain_top(tree, n: int) -> int:
 
 
 def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
-                       root_retained: bool) -> int:
+                       root_retained: bool, segmented: bool = False) -> int:
     """What a cascade forward against node n's path saves of the path's K/V storage.
     ``via_chain``: the path of a replay chain (the chain's states), else n's leaves. The root's
     alone: its graph's qkv output (in its chain; its leaves when retained and as wide), its
     no-grad K/V, or fp32 leaf copies of a narrower state. A deeper path is a
     concatenation (new storage), fp32 where it holds fp32 leaves of a narrower model. Under
     activation recompute, at least the K/V its checkpoints take (``_recomputed_kv_bytes``),
-    which a recomputing graph of the root does not hold."""
+    which a recomputing graph of the root does not hold. ``segmented``: the root's prompt is
+    replayed in segments (its state is leaves throughout)."""
     P, wide = tree.ends[n], m.acc_bytes != m.dtype_bytes
     root = tree.parents[n] < 0
+    if segmented and root:
+        return _leaf_read_bytes(m, P)
+    via_chain = via_chain and not segmented
     leaves = not via_chain if root else not via_chain or _chain_top(tree, n) != 0
     inputs = _recomputed_kv_bytes(m, P, m.acc_bytes if leaves and wide else m.dtype_bytes)
     if m.prefix_attention != "cascade":
@@ -788,7 +804,7 @@ def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
 
 
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
-                    loss_per_position: Optional[float]) -> int:
+                    loss_per_position: Optional[float], segmented: bool = False) -> int:
     """Node n's own forward with grad against its ancestors (and its own-token loss)."""
     saved, L, start = _Saved(), tree.ends[n] - tree.starts[n], tree.starts[n]
     if tree.parents[n] < 0:
@@ -797,7 +813,8 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
     _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
     saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
     via_chain = chain_parent(tree, n) is not None
-    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained)
+    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained,
+                                             segmented)
     if has_loss:  # the first label from the parent's boundary; the loss over the rows below
         k, rows = m.trained_loops, len(tree.rows_below(n))
         total += k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes
@@ -807,7 +824,7 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
 
 
 def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_retained: bool,
-                    loss_per_position: Optional[float]) -> int:
+                    loss_per_position: Optional[float], segmented: bool = False) -> int:
     """A wave of node n's leaf children ``leaves`` against n's path (``last``: n's last unit,
     in its replay chain; else against n's leaves); under activation recompute the larger of
     its forward and its backward (``_backward_peak``)."""
@@ -818,7 +835,7 @@ def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_
                                                                   loss_per_position)
     back = _backward_peak(m, wave_bytes(m, P, S, W, loss_per_position, readout=False), W,
                           S - 1, m.prefix_attention, P)
-    return max(wave, back) + _read_prefix_bytes(m, tree, n, last, root_retained)
+    return max(wave, back) + _read_prefix_bytes(m, tree, n, last, root_retained, segmented)
 
 
 def _tree_node_recompute_bytes(m: ModelShape, tree, n: int) -> int:
@@ -831,11 +848,14 @@ def _tree_node_recompute_bytes(m: ModelShape, tree, n: int) -> int:
 
 
 def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
-                            root_retained: bool) -> int:
+                            root_retained: bool, segmented: bool = False) -> int:
     """What a checkpointed wave against node n's path saves: its inputs, the whole path state
     (every depth; a graph holding the root's trained depths already has them)."""
     P = tree.ends[n]
     free = (m.depths - m.trained_depths) * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+    last = last and not segmented
+    if segmented and tree.parents[n] < 0:
+        return _path_kv_bytes(m, P, m.acc_bytes) + free
     if tree.parents[n] < 0:
         if last or (root_retained and m.acc_bytes == m.dtype_bytes):
             return graph_free_prefix_bytes(m, P)
@@ -864,7 +884,7 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
     ``cache``: a dict kept across calls on the same (m, tree, has_loss, loss, waves) to
     reuse the bytes of each node and wave (a planner's search)."""
     retained = plan.node_retained(tree.num_nodes)
-    W, root = plan.wave_size, retained[0]
+    W, root, split = plan.wave_size, retained[0], plan.prompt_segments > 1
     cache = {} if cache is None else cache
 
     def memo(key, compute) -> int:
@@ -872,8 +892,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
             cache[key] = compute()
         return cache[key]
 
-    node = {n: memo(("node", n, root), lambda n=n: tree_node_bytes(
-        m, tree, n, has_loss[n], root, loss_per_position))
+    node = {n: memo(("node", n, root, split), lambda n=n: tree_node_bytes(
+        m, tree, n, has_loss[n], root, loss_per_position, split))
         for n in range(tree.num_nodes) if not tree.is_leaf(n)}
 
     node_recompute = {n: memo(("recompute", n), lambda n=n: _tree_node_recompute_bytes(
@@ -882,13 +902,13 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
                                            for n in range(tree.num_nodes)})
 
     def full(n, leaves, last) -> int:
-        return memo(("wave", n, tuple(leaves), last, root), lambda: tree_wave_bytes(
-            m, tree, n, leaves, last, root, loss_per_position))
+        return memo(("wave", n, tuple(leaves), last, root, split), lambda: tree_wave_bytes(
+            m, tree, n, leaves, last, root, loss_per_position, split))
 
     def wave(n, leaves, last, visible) -> int:
         if not checkpoint_waves:
             return full(n, leaves, last)
-        saved = _checkpoint_input_bytes(m, tree, n, last, root)
+        saved = _checkpoint_input_bytes(m, tree, n, last, root, split)
         return saved + (0 if visible else full(n, leaves, last))
 
     def peak(visible: bool) -> int:
@@ -906,8 +926,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
                 else:
                     train(unit, held)
             last = units[-1]
-            recomputed = 0 if retained[n] else node[n]
-            rebuilt = node_recompute[n]
+            rebuilt = 0 if split and n == 0 else node_recompute[n]  # the root: in segments
+            recomputed = 0 if retained[n] or (split and n == 0) else node[n]
             if isinstance(last, list):
                 return held, recomputed, wave(n, last, True, visible), rebuilt
             held, below, last_wave, deeper = descend(last, held)
@@ -921,11 +941,14 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
             worst = max(worst, top + recomputed + max(last_wave, rebuilt))
 
         train(0, 0)
+        if split:  # the root's segments, after every other replay
+            worst = max(worst, segment_moments(m, tree.ends[0], plan.prompt_segments,
+                                               len(tree.leaf_of_row) * max(tree.ends)))
         return worst
 
-    adjoints = memo(("adjoints", W), lambda: max(
+    adjoints = memo(("adjoints", W, split), lambda: max(
         sum(adjoint_bytes(m, tree.ends[a] - tree.starts[a]) for a in _ancestors(tree, leaf)
-            if len(units_of[a]) > 1) for leaf in tree.leaf_of_row))
+            if len(units_of[a]) > 1 or (split and a == 0)) for leaf in tree.leaf_of_row))
     return MemoryEstimate(saved_bytes=peak(True), activation_bytes=peak(False),
                           adjoint_bytes=adjoints)
 
@@ -1094,10 +1117,10 @@ class Planner:
         (e.g. ``shared_cost_model``).
     loss_per_position: the caller's loss's saved accumulator tensors of [R, rows, T] per
         position (needed with a memory budget); the planner knows no loss.
-    prompt_segments: an integer: a one-level group's prompt replayed in that many query
+    prompt_segments: an integer: a group's prompt (a tree's root) replayed in that many query
         segments (> 1: the prompt recomputed); "auto": one, or where no plan fits the budget
         otherwise the fewest segments (a power of two) with which one does, at the largest
-        wave that fits with them.
+        wave that fits with them (a tree: its nodes below the root retained as they fit).
     """
 
     def __init__(self, wave_size, prompt: str = DEFAULT_PROMPT,
@@ -1175,27 +1198,45 @@ class Planner:
             raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
                              f"a tree group (depth {tree.depth}) needs an integer "
                              f"wave_size (or schedule 'naive')")
-        W = min(self.wave_size, G)
-        if self.prompt_segments not in (1, "auto"):
-            raise FieldError("prompt_segments", f"subdivides a one-level group's prompt; group "
-                             f"{group.group_id} is a tree (depth {tree.depth}): give 1 or 'auto'")
+        W, segments = min(self.wave_size, G), self.prompt_segments
+        fixed = segments not in (1, "auto")
         if self.prompt != "auto" or self.budget is None:
+            if fixed:
+                return GroupPlan(W, prompt_segments=segments)
             return GroupPlan(W, retain=self.prompt != "recompute")
         m = ModelShape.from_model(model, num_loops)
-        return self._tree_greedy(m, group, W)
+        if fixed:
+            return self._tree_greedy(m, group, W, segments)
+        try:
+            return self._tree_greedy(m, group, W)
+        except ValueError as e:
+            if segments != "auto":
+                raise
+            error = e
+        P, n = group.prompt_length, 2  # the fewest root segments that fit
+        while n < 2 * P:
+            try:
+                return self._tree_greedy(m, group, W, min(n, P))
+            except ValueError:
+                n *= 2
+        raise error
 
-    def _tree_greedy(self, m: ModelShape, group, W: int) -> GroupPlan:
+    def _tree_greedy(self, m: ModelShape, group, W: int, segments: int = 1) -> GroupPlan:
         """Start from recomputing every node (the least memory; below it: an error) and retain
         nodes one at a time, each round the one saving the most recompute FLOPs (its forward)
         per byte it adds to the predicted peak (``tree_memory``), among those that keep the
         peak within the budget and may be retained (a chain's retained nodes are its top),
         until none fits. Greedy, not optimal: a node that adds nothing to the peak is taken
-        first (largest FLOPs first)."""
+        first (largest FLOPs first). ``segments`` > 1: the root's prompt replayed in that many
+        segments (never retained)."""
         tree, has_loss = group.tree, nodes_with_loss(group)
-        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+        internal = [n for n in range(tree.num_nodes)
+                    if not tree.is_leaf(n) and (n or segments == 1)]
         retained = [False] * tree.num_nodes
 
         def plan(flags) -> GroupPlan:
+            if segments > 1:
+                return GroupPlan(W, retain_nodes=tuple(flags), prompt_segments=segments)
             return GroupPlan(W, retain=all(flags[n] for n in internal),
                              retain_nodes=tuple(flags))
 
@@ -1211,7 +1252,8 @@ class Planner:
                 f"group {group.group_id} (tree of {tree.num_nodes} nodes, depth {tree.depth}, "
                 f"G={group.group_size}): no joint-replay plan fits the memory budget of "
                 f"{self.budget / 2**20:.2f} MiB; the smallest (every node recomputed, wave "
-                f"size {W}) needs {current / 2**20:.2f} MiB")
+                f"size {W}{f', {segments} prompt segments' if segments > 1 else ''}) needs "
+                f"{current / 2**20:.2f} MiB")
         while True:
             best = None
             for n in internal:

@@ -21,7 +21,11 @@ A non-root replay's top attends to P, the leaves of its ancestors: its backward 
 adjoint up into them. The root's replay is the group's last backward and always holds a
 leaf wave, so every parameter gets its gradient in it: the schedule runs everything else in
 ``waves_context`` (the step's ``no_sync``) and the root's replay is the one sync-enabled
-backward of the step, whatever the tree's shape.
+backward of the step, whatever the tree's shape. With prompt segments
+(``GroupPlan.prompt_segments`` > 1) the root's state is computed segment by segment into its
+leaves, its chain is replayed against them inside ``waves_context`` as a non-root replay is,
+and the root's segments are replayed last (``replay.replay_segments``): the first segment's
+backward is then the step's sync-enabled one.
 
 An internal node's own trained tokens are one loss call whose rows are every row below the
 node: its log-probs, computed once (batch 1), expanded over those rows; the loss weighs them
@@ -44,7 +48,14 @@ from ..model.host_syncs import upload_indices
 from ..model.kv import PrefixState, trained_depths
 from .group import WaveBatch
 from .naive import is_report_pair, readout_dict
-from .replay import GroupRun, as_prefix
+from .replay import (
+    GroupRun,
+    as_prefix,
+    replay_segments,
+    segment_bounds,
+    segmented_leaves,
+    segmented_state,
+)
 
 
 def leaf_waves(tree, n: int, size: int) -> list:
@@ -118,12 +129,23 @@ class TreeReplay:
                                 self.group.tokens.device)
         self.calls = 0  # loss calls so far: each one's number in the group's results
         self.num_waves = 0
+        segments = run.plan.prompt_segments
+        # the root is the prompt: no token of it is trained (``tree.check_rows``)
+        self.bounds = segment_bounds(self.tree.ends[0], segments) if segments > 1 else None
 
     def train(self, waves_context) -> int:
         """The whole group: the root's descent and every non-root replay inside
-        ``waves_context``, then the root's replay. -> the number of leaf waves."""
+        ``waves_context``, then the root's replay. -> the number of leaf waves. With prompt
+        segments the root's state is leaves from the start (``replay.segmented_leaves``): its
+        chain below is replayed against them as a non-root replay is, then the root's
+        segments, the first one last (``replay.replay_segments``)."""
         with waves_context():
             chain = self._descend(0, None, None)
+            if self.bounds:
+                self._replay(chain[1:], chain[0].leaves)
+        if self.bounds:
+            replay_segments(self.run, chain[0].leaves, self.bounds, waves_context)
+            return self.num_waves
         self.run.guard.verify("joint replay", contents=True)
         self._replay(chain, None)
         return self.num_waves
@@ -143,11 +165,14 @@ class TreeReplay:
     def _score_node(self, n: int, prefix: Optional[PrefixState], calls: list) -> None:
         """Node n's own-token call (when trained) and its units against its path, as in
         ``_descend`` (the path: its nodes' states as the fp32 leaves the units train against)."""
-        tokens, node_prefix, out = self._node_forward(n, prefix, self.has_loss[n])
-        if self.has_loss[n]:
-            wave, readouts = self._own_readouts(n, node_prefix, tokens, out)
-            calls.append((wave, self._call(wave, None, readouts, score=True)))
-        own = out.prefix_state.detached_leaves(torch.float32, self.trained)
+        if n == 0 and self.bounds:  # the numbers training reads
+            own = segmented_state(self.run, self.bounds)
+        else:
+            tokens, node_prefix, out = self._node_forward(n, prefix, self.has_loss[n])
+            if self.has_loss[n]:
+                wave, readouts = self._own_readouts(n, node_prefix, tokens, out)
+                calls.append((wave, self._call(wave, None, readouts, score=True)))
+            own = out.prefix_state.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, own)
         for unit in self._units(n):
             if isinstance(unit, _Wave):
@@ -177,13 +202,16 @@ class TreeReplay:
         wave -> the chain: [_Link, ..., the last _Wave]. ``prefix``: the ancestors' leaves;
         ``chain`` (retain): the state n's retained graph is computed against (the chain's
         retained ancestors after the chain top's ``prefix``)."""
-        self.run.guard.verify("tree node state")
         retain = self.retained[n]
-        with contextlib.nullcontext() if retain else torch.no_grad():
-            own, loss = self._own(n, chain if retain else prefix,
-                                  loss=retain and self.has_loss[n])
-        self.run.phase("prompt_producer")
-        leaves = own.detached_leaves(torch.float32, self.trained)
+        if n == 0 and self.bounds:  # never retained
+            own = leaves = segmented_leaves(self.run, self.bounds)
+        else:
+            self.run.guard.verify("tree node state")
+            with contextlib.nullcontext() if retain else torch.no_grad():
+                own, loss = self._own(n, chain if retain else prefix,
+                                      loss=retain and self.has_loss[n])
+            self.run.phase("prompt_producer")
+            leaves = own.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, leaves)
         units = self._units(n)
         for unit in units[:-1]:

@@ -15,7 +15,8 @@ prompt replayed in query segments, each in a backward of its own, is exact and h
   GPT layout and every public family, f32 and bf16, with and without activation recompute,
   with truncated backprop and the exit gate; with a budget that no whole-prompt plan fits, the
   planner subdivides (the fewest segments, the largest wave), the measured peak fits and the
-  step is exact; a fixed segment count is refused with a retained prompt or a tree group.
+  step is exact; a fixed segment count is refused with a retained prompt. A tree's root:
+  tests/shared_prefix/test_tree_subdivided.py.
 """
 
 import pytest
@@ -297,10 +298,6 @@ def test_fixed_segments_are_checked(mcore_single):
         Planner(2, "retain", prompt_segments=2)
     with pytest.raises(FieldError, match="must be an integer >= 1 or 'auto', got 0"):
         Planner(2, prompt_segments=0)
-    from helpers.tree import DEPTH2, tree_group
-
     model = build_model(R=2).double()
-    with pytest.raises(FieldError, match="subdivides a one-level group's prompt"):
-        Planner(2, "recompute", prompt_segments=2)(tree_group(DEPTH2, 2, seed=1), model)
     plan = Planner(2, "auto", prompt_segments=3)(make_group(3, 9, 3, 2, seed=1), model)
     assert plan == GroupPlan(2, prompt_segments=3)

@@ -1,13 +1,15 @@
 """Prefix trees under MCore DDP (overlapped grad reduction, distributed optimizer) on 2 gloo
 ranks: trees of different shapes on each rank and in consecutive steps. Every step has exactly
 one sync-enabled backward, in which DDP's hooks launch every bucket's reduction (the
-per-parameter hook counts of the first step repeat every step), and the reduced gradients
+per-parameter hook counts of the first step repeat every step; the root replayed in prompt
+segments too), and the reduced gradients
 equal naive training's (stock MCore over the root-to-leaf rows, the loss in plain PyTorch:
 tests/helpers/sp.py) at the same parameters."""
 
 import torch
 from helpers.ddp import LOOPS, _build, _global_rel_error, _reduced_grads
 
+from scalerlt_mcore.shared_prefix.planner import GroupPlan
 from scalerlt_mcore.testing import run_distributed
 
 SHALLOW = [(None, 4), (0, 2), (1, 2), (1, 1), (0, 3)]
@@ -93,6 +95,11 @@ class _Counts:
         self._restore()
 
 
+PROMPTS = ({"prompt": "recompute"}, {"prompt": "retain"},
+           {"chooser": lambda group, model, num_loops=None: GroupPlan(2, prompt_segments=2)})
+"""Each step's plan: every node recomputed, retained, or the root replayed in 2 segments."""
+
+
 def _worker(rank: int, world_size: int) -> dict:
     from helpers.sp import LossSpec, joint_step, naive_step
 
@@ -111,7 +118,7 @@ def _worker(rank: int, world_size: int) -> dict:
         opt.zero_grad()
         counts = _Counts(joint)
         try:
-            joint_step(joint, groups, spec, 2, prompt="retain" if step % 2 else "recompute")
+            joint_step(joint, groups, spec, 2, **PROMPTS[step % len(PROMPTS)])
         finally:
             counts.restore()
         naive_step(naive, groups, spec, 2)
