@@ -267,7 +267,9 @@ def _plan_text(plan, tree=None) -> str:
     if plan.retain_nodes is not None and tree is not None:
         internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
         kept = sum(plan.retain_nodes[n] for n in internal)
-        return f"waves of {plan.wave_size}, {kept}/{len(internal)} internal nodes retained"
+        split = (f", the prompt in {plan.prompt_segments} segments"
+                 if plan.prompt_segments > 1 else "")
+        return f"waves of {plan.wave_size}, {kept}/{len(internal)} internal nodes retained{split}"
     if plan.prompt_segments > 1:
         return f"waves of {plan.wave_size}, prompt recomputed in {plan.prompt_segments} segments"
     return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
@@ -484,6 +486,7 @@ def _tree_row(name, cfg, model, wl, budget, held, gpu, cache, tree, has_loss, R)
                                               recompute=recompute), held, gpu, cache=cache)
     row["retain_nodes"] = None if plan is None else list(plan.retain_nodes)
     row["wave_size"] = counted.wave_size
+    row["prompt_segments"] = counted.prompt_segments
     row["plan"] = _plan_text(plan, tree)
     return row
 
@@ -577,6 +580,10 @@ def joint_plan_of(entry: Optional[dict], wl: ScaleWorkload):
         nodes = None if row is None else row.get("retain_nodes")
         if nodes is None:
             return GroupPlan(1, retain_nodes=(False,) * len(prefix_tree(wl)[1]))
+        segments = row.get("prompt_segments", 1)
+        if segments > 1:
+            return GroupPlan(row["wave_size"], retain_nodes=tuple(nodes),
+                             prompt_segments=segments)
         return GroupPlan(row["wave_size"], retain=all(nodes), retain_nodes=tuple(nodes))
     plan = None if entry is None else entry["plans"]["joint"]
     return GroupPlan(1) if plan is None else GroupPlan(**plan)
