@@ -18,9 +18,13 @@ TINY = replace(HEADLINE[0], name="A", group_size=4, prompt_length=24, response_l
                wave_size=2, hidden=32, heads=2, num_loops=2)
 
 
-def test_rows_at_both_settings(mcore_single):
-    for setting in subdivided.SETTINGS:
-        r = subdivided.run_setting(TINY, setting, reps=1)
+def test_main_writes_rows_at_both_settings(tmp_path, monkeypatch):
+    """One run of the bench's ``main`` (both settings): its written rows, then its tables."""
+    monkeypatch.setattr(subdivided, "HEADLINE", (TINY,))
+    assert subdivided.main(["--out", str(tmp_path), "--reps", "1"]) == 0
+    data = json.loads((tmp_path / "subdivided.json").read_text())
+    assert set(data["results"]["A"]) == set(subdivided.SETTINGS)
+    for setting, r in data["results"]["A"].items():
         rows = r["rows"]
         names = list(subdivided.plans(TINY))
         assert list(rows) == (names if r["planned_refused"] is None else names[:-1])
@@ -39,13 +43,6 @@ def test_rows_at_both_settings(mcore_single):
             assert rows["planned"]["peak_bytes"] <= r["budget_bytes"], (setting, rows)
         else:
             assert "no joint-replay plan fits" in r["planned_refused"]
-
-
-def test_main_writes_results(tmp_path, monkeypatch):
-    monkeypatch.setattr(subdivided, "HEADLINE", (TINY,))
-    assert subdivided.main(["--out", str(tmp_path), "--reps", "1"]) == 0
-    data = json.loads((tmp_path / "subdivided.json").read_text())
-    assert set(data["results"]["A"]) == set(subdivided.SETTINGS)
     table = (tmp_path / "subdivided.md").read_text()
     assert table.count("| A |") == len(subdivided.SETTINGS) * len(subdivided.plans(TINY))
     assert "| A | none | planned |" in table
