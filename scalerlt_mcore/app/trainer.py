@@ -373,9 +373,11 @@ class RLTrainer:
         old = None if from_rollout else self.score(self.ddp, groups, num_loops)
         ref = (self.score(self.ref.module, groups, num_loops) if self.ref is not None
                else [None] * len(groups))
+        correct = self.objective.inference_is_correction
         for n, g in enumerate(groups):
             g.old_logprobs = rollout[n] if from_rollout else old[n].detach()
             g.ref_logprobs = ref[n]
+            g.inference_logprobs = rollout[n] if correct else None
         return float(torch.stack([trained_drift(g, r) for g, r in zip(groups, rollout)]).max())
 
     def optimize(self, groups: list, num_loops: int) -> dict:

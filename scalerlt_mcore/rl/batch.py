@@ -27,8 +27,13 @@ class RLGroup(SharedPrefixGroup):
     ref_logprobs: Optional[Tensor] = None
     """[R, G, T] per-loop log-probs of labels under a frozen reference (the KL term)."""
 
+    inference_logprobs: Optional[Tensor] = None
+    """[R, G, T] per-loop log-probs of labels as the rollout engine computed them (the
+    inference importance-sampling correction)."""
+
     EXTRAS: ClassVar[dict] = {"advantages": ("G",), "old_logprobs": ("R", "G", "T"),
-                              "ref_logprobs": ("R", "G", "T")}
+                              "ref_logprobs": ("R", "G", "T"),
+                              "inference_logprobs": ("R", "G", "T")}
 
 
 def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,

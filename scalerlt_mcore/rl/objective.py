@@ -18,7 +18,7 @@ at the same temperature.
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, get_args
+from typing import Literal, Optional, get_args
 
 import torch
 from torch import Tensor
@@ -85,6 +85,16 @@ class RLObjective:
     exit_entropy_coef: float = 0.0
     """Entropy bonus (beta) of the exit distribution inside the gate's objective."""
 
+    inference_is_correction: bool = False
+    """Megatron-LM's inference-log-prob importance-sampling correction: each token's policy
+    term (not its KL or entropy term) weighted by exp(old - inference), the trainer's old
+    log-prob over the rollout engine's of the same token at the same loop, a constant; the
+    group needs ``inference_logprobs``."""
+
+    is_truncation_coef: Optional[float] = None
+    """With ``inference_is_correction``: the weights truncated at this value, min(w, coef)
+    (truncated importance sampling); None: not truncated."""
+
     def __post_init__(self):
         """Each field's check; a ``FieldError`` names the field."""
         schemes = tuple(loop_credit.LOOP_CREDIT)  # the registry as it is now
@@ -97,6 +107,12 @@ class RLObjective:
         for name in ("kl_coef", "entropy_weight", "exit_gate_coef", "exit_entropy_coef"):
             if getattr(self, name) < 0:
                 raise FieldError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.is_truncation_coef is not None and self.is_truncation_coef <= 0:
+            raise FieldError("is_truncation_coef", f"must be > 0, got "
+                             f"{self.is_truncation_coef}")
+        if self.is_truncation_coef is not None and not self.inference_is_correction:
+            raise FieldError("is_truncation_coef", "has nothing to truncate: the inference "
+                             "log-prob importance-sampling correction is off")
 
     @property
     def saved_per_position(self) -> float:
@@ -160,18 +176,21 @@ class RLObjective:
         return torch.where(c != 0, c * per_position, 0).sum()
 
     def loss(self, logprobs: Tensor, old: Tensor, advantages: Tensor, weights: Tensor,
-             ref=None, exit_logprobs=None, learned=None) -> tuple:
-        """logprobs/old/ref/exit_logprobs [R, B, T'], advantages [B], weights [B, T'], learned
-        [R] -> (loss, stats).
+             ref=None, exit_logprobs=None, learned=None, inference=None) -> tuple:
+        """logprobs/old/ref/exit_logprobs/inference [R, B, T'], advantages [B], weights
+        [B, T'], learned [R] -> (loss, stats).
 
         ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens,
-        and with an exit distribution the mean exit loop sum_r r p_r and its entropy summed
-        over the trained tokens."""
+        with an exit distribution the mean exit loop sum_r r p_r and its entropy summed over
+        the trained tokens, and with the IS correction its weights and the truncated ones."""
         R, acc = logprobs.shape[0], logprobs.dtype
         mask = (weights != 0)[None].expand_as(logprobs)  # [R, B, T']
         adv = advantages.to(acc)[None].expand(R, -1)  # [R, B]
         per_token, clipped = ppo_clipped_objective(
             logprobs, old.to(acc), adv, mask, self.clip_low, self.clip_high)
+        extra = {}
+        if self.inference_is_correction:
+            per_token, extra = self._is_corrected(per_token, old.to(acc), inference, mask)
         kl = torch.zeros_like(per_token)
         if self.kl_coef > 0:
             if ref is None:
@@ -182,7 +201,7 @@ class RLObjective:
             per_token = per_token - self.entropy_weight * entropy_term(logprobs) * mask
         coef = self.loop_coef(R, exit_logprobs, learned, logprobs) * weights.to(acc)[None]
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
-                 "tokens": mask[-1].sum().to(acc).detach()}
+                 "tokens": mask[-1].sum().to(acc).detach(), **extra}
         total = (coef * per_token).sum()
         if self.exit_gate_coef > 0:
             total = total + self.exit_gate_coef * self.gate_objective(exit_logprobs, per_token,
@@ -190,6 +209,20 @@ class RLObjective:
         if exit_logprobs is not None:
             stats.update(exit_stats(exit_logprobs, mask[-1]))
         return total, stats
+
+    def _is_corrected(self, policy: Tensor, old: Tensor, inference, mask: Tensor) -> tuple:
+        """The policy term [R, B, T'] times min(exp(old - inference), coef) (constants) ->
+        (it, stats: the last loop's weights and truncated tokens summed over the mask)."""
+        if inference is None:
+            raise ValueError("inference_is_correction needs inference_logprobs")
+        w = (old - inference.to(old.dtype)).exp()
+        truncated = torch.zeros_like(mask)
+        if self.is_truncation_coef is not None:
+            truncated = mask & (w > self.is_truncation_coef)
+            w = w.clamp(max=self.is_truncation_coef)
+        w = torch.where(mask, w, 1)  # off the mask: never an inf times a zero
+        return w * policy, {"is_weight": (w * mask)[-1].sum().detach(),
+                            "is_truncated": truncated[-1].sum().to(old.dtype).detach()}
 
     def check_group(self, group) -> None:
         """Up-front check of what the loss needs from a group (before any compute): an
@@ -203,6 +236,9 @@ class RLObjective:
         if self.kl_coef > 0 and group.ref_logprobs is None:
             raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
                              f"ref_logprobs (reference log-probs), got None")
+        if self.inference_is_correction and getattr(group, "inference_logprobs", None) is None:
+            raise ValueError(f"{tag}: inference_is_correction needs inference_logprobs (the "
+                             f"rollout engine's log-probs), got None")
 
     def wave_loss(self, wave, output, non_loss_data: bool = False):
         """The loss_func of a shared-prefix or naive step: ``wave`` (a ``WaveBatch``) and its
@@ -218,10 +254,11 @@ class RLObjective:
             return logprobs.detach()
         g = wave.group
         weights = wave.positions(wave.rows(self.token_weights(g.loss_mask)))  # [W, T']
-        old, ref = (wave.positions(wave.rows(t, 1)) for t in (g.old_logprobs, g.ref_logprobs))
+        old, ref, inference = (wave.positions(wave.rows(t, 1)) for t in (
+            g.old_logprobs, g.ref_logprobs, getattr(g, "inference_logprobs", None)))
         loss, stats = self.loss(logprobs, old, wave.rows(g.advantages), weights, ref,
                                 exit_logprobs=out.get("exit_logprobs"),
-                                learned=out.get("loop_weights"))
+                                learned=out.get("loop_weights"), inference=inference)
         if self.normalization == "step_token_mean":
             num_tokens = (weights != 0).sum().to(torch.int)
             pair = torch.stack([loss.detach(), num_tokens.to(loss.dtype)])

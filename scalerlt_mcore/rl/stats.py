@@ -22,7 +22,7 @@ def summarise(out: list, num_groups: int) -> dict:
     clip = sum(float(o["clipped"]) for o in out) / tokens
     kl = sum(float(o["kl"]) for o in out) / tokens
     result = {"loss": loss, "clip_fraction": clip, "kl": kl, **pair, **_plans(out)}
-    for key in ("exit_loop", "exit_entropy"):  # with the exit gate: means per response token
+    for key in ("exit_loop", "exit_entropy", "is_weight", "is_truncated"):  # means per token
         if key in out[0]:
             result[key] = sum(float(o[key]) for o in out) / tokens
     return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -51,7 +52,7 @@ def build_model(R: int = 2, arch: bool = False, attn: str = "cascade", hidden: i
 
 def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
                kl: bool = False, group_id: int = 0, vocab: int = VOCAB,
-               device=None) -> RLGroup:
+               device=None, inference: bool = False) -> RLGroup:
     """A group with one random prompt and G right-padded responses of uneven lengths in
     [1, S] (the first has length S, the last is shorter when S > 1), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,9 +70,12 @@ def make_group(G: int, P: int, S: int, R: int, seed: int, dtype=torch.float64,
     base = -math.log(vocab)
     old = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype)
     ref = base + 0.25 * torch.randn(R, G, P + S, generator=gen, dtype=dtype) if kl else None
+    # the rollout engine's log-probs: the old ones off by up to ~0.6 nats (weights 0.5 .. 2)
+    inf = (old + 0.3 * torch.randn(R, G, P + S, generator=gen, dtype=dtype) if inference
+           else None)
     return RLGroup.from_rollout(prompt, responses, lens, 0, device=device, mask_dtype=dtype,
                                 group_id=group_id, advantages=adv, old_logprobs=old,
-                                ref_logprobs=ref)
+                                ref_logprobs=ref, inference_logprobs=inf)
 
 
 # ---- the naive reference loss (independent of RLObjective) -------------------------------
@@ -86,13 +90,17 @@ class LossSpec:
     loop_weights: str = "final"
     constant_length: int = 0
     entropy_weight: float = 0.0
+    is_correction: bool = False  # the inference log-probs' importance-sampling weights
+    is_coef: Optional[float] = None  # their truncation
 
     def objective(self) -> RLObjective:
         return RLObjective(normalization=self.normalization, clip_low=self.clip_low,
                            clip_high=self.clip_high, kl_coef=self.kl_coef,
                            loop_weights=self.loop_weights,
                            constant_length=self.constant_length,
-                           entropy_weight=self.entropy_weight)
+                           entropy_weight=self.entropy_weight,
+                           inference_is_correction=self.is_correction,
+                           is_truncation_coef=self.is_coef)
 
 
 def ref_loop_weights(scheme: str, R: int) -> list:
@@ -116,11 +124,14 @@ def ref_token_weights(spec: LossSpec, group_mask: torch.Tensor) -> torch.Tensor:
     return m / (G * (spec.constant_length or T))
 
 
-def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None) -> torch.Tensor:
-    """sum_r w_r sum_{i,t} coef[i,t] * (-min(rho A, clip(rho) A) + kl_coef * k3
-    + entropy_weight * p log p), p = exp(logprob) of the sampled token.
+def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None,
+                inference=None) -> torch.Tensor:
+    """sum_r w_r sum_{i,t} coef[i,t] * (-is * min(rho A, clip(rho) A) + kl_coef * k3
+    + entropy_weight * p log p), p = exp(logprob) of the sampled token; with
+    ``spec.is_correction`` is = min(exp(old - inference), is_coef) (Megatron-LM's
+    ``calculate_grpo_loss``), else 1.
 
-    logprobs/old/ref [R, b, T]; adv [b]; coef [b, T] (zero off the loss mask)."""
+    logprobs/old/ref/inference [R, b, T]; adv [b]; coef [b, T] (zero off the loss mask)."""
     R = logprobs.shape[0]
     dt = logprobs.dtype
     total = logprobs.new_zeros(())
@@ -131,6 +142,11 @@ def ref_rl_loss(spec: LossSpec, logprobs, old, adv, coef, ref=None) -> torch.Ten
         surrogate = torch.minimum(rho * a,
                                   torch.clamp(rho, 1 - spec.clip_low, 1 + spec.clip_high) * a)
         per_token = -surrogate
+        if spec.is_correction:
+            weight = torch.exp(old[r].to(dt) - inference[r].to(dt))
+            if spec.is_coef is not None:
+                weight = torch.minimum(weight, torch.tensor(spec.is_coef, dtype=dt))
+            per_token = weight * per_token
         if spec.kl_coef > 0:
             d = ref[r].to(dt) - lp
             per_token = per_token + spec.kl_coef * (torch.exp(d) - d - 1)
@@ -154,6 +170,7 @@ def naive_microbatches(groups, spec: LossSpec, per_mb: int) -> list:
                 group=k, tokens=g.tokens[idx], labels=g.labels[idx], coef=coef[idx],
                 adv=g.advantages[idx], old=g.old_logprobs[:, idx],
                 ref=None if g.ref_logprobs is None else g.ref_logprobs[:, idx],
+                inf=None if g.inference_logprobs is None else g.inference_logprobs[:, idx],
             ))
     return batches
 
@@ -164,7 +181,8 @@ def naive_forward_step(spec: LossSpec, scale: float, data_iterator, model):
     logprobs = model(batch["tokens"], labels=batch["labels"]).logprobs  # [R, b, T]
 
     def loss_func(output):
-        loss = ref_rl_loss(spec, output, batch["old"], batch["adv"], batch["coef"], batch["ref"])
+        loss = ref_rl_loss(spec, output, batch["old"], batch["adv"], batch["coef"], batch["ref"],
+                           batch["inf"])
         # MCore divides by num_microbatches; ``scale`` = num_microbatches / num_groups makes
         # the step loss the mean of the group losses, as joint replay defines it.
         return loss * scale, {"loss": loss.detach(), "group": batch["group"],

@@ -51,6 +51,8 @@ OBJECTIVE_FLAGS = {
     "rl_exit_gate_coef": "exit_gate_coef",
     "rl_exit_entropy_coef": "exit_entropy_coef",
     "rl_max_response_length": "constant_length",
+    "rl_inference_logprobs_is_correction": "inference_is_correction",
+    "rl_importance_sampling_truncation_coef": "is_truncation_coef",
 }
 """Key -> ``RLObjective`` field, one entry per field. ``rl_max_response_length`` (the rollout
 length, an ``RLArgs`` key of its own) is also the length of the ``constant`` normalisation."""

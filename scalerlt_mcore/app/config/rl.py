@@ -108,6 +108,13 @@ class RLArgs:
     per-loop log-probs of the sampled tokens: no scoring pass; they differ from the training
     forward's by rounding, logged as rollout_logprob_max_diff). ``rollout`` needs
     ``grpo_iterations`` 1."""
+    rl_inference_logprobs_is_correction: bool = RLObjective.inference_is_correction
+    """Megatron-LM's importance-sampling correction between the rollout's log-probs and the
+    scored old log-probs: each token's policy term weighted by exp(old - rollout) at its loop
+    (needs rl_old_logprobs score); the mean weight is logged (is_weight)."""
+    rl_importance_sampling_truncation_coef: Optional[float] = RLObjective.is_truncation_coef
+    """With rl_inference_logprobs_is_correction: the weights truncated at this value (the
+    fraction truncated is logged, is_truncated); None: not truncated."""
     rl_partial_credit: bool = False
     """Reward wrong answers with the fraction of correct positions."""
     rl_warmup_sft_steps: int = 0
@@ -229,6 +236,9 @@ def _check_sampling(rl: RLArgs) -> list[str]:
         errors.append(f"rl_old_logprobs 'rollout' needs grpo_iterations 1, got "
                       f"{rl.grpo_iterations} (the rollout's log-probs replace the scoring pass "
                       f"of a single update)")
+    if rl.rl_inference_logprobs_is_correction and rl.rl_old_logprobs != "score":
+        errors.append("rl_inference_logprobs_is_correction needs rl_old_logprobs score (with "
+                      "'rollout' the old log-probs are the rollout's: every weight is 1)")
     if rl.rl_reward is not None and rl.rl_partial_credit:
         errors.append("rl_partial_credit applies to the exact-match reward, not to rl_reward "
                       "(its function's value is the reward)")
