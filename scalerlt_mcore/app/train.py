@@ -205,6 +205,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
     step, saved = start, None
     if start == 0:
         _eval(trainer, log, 0, rank0)  # the starting point of the reward curve
+    _publish(trainer, start, rank0)
     bar = progress_bar(start, total, sft, enabled=rank0)
     for step in range(start, total):
         if step == sft:
@@ -221,6 +222,7 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
             log.log({"kind": "train", "step": step, **m})
             if rank0 and step % cfg.logging.log_interval == 0:
                 tqdm.write(_line(step, m))
+        _publish(trainer, step + 1, rank0)
         every = cfg.training.eval_interval
         if every and (step + 1) % every == 0 and step + 1 < total:
             _eval(trainer, log, step + 1, rank0)
@@ -245,6 +247,14 @@ def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt
     if rank0:
         _finish(cfg, log, run_dir, final, total - start, time.perf_counter() - t0)
     return final
+
+
+def _publish(trainer, step: int, rank0: bool) -> None:
+    """The policy after ``step`` steps to ``rl_publish_dir`` (a log line on rank 0)."""
+    version = trainer.publish()
+    if rank0 and version is not None:
+        tqdm.write(f"published weight version {version} (after step {step}) to "
+                   f"{trainer.publisher.root}")
 
 
 def progress_bar(start: int, total: int, sft: int, enabled: bool, stream=None) -> tqdm:

@@ -16,6 +16,7 @@ import copy
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from ..rl.batch import (
     tree_old_logprobs,
 )
 from ..rl.objective import rl_forward_step
+from ..rl.publish import DirectoryPublisher, latest_version, publish
 from ..rl.rollout import Sampling, generate
 from ..rl.sft import sft_batch, sft_forward_step
 from ..rl.stats import rollout_metrics, summarise, tree_rollout_metrics
@@ -139,6 +141,17 @@ class RLTrainer:
         # padding): ``Sampling.vocab_size``
         self.banned = (self.tok.pad_id, self.tok.bos_id)
         self.decode_graphs = decode_graphs_for(cfg, self.device)
+        publish_dir = cfg.rl.rl_publish_dir if dist.get_rank() == 0 else None
+        self.publisher = None if publish_dir is None else DirectoryPublisher(publish_dir, model)
+
+    def publish(self) -> Optional[int]:
+        """The policy as the next weight version of ``rl_publish_dir`` (rank 0) -> the
+        version (None: no publication here)."""
+        if self.publisher is None:
+            return None
+        version = (latest_version(self.publisher.root) or 0) + 1
+        publish(self.model, self.publisher, version)
+        return version
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
         """The loop count of ``step``, computed once here and passed to every rollout, scoring

@@ -80,6 +80,11 @@ class RLArgs:
     each sample's cache once, then decoded as per row: one attention part per step, the CPU's
     choice, where a step is bound by host time per op); None: by device (``copied`` on CPU,
     ``shared`` elsewhere). The same samples up to rounding."""
+    rl_publish_dir: Optional[str] = None
+    """Publish the policy after the start and after every step to this directory, for a
+    serving engine in another process: each a weight version (1, 2, ... above what the
+    directory holds) in the model's Hugging Face format, written whole or not at all, LATEST
+    the newest (``rl/publish.py``); data-parallel rank 0 writes. None: no publication."""
     rl_decode_cuda_graph: bool = False
     """Rollouts replay every decode step as a CUDA graph (``model/decode_graph.py``), kept
     across steps: captured once per rollout shape (prompts padded to a multiple of 64
@@ -164,7 +169,18 @@ def check_rl(cfg: "RunConfig") -> list[str]:
     return (_check_sampling(cfg.rl) + library_errors(sampling_from, cfg, SAMPLING_FLAGS)
             + library_errors(objective_from, cfg, OBJECTIVE_FLAGS) + _check_loop_credit(cfg)
             + _check_tree(cfg.rl) + _check_task(cfg) + _check_decode_graph(cfg)
-            + _check_per_token(cfg.rl))
+            + _check_per_token(cfg.rl) + _check_publish(cfg))
+
+
+def _check_publish(cfg: "RunConfig") -> list[str]:
+    """Publication writes the whole model from one rank: no model parallelism."""
+    m = cfg.model
+    if cfg.rl.rl_publish_dir and (m.tensor_model_parallel_size != 1
+                                  or m.pipeline_model_parallel_size != 1):
+        return [f"rl_publish_dir publishes the whole model from one rank: it needs "
+                f"tensor_model_parallel_size and pipeline_model_parallel_size 1, got "
+                f"{m.tensor_model_parallel_size} and {m.pipeline_model_parallel_size}"]
+    return []
 
 
 def _check_per_token(rl: RLArgs) -> list[str]:
