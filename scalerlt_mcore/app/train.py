@@ -196,6 +196,8 @@ def _run(cfg, device: str, notes: list) -> dict:
             return _loop(cfg, trainer, start, run_dir, rank0, stop, log)
     finally:
         log.close()
+        if trainer.engine is not None and rank0:
+            trainer.engine.stop()
 
 
 def _loop(cfg, trainer, start: int, run_dir: Path, rank0: bool, stop: _Interrupt,

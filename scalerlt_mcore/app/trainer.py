@@ -31,6 +31,7 @@ from ..rl.batch import (
     build_groups,
     build_tree_groups,
     first_answers,
+    inference_layout,
     leaf_answers,
     recording_drift,
     rollout_old_logprobs,
@@ -54,6 +55,7 @@ from .config import (
     tokenizer_from,
 )
 from .config.rl import max_reply_tokens, parse_tree_branches, task_lengths, tree_turns
+from .engine import EngineClient, check_engine_records, rollout_of, usable
 from .plan import device_budget
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
@@ -109,7 +111,9 @@ def decode_graphs_for(cfg, device: torch.device):
 class RLTrainer:
     """GRPO/PPO over all-loop readouts of a looped GPT on MCore DDP + distributed Adam."""
 
-    def __init__(self, cfg, model, ddp, optimizer, scheduler):
+    def __init__(self, cfg, model, ddp, optimizer, scheduler, publish: bool = True):
+        """``publish`` False: a decoder only (``app/engine.py``'s engine), which neither
+        publishes nor asks an engine."""
         self.cfg, self.model, self.ddp = cfg, model, ddp
         self.device = next(model.parameters()).device
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -141,16 +145,26 @@ class RLTrainer:
         # padding): ``Sampling.vocab_size``
         self.banned = (self.tok.pad_id, self.tok.bos_id)
         self.decode_graphs = decode_graphs_for(cfg, self.device)
-        publish_dir = cfg.rl.rl_publish_dir if dist.get_rank() == 0 else None
-        self.publisher = None if publish_dir is None else DirectoryPublisher(publish_dir, model)
+        rl = cfg.rl
+        self.engine = (EngineClient(rl.rl_engine_dir, self.rank,
+                                    60.0 * cfg.training.distributed_timeout_minutes)
+                       if publish and rl.rl_rollout_source == "engine" else None)
+        self.publish_dir = (None if not publish else rl.rl_publish_dir if self.engine is None
+                            else str(self.engine.weights))
+        self.publisher = (DirectoryPublisher(self.publish_dir, model)
+                          if self.publish_dir and dist.get_rank() == 0 else None)
+        self.engine_stats: dict = {}
 
     def publish(self) -> Optional[int]:
-        """The policy as the next weight version of ``rl_publish_dir`` (rank 0) -> the
-        version (None: no publication here)."""
-        if self.publisher is None:
+        """The policy as the next weight version of ``publish_dir`` (rank 0 writes; every
+        rank waits for it) -> the version (None: no publication)."""
+        if self.publish_dir is None:
             return None
-        version = (latest_version(self.publisher.root) or 0) + 1
-        publish(self.model, self.publisher, version)
+        version = None
+        if self.publisher is not None:
+            version = (latest_version(self.publisher.root) or 0) + 1
+            publish(self.model, self.publisher, version)
+        dist.barrier()
         return version
 
     def start_step(self, step: int, evaluation: bool = False) -> int:
@@ -320,8 +334,9 @@ class RLTrainer:
         sample, to_groups, layouts, metrics = (  # the rollout's kind: trees or one level
             (self._sample_trees, self._tree_groups, self._tree_layouts, self._tree_metrics)
             if self.cfg.rl.rl_rollout == "tree" else
-            (self._sample, self._groups, self._layouts, lambda p, r, ro: rollout_metrics(r, ro)))
-        ro = sample(step, problems, loops)
+            (self._engine_sample if self.engine else self._sample, self._groups,
+             self._layouts, lambda p, r, ro: rollout_metrics(r, ro)))
+        problems, ro = sample(step, problems, loops)
         t_rollout = time.perf_counter()
         groups, rewards = to_groups(step, problems, ro)
         t_score = time.perf_counter()
@@ -335,18 +350,45 @@ class RLTrainer:
         t_end = time.perf_counter()
         rollout = metrics(problems, rewards, ro)
         return self._reduce({
-            **rollout, **train, "rollout_logprob_max_diff": drift,
+            **rollout, **train, **self.engine_stats, "rollout_logprob_max_diff": drift,
             "tokens_per_s": tokens / (t_end - t0), "time_rollout_s": t_rollout - t0,
             "time_score_s": t_train - t_score, "time_train_s": t_end - t_train,
             "time_step_s": t_end - t0, "loops": loops,
         })
 
-    def _sample(self, step: int, problems, num_loops: int):
-        """A one-level rollout: ``grpo_group_size`` responses per problem."""
-        return self.rollout(step, problems, self.cfg.rl.grpo_group_size, num_loops=num_loops)
+    def _sample(self, step: int, problems, num_loops: int) -> tuple:
+        """A one-level rollout: ``grpo_group_size`` responses per problem -> (the problems,
+        the rollout)."""
+        G = self.cfg.rl.grpo_group_size
+        return problems, self.rollout(step, problems, G, num_loops=num_loops)
 
-    def _sample_trees(self, step: int, problems, num_loops: int) -> list:
-        return self.tree_rollout(step, problems, num_loops=num_loops)
+    def _sample_trees(self, step: int, problems, num_loops: int) -> tuple:
+        return problems, self.tree_rollout(step, problems, num_loops=num_loops)
+
+    def _engine_sample(self, step: int, problems, num_loops: int) -> tuple:
+        """``_sample`` from the engine: step ``step``'s records (asked for now, or a step
+        before with lag >= 1), checked, stale ones refused or dropped; then the next step
+        asked for (decoded while this one trains when the lag allows it) -> (the problems of
+        the groups kept, their rollout)."""
+        rl, e = self.cfg.rl, self.engine
+        version, lag = e.version(), rl.rl_max_policy_lag
+        self._ask(step, max(1, version - lag))
+        records = e.records(step)
+        check_engine_records(records, self, version, num_loops)
+        kept = usable(records, version, lag, rl.rl_stale_records, step)
+        if step + 1 < self.cfg.training.train_iters:
+            self._ask(step + 1, max(1, version + 1 - lag))
+        groups = sorted({r.group for r in kept})
+        self.engine_stats = {
+            "engine_dropped_groups": float(len(problems) - len(groups)),
+            "policy_lag": float(sum(version - r.weight_version for r in kept) / len(kept))}
+        problems = [problems[g] for g in groups]
+        prompts = self._prompts([p.prompt for p in problems])
+        return problems, rollout_of(kept, prompts, rl.grpo_group_size, self.tok.pad_id)
+
+    def _ask(self, step: int, min_version: int) -> None:
+        self.engine.request(step, step_seed(self.cfg.training.seed, step, self.rank),
+                            self.groups_per_rank, self.cfg.rl.grpo_group_size, min_version)
 
     def _groups(self, step: int, problems, ro) -> tuple:
         """(one-level groups of a rollout with their GRPO advantages, rewards [N, G])."""
@@ -390,7 +432,7 @@ class RLTrainer:
         for n, g in enumerate(groups):
             g.old_logprobs = rollout[n] if from_rollout else old[n].detach()
             g.ref_logprobs = ref[n]
-            g.inference_logprobs = rollout[n] if correct else None
+            g.inference_logprobs = inference_layout(g, rollout[n]) if correct else None
         return float(torch.stack([trained_drift(g, r) for g, r in zip(groups, rollout)]).max())
 
     def optimize(self, groups: list, num_loops: int) -> dict:

@@ -112,6 +112,17 @@ def trained_drift(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
     return torch.where(group.loss_mask != 0, diff, 0.0).max()
 
 
+def inference_layout(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
+    """The group's ``inference_logprobs`` [R, G, T] from a rollout's log-probs in its layout:
+    per loop [R, G, T] as they are; an engine's one behaviour log-prob per token [1, G, T]
+    (its last loop's) as old - old[R-1] + behaviour, so that every loop's importance weight is
+    the token's exp(old[R-1] - behaviour). Needs the group's old log-probs."""
+    rollout = rollout_layout.to(group.old_logprobs)
+    if rollout.shape[0] == group.old_logprobs.shape[0]:
+        return rollout
+    return group.old_logprobs - group.old_logprobs[-1:] + rollout
+
+
 def recording_drift(forward_step, drift: list):
     """``forward_step`` whose loss_func also appends max |training - old| final-loop log-prob
     of the wave's trained tokens to ``drift``: with old log-probs from the rollout and the

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional, Protocol
 
-from ..model.hf_export import export_format, hf_config, hf_state_dict
+from ..model.hf_export import ExportError, export_format, hf_config, hf_state_dict
 
 LATEST = "LATEST"
 INDEX = "model.safetensors.index.json"
@@ -55,10 +55,24 @@ def weight_chunks(tensors: dict, chunk_bytes: int) -> Iterator[list]:
         yield chunk
 
 
+def published_tensors(model) -> tuple:
+    """(``{name: tensor}`` on the host, config dict) as a version holds them: the model's
+    export format (Hugging Face names and config.json), or, for a model no public format
+    holds (a looped GPT layout of this project's own), its own state-dict names with
+    ``{"scalerlt_mcore": true}`` as the config: this project's engine loads either."""
+    try:
+        kind = export_format(model)
+    except ExportError:
+        own = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
+               if not k.endswith("_extra_state")}
+        return own, {"scalerlt_mcore": True}
+    return hf_state_dict(model, kind), hf_config(model, kind)
+
+
 def publish(model, publisher: Publisher, version: int, chunk_bytes: int = 2**30) -> None:
-    """One transaction: ``model`` in its export format's names (on the host, in its weights'
-    dtype), in chunks of at most ``chunk_bytes``."""
-    tensors = hf_state_dict(model, export_format(model))
+    """One transaction: ``model`` as ``published_tensors`` names it, in chunks of at most
+    ``chunk_bytes``."""
+    tensors = published_tensors(model)[0]
     publisher.start_weight_update(version)
     for chunk in weight_chunks(tensors, chunk_bytes):
         publisher.update_weights(chunk)
@@ -74,9 +88,8 @@ class DirectoryPublisher:
     def __init__(self, root, model):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        kind = export_format(model)
-        self.expected = {n: tuple(t.shape) for n, t in hf_state_dict(model, kind).items()}
-        self.config = hf_config(model, kind)
+        tensors, self.config = published_tensors(model)
+        self.expected = {n: tuple(t.shape) for n, t in tensors.items()}
         self.version: Optional[int] = None
         self.files: dict = {}
 

@@ -131,8 +131,9 @@ def test_the_vllm_rlt_adapter_makes_the_contract_calls(mcore_single, tmp_path):
 
 def test_model_parallel_runs_are_refused_by_name():
     cfg = parse_args(["--rl-publish-dir", "pub", "--tensor-model-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="rl_publish_dir publishes the whole model from one "
-                                          "rank: it needs tensor_model_parallel_size"):
+    with pytest.raises(ConfigError, match="rl_publish_dir and engine rollouts publish the "
+                                          "whole model from one rank: they need "
+                                          "tensor_model_parallel_size"):
         validate(cfg, world_size=2)
 
 

@@ -80,6 +80,21 @@ class RLArgs:
     each sample's cache once, then decoded as per row: one attention part per step, the CPU's
     choice, where a step is bound by host time per op); None: by device (``copied`` on CPU,
     ``shared`` elsewhere). The same samples up to rounding."""
+    rl_rollout_source: Literal["decode", "engine"] = "decode"
+    """``decode`` (the trainer decodes its rollouts itself) or ``engine``: RL steps take their
+    rollouts from a serving engine in another process through ``rl_engine_dir``
+    (``python -m scalerlt_mcore.engine`` with the run's flags is one), the policy published
+    there after every step; warm-up and evaluation still decode in-process."""
+    rl_engine_dir: Optional[str] = None
+    """The engine's directory: ``weights/`` (published versions), ``requests/``, ``records/``
+    (``app/engine.py``)."""
+    rl_max_policy_lag: int = 1
+    """Engine rollouts: the most weight versions a record may lag the trainer's (0: every
+    rollout decoded by the current policy, no overlap; 1: the engine decodes the next step's
+    rollouts while the trainer trains)."""
+    rl_stale_records: Literal["refuse", "drop"] = "refuse"
+    """A record older than ``rl_max_policy_lag``: ``refuse`` (the step fails, naming it) or
+    ``drop`` (its group is left out of the step; counted in ``engine_dropped_groups``)."""
     rl_publish_dir: Optional[str] = None
     """Publish the policy after the start and after every step to this directory, for a
     serving engine in another process: each a weight version (1, 2, ... above what the
@@ -169,15 +184,38 @@ def check_rl(cfg: "RunConfig") -> list[str]:
     return (_check_sampling(cfg.rl) + library_errors(sampling_from, cfg, SAMPLING_FLAGS)
             + library_errors(objective_from, cfg, OBJECTIVE_FLAGS) + _check_loop_credit(cfg)
             + _check_tree(cfg.rl) + _check_task(cfg) + _check_decode_graph(cfg)
-            + _check_per_token(cfg.rl) + _check_publish(cfg))
+            + _check_per_token(cfg.rl) + _check_publish(cfg) + _check_engine(cfg.rl))
+
+
+def _check_engine(rl: RLArgs) -> list[str]:
+    """What engine rollouts need: their directory, full-depth one-level rollouts sampled from
+    the last loop (records hold one log-prob per token: the old log-probs are scored)."""
+    if rl.rl_rollout_source != "engine":
+        return ["rl_engine_dir is read only with rl_rollout_source engine"] if (
+            rl.rl_engine_dir) else []
+    errors = [] if rl.rl_engine_dir else ["rl_rollout_source engine needs rl_engine_dir"]
+    for key, value, need in (("rl_rollout", rl.rl_rollout, ("prompt_once", "per_row")),
+                             ("rl_rollout_exit", rl.rl_rollout_exit, ("none",)),
+                             ("rl_old_logprobs", rl.rl_old_logprobs, ("score",))):
+        if value not in need:
+            errors.append(f"rl_rollout_source engine needs {key} {' or '.join(need)}, got "
+                          f"{value!r}")
+    if rl.rl_publish_dir:
+        errors.append("rl_rollout_source engine publishes to rl_engine_dir/weights: leave "
+                      "rl_publish_dir unset")
+    if rl.rl_max_policy_lag < 0:
+        errors.append(f"rl_max_policy_lag must be >= 0, got {rl.rl_max_policy_lag}")
+    return errors
 
 
 def _check_publish(cfg: "RunConfig") -> list[str]:
     """Publication writes the whole model from one rank: no model parallelism."""
     m = cfg.model
-    if cfg.rl.rl_publish_dir and (m.tensor_model_parallel_size != 1
+    publishes = cfg.rl.rl_publish_dir or cfg.rl.rl_rollout_source == "engine"
+    if publishes and (m.tensor_model_parallel_size != 1
                                   or m.pipeline_model_parallel_size != 1):
-        return [f"rl_publish_dir publishes the whole model from one rank: it needs "
+        return [f"rl_publish_dir and engine rollouts publish the whole model from one rank: "
+                f"they need "
                 f"tensor_model_parallel_size and pipeline_model_parallel_size 1, got "
                 f"{m.tensor_model_parallel_size} and {m.pipeline_model_parallel_size}"]
     return []
