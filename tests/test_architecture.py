@@ -19,6 +19,7 @@ FLOORS = {
     "generate": 6,  # ``python -m scalerlt_mcore.generate``
     "export": 6,  # ``python -m scalerlt_mcore.export``
     "plan": 6,  # ``python -m scalerlt_mcore.plan``
+    "engine": 6,  # ``python -m scalerlt_mcore.engine``
 }
 """First component under ``scalerlt_mcore`` -> floor."""
 

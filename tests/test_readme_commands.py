@@ -47,6 +47,10 @@ NOT_RUN = {
                            "both agents on localhost",
     "python -c 'import tyro;": "needs tyro 1.0.17, not a dependency (docs/config.md says why "
                                "it is shown)",
+    "python -m scalerlt_mcore.engine": "a serving engine that waits for its trainer: "
+                                       "tests/app/test_engine.py runs the pair",
+    "python -m scalerlt_mcore.train --config configs/demo_cpu.yaml --rl-rollout-source engine":
+        "waits for its engine: tests/app/test_engine.py runs the pair",
 }
 """Command prefix -> why this test checks it instead of running it."""
 
@@ -236,6 +240,8 @@ def check(command: str) -> None:
         return None
     if words[0] == "torchrun" or words[:3] == TRAIN:
         return _check_train_args(words[words.index("scalerlt_mcore.train") + 1:])
+    if words[:3] == ["python", "-m", "scalerlt_mcore.engine"]:  # the main job's flags
+        return _check_train_args(words[3:])
     if words[:3] == PLAN:  # its own flags, then the main job's
         from scalerlt_mcore.app.plan import plan_parser
 

@@ -128,7 +128,8 @@ def test_the_records_make_the_steps_rollout():
         rollout_of(records, [[1, 2], [7]], 2, pad_id=0)
     ro = rollout_of(records[:2], [[1, 2]], 2, pad_id=0)
     assert ro.responses.tolist() == [[[3, 4, 5], [6, 0, 0]]] and ro.lengths.tolist() == [[3, 1]]
-    assert ro.loop_logprobs.shape == (1, 1, 2, 3) and ro.logprobs[0, 1, 0].item() == pytest.approx(-0.1)
+    assert ro.loop_logprobs.shape == (1, 1, 2, 3)
+    assert ro.logprobs[0, 1, 0].item() == pytest.approx(-0.1)
 
 
 def test_one_behaviour_logprob_weighs_every_loop_alike():
