@@ -66,12 +66,17 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 class EngineClient:
-    """A trainer rank's requests and the records that answer them."""
+    """A trainer rank's requests and the records that answer them. A run starts from no
+    request and no record of an earlier run (a resumed run asks again)."""
 
     def __init__(self, root, rank: int, timeout_s: float):
         self.root, self.rank, self.timeout_s = Path(root), rank, timeout_s
         for sub in ("requests", "records", "weights"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for sub in ("requests", "records"):
+            for old in (self.root / sub).glob(f"step*-rank{rank}.json*"):
+                old.unlink()
+        (self.root / "stop").unlink(missing_ok=True)
         self.asked: set = set()
 
     @property
@@ -171,6 +176,7 @@ class Engine:
     def __init__(self, cfg, worker, root):
         self.cfg, self.worker, self.root = cfg, worker, Path(root)
         self.loaded: Optional[int] = None
+        (self.root / "stop").unlink(missing_ok=True)  # a stop left by an earlier run
 
     def load(self, version: int) -> None:
         """Published ``version`` into the decoder's model (bitwise the trainer's weights)."""
@@ -195,7 +201,7 @@ class Engine:
         self.loaded = version
 
     def serve(self, request: dict) -> Path:
-        """Answer one request -> the records file written."""
+        """Answer one request -> the records file written (then the request is removed)."""
         w = self.worker
         version = _wait(f"weight version {request['min_version']}",
                         lambda: _at_least(self.root / "weights", request["min_version"]),
@@ -219,19 +225,16 @@ class Engine:
 
     def run(self) -> int:
         """Serve requests in step order until ``stop`` appears -> requests served."""
-        served, done = 0, set()
-        idle = time.monotonic()
+        served, idle = 0, time.monotonic()
         while not (self.root / "stop").exists():
-            pending = sorted(p for p in (self.root / "requests").glob("step*.json")
-                             if p.name not in done)
+            pending = sorted((self.root / "requests").glob("step*.json"))
             if not pending:
                 if time.monotonic() - idle > self.timeout_s:
                     raise TimeoutError(f"no request for {self.timeout_s:.0f} s")
                 time.sleep(POLL_S)
                 continue
-            request = json.loads(pending[0].read_text())
-            self.serve(request)
-            done.add(pending[0].name)
+            self.serve(json.loads(pending[0].read_text()))
+            pending[0].unlink()
             served, idle = served + 1, time.monotonic()
         return served
 
