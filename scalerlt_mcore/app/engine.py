@@ -117,17 +117,18 @@ def rollout_of(records: list, prompts: list, group_size: int, pad_id: int) -> Ro
                           f"prompts")
     S = max(len(r.response_ids) for r in records)
     N, G = len(prompts), group_size
-    responses = torch.full((N, G, S), pad_id, dtype=torch.long)
-    logprobs = torch.zeros(N, G, S, dtype=torch.float32)
-    lengths = torch.zeros(N, G, dtype=torch.long)
+    host = torch.device("cpu")  # a rollout's tensors are on the host, as generate returns them
+    responses = torch.full((N, G, S), pad_id, dtype=torch.long, device=host)
+    logprobs = torch.zeros(N, G, S, dtype=torch.float32, device=host)
+    lengths = torch.zeros(N, G, dtype=torch.long, device=host)
     for n, (group, prompt) in enumerate(zip(groups, prompts)):
         if len(group) != G or any(r.prompt_ids != list(prompt) for r in group):
             raise RecordError(f"group {group[0].group}: {len(group)} responses to the prompt "
                               f"of problem {n} expected {G}, every one with its prompt ids")
         for g, r in enumerate(group):
             L = len(r.response_ids)
-            responses[n, g, :L] = torch.tensor(r.response_ids)
-            logprobs[n, g, :L] = torch.tensor(r.logprobs, dtype=torch.float32)
+            responses[n, g, :L] = torch.tensor(r.response_ids, device=host)
+            logprobs[n, g, :L] = torch.tensor(r.logprobs, dtype=torch.float32, device=host)
             lengths[n, g] = L
     return Rollout(prompts, responses, lengths, logprobs, logprobs[None])
 
