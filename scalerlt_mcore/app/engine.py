@@ -15,7 +15,6 @@ weights while the trainer trains.
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Optional
 import torch
 
 from ..model.config import step_seed
-from ..rl.publish import latest_version, read_version
+from ..rl.publish import latest_version, read_version, write_atomic
 from ..rl.records import (
     RecordError,
     RolloutRecord,
@@ -54,12 +53,6 @@ def _wait(what: str, ready, timeout_s: float):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
         time.sleep(POLL_S)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
 
 
 # ---- the trainer's side -----------------------------------------------------------------------
@@ -93,9 +86,9 @@ class EngineClient:
         if step in self.asked:
             return
         self.asked.add(step)
-        _write_json(self.root / "requests" / f"{_name(step, self.rank)}.json",
-                    {"step": step, "rank": self.rank, "seed": seed, "count": count,
-                     "group_size": group_size, "min_version": min_version})
+        write_atomic(self.root / "requests" / f"{_name(step, self.rank)}.json", json.dumps(
+            {"step": step, "rank": self.rank, "seed": seed, "count": count,
+             "group_size": group_size, "min_version": min_version}))
 
     def records(self, step: int) -> list:
         """The records answering step ``step`` (waiting for them)."""
@@ -222,7 +215,7 @@ class Engine:
 
     @property
     def timeout_s(self) -> float:
-        return 60.0 * self.cfg.training.distributed_timeout_minutes
+        return timeout_s(self.cfg)
 
     def run(self) -> int:
         """Serve requests in step order until ``stop`` appears -> requests served."""
@@ -238,6 +231,11 @@ class Engine:
             pending[0].unlink()
             served, idle = served + 1, time.monotonic()
         return served
+
+
+def timeout_s(cfg) -> float:
+    """How long either side waits for the other: the run's distributed timeout."""
+    return 60.0 * cfg.training.distributed_timeout_minutes
 
 
 def _at_least(weights: Path, version: int) -> Optional[int]:

@@ -32,6 +32,7 @@ from ..mcore_compat import fallback_note
 from .checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
 from .config import ConfigError, parse_args, save_resolved, to_dict, validate
 from .metrics import MetricsLog, check_wandb, plot_rewards, read_records, wandb_settings
+from .plan import HEADROOM
 from .pretrained import (
     load_before_wrap,
     resolve_pretrained,
@@ -181,7 +182,7 @@ def _run(cfg, device: str, notes: list) -> dict:
     trainer = RLTrainer(cfg, model, ddp, optimizer, scheduler)
     if rank0 and trainer.default_budget is not None:
         print(f"shared-prefix memory budget: {trainer.default_budget / 2**20:.0f} MiB per group "
-              f"(90% of what {device} has left beside the model state)", flush=True)
+              f"({HEADROOM:.0%} of what {device} has left beside the model state)", flush=True)
     start = resume_after_wrap(cfg, trainer, resume)
     if rank0 and resume is not None:
         print(f"loaded {resume}, resuming at step {start}", flush=True)

@@ -55,7 +55,7 @@ from .config import (
     tokenizer_from,
 )
 from .config.rl import max_reply_tokens, parse_tree_branches, task_lengths, tree_turns
-from .engine import EngineClient, check_engine_records, rollout_of, usable
+from .engine import EngineClient, check_engine_records, rollout_of, timeout_s, usable
 from .plan import device_budget
 
 TIMED_METRICS = ("tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
@@ -146,8 +146,7 @@ class RLTrainer:
         self.banned = (self.tok.pad_id, self.tok.bos_id)
         self.decode_graphs = decode_graphs_for(cfg, self.device)
         rl = cfg.rl
-        self.engine = (EngineClient(rl.rl_engine_dir, self.rank,
-                                    60.0 * cfg.training.distributed_timeout_minutes)
+        self.engine = (EngineClient(rl.rl_engine_dir, self.rank, timeout_s(cfg))
                        if publish and rl.rl_rollout_source == "engine" else None)
         self.publish_dir = (None if not publish else rl.rl_publish_dir if self.engine is None
                             else str(self.engine.weights))

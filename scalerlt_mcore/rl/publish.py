@@ -142,7 +142,7 @@ class DirectoryPublisher:
             {"metadata": {"weight_version": self.version}, "weight_map": self.files}, indent=1))
         (self._partial / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         os.replace(self._partial, self.root / f"v{self.version:08d}")
-        _write_atomic(self.root / LATEST, f"{self.version}\n")
+        write_atomic(self.root / LATEST, f"{self.version}\n")
         self.version, self.files = None, {}
 
     def _discard(self) -> None:
@@ -150,7 +150,9 @@ class DirectoryPublisher:
             shutil.rmtree(old)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` at ``path``, whole or not at all for a reader polling it (a hidden file
+    renamed)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -21,9 +21,10 @@ asked for, in order).
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .publish import write_atomic
 
 FIELDS = ("group", "prompt_ids", "response_ids", "logprobs", "exit_depths", "weight_version",
           "sampling_params")
@@ -49,12 +50,8 @@ class RecordError(ValueError):
 
 
 def write_records(path, records: list) -> None:
-    """``records`` as JSON lines at ``path``, written whole or not at all (a hidden file
-    renamed)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
-    os.replace(tmp, path)
+    """``records`` as JSON lines at ``path``, written whole or not at all."""
+    write_atomic(Path(path), "".join(json.dumps(asdict(r)) + "\n" for r in records))
 
 
 def read_records(path) -> list:

@@ -711,6 +711,15 @@ def _leaf_read_bytes(m: ModelShape, P: int) -> int:
     return max(trained, _recomputed_kv_bytes(m, P, m.acc_bytes))
 
 
+def segment_counts(P: int) -> list:
+    """The prompt segment counts a planner tries, fewest first: 2, 4, 8, ..., then P."""
+    counts, n = [], 2
+    while n < 2 * P:
+        counts.append(min(n, P))
+        n *= 2
+    return counts
+
+
 def _largest_segments(bounds: list) -> list:
     """The segments whose replay can hold the most: the first (causal, no prefix), and of the
     others the first, the last long one and the last (a segment's bytes grow with its length
@@ -1213,12 +1222,11 @@ class Planner:
             if segments != "auto":
                 raise
             error = e
-        P, n = group.prompt_length, 2  # the fewest root segments that fit
-        while n < 2 * P:
+        for n in segment_counts(group.prompt_length):  # the fewest root segments that fit
             try:
-                return self._tree_greedy(m, group, W, min(n, P))
+                return self._tree_greedy(m, group, W, n)
             except ValueError:
-                n *= 2
+                pass
         raise error
 
     def _tree_greedy(self, m: ModelShape, group, W: int, segments: int = 1) -> GroupPlan:
@@ -1329,13 +1337,11 @@ class Planner:
     def _subdivided(self, m, P, S, G, widths) -> Optional[GroupPlan]:
         """The fewest prompt segments (2, 4, 8, ... up to P) with which a wave of ``widths``
         (largest first) fits the budget, at the largest such wave; None if none does."""
-        n = 2
-        while n < 2 * P:
+        for n in segment_counts(P):
             for W in widths:
-                plan = GroupPlan(W, prompt_segments=min(n, P))
+                plan = GroupPlan(W, prompt_segments=n)
                 if self._fits(m, P, S, G, plan):
                     return plan
-            n *= 2
         return None
 
     def _naive_or_raise(self, m, P, S, G, group_id) -> GroupPlan:
