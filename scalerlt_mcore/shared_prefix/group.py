@@ -151,6 +151,14 @@ class SharedPrefixGroup:
         return torch.cat([tail.new_zeros(*lead, self.prompt_length - 1), tail,
                           tail.new_zeros(*lead, 1)], dim=-1)
 
+    def as_tree(self) -> PrefixTree:
+        """The group's ``tree``; a one-level group's is its depth-1 tree: the prompt (node 0)
+        and one leaf per row, each leaf the row's positions P .. T-1 (padding included)."""
+        if self.tree is not None:
+            return self.tree
+        (G, T), P = self.tokens.shape, self.prompt_length
+        return PrefixTree((-1, *[0] * G), (0, *[P] * G), (P, *[T] * G), tuple(range(1, G + 1)))
+
     def waves(self, wave_size: int) -> list:
         """The group's responses split into waves of ``wave_size``: ``WaveBatch`` objects."""
         rows = torch.arange(self.group_size, device=self.tokens.device)

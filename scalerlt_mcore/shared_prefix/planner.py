@@ -1,19 +1,19 @@
 """Planning a group's shared-prefix step: predicted memory and time, and the plan they pick.
 
 Memory (docs/design.md): the bytes autograd saves for backward (what ``SavedTensorProbe``
-measures) and the prefix adjoints, per (model, P, S, G, W, prompt mode, checkpointed waves),
-and for naive training of the same group. Peaks per phase of the joint replay:
+measures) and the prefix adjoints, per (model, group, plan, checkpointed waves), and for naive
+training of the same group. One model of the joint replay, ``tree_memory``, walks the replay
+engine's order (``tree_schedule.TreeReplay``) over the group's tree (a one-level group's:
+``flat_tree``), each moment the retained graphs of the current path plus one working set:
 
-- recompute: a wave of phase 2 holds its own activations and the prefix state it reads (the
-  leaves share the no-grad prompt's K/V storage; in a bf16/fp16 model they are fp32 copies);
-  the joint replay holds the prompt graph and the last wave;
-- retain: every wave runs while the prompt graph is held (the leaves share its storage, or are
-  fp32 copies beside it in a bf16/fp16 model);
+- a wave holds its own activations and the prefix state it reads (leaves that share the
+  no-grad state's K/V storage, or in a bf16/fp16 model fp32 copies of it);
+- a replay holds its chain's graphs (recomputed, or retained from the descent) and its last
+  wave; a retained root holds its graph while every wave runs;
 - checkpointed waves: a wave's activations exist only while it is recomputed in its backward
   (the probe does not see them; ``activation_bytes`` counts them);
+- a prompt in segments: the K/V leaves beside one wave, then beside one segment's replay;
 - naive: one microbatch of full prompt+response sequences;
-- a prefix tree (``tree_memory``): the schedule walked in its order, each moment the retained
-  graphs of the current path plus one wave or one replay chain (see "trees" below);
 - activation recompute (MCore's ``recompute_*``): a checkpointed chunk saves its input and the
   prefix K/V of its depths in the forward; each graph's backward is a moment of its own: its
   forward less its readouts and loss (done first) plus the largest chunk it recomputes, less
@@ -47,6 +47,7 @@ from ..model.attention import LoopedCoreAttention
 from ..model.config import FieldError
 from .probe import SavedTensorProbe
 from .replay import segment_bounds
+from .tree import PrefixTree
 from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
@@ -517,14 +518,6 @@ def _flash_on_meta(device):
 # ---- the pieces of a step -------------------------------------------------------------------
 
 
-def prompt_bytes(m: ModelShape, P: int, G: int, T: int) -> int:
-    """The prompt producer's graph (kept by retain; rebuilt by the recompute's replay)."""
-    saved = _Saved()
-    _block(m, saved, 1, P, "causal", readout=False)
-    saved.add(G * T * INT64 + P * INT64 * (not m.rope_dim))  # token ids (the group's), positions
-    return saved.total
-
-
 def prefix_bytes(m: ModelShape, P: int) -> int:
     """Storage of the prefix-state K/V recorded without a graph (K and V of every depth in
     storage of their own, ``kv.own``)."""
@@ -604,90 +597,12 @@ def adjoint_bytes(m: ModelShape, P: int) -> int:
     return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
 
 
-def leaf_copy_bytes(m: ModelShape, P: int, checkpoint_waves: bool) -> int:
-    """What a wave saves of the fp32 leaves copied from a narrower (bf16/fp16) prefix state
-    (0 when the leaves share the state's storage): the K/V the cascade kernels save, or every
-    leaf when the wave is checkpointed (its inputs); concat saves its own concatenation."""
-    if m.acc_bytes == m.dtype_bytes:
-        return 0
-    if checkpoint_waves:
-        return (_kv_numel(m, P) + m.loops * m.hidden) * m.acc_bytes
-    return _kv_numel(m, P) * m.acc_bytes if m.prefix_attention == "cascade" else 0
-
-
 # ---- whole steps ----------------------------------------------------------------------------
 
 
 NEEDS_LOSS_BYTES = ("a memory prediction needs loss_per_position: the number of accumulator "
                     "tensors of shape [R, rows, T] the caller's loss saves for backward (the "
                     "loss's own figure, e.g. its saved_per_position)")
-
-
-def joint_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
-                 checkpoint_waves: bool = False,
-                 loss_per_position: Optional[float] = None) -> MemoryEstimate:
-    """Peak memory of joint replay of one group (prompt P, G responses of <= S tokens). Under
-    activation recompute each graph's backward is a moment of its own (``_backward_peak``)."""
-    T, W = P + S, min(plan.wave_size, G)
-    n = -(-G // W)
-    last = G - (n - 1) * W
-    prompt = prompt_bytes(m, P, G, T)
-    wave = {w: wave_bytes(m, P, S, w, loss_per_position) for w in {W, last}}
-    back = {w: _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False),
-                              w, S - 1, m.prefix_attention, P) for w in {W, last}}
-    # the prefix K/V storage is read by cascade waves; the prompt graph holds it too. fp32
-    # leaves copied from a bf16/fp16 state are extra storage the waves save instead
-    copies = leaf_copy_bytes(m, P, checkpoint_waves)
-    held = prefix_bytes(m, P) if m.prefix_attention == "cascade" else 0
-    if m.recompute is not None:  # graph-free loops read the no-grad K/V without saving them
-        held -= graph_free_prefix_bytes(m, P) if held else 0
-    # recomputing waves save the K/V their checkpoints take: the leaves, or (with the prompt
-    # graph) the prompt's K/V, which a recomputed prompt graph does not hold
-    leaf_kv = _recomputed_kv_bytes(m, P, m.acc_bytes if copies or m.acc_bytes != m.dtype_bytes
-                                   else m.dtype_bytes)
-    graph_kv = _recomputed_kv_bytes(m, P, m.dtype_bytes)
-    # a checkpointed wave saves its inputs, the whole prefix state: the prompt graph holds the
-    # K/V of the trained depths anyway, not those of graph-free loops (truncated backprop)
-    prompt += graph_free_prefix_bytes(m, P) if checkpoint_waves else 0
-    if n == 1:
-        phases = [(prompt + graph_kv, W)]
-    elif plan.retain:
-        phases = [(prompt + max(copies, leaf_kv), W)]
-    else:
-        phases = [(max(copies or held, leaf_kv), W), (prompt + graph_kv, last)]
-    visible = [base + (0 if checkpoint_waves else wave[w]) for base, w in phases]
-    full = [base + wave[w] for base, w in phases]
-    recompute = [base + back[w] for base, w in phases if back[w]]
-    if m.recompute is not None:  # the prompt's own backward, its waves done
-        recompute.append(_backward_peak(m, prompt, 1, P, "causal"))
-    return MemoryEstimate(saved_bytes=max(visible + recompute),
-                          activation_bytes=max(full + recompute),
-                          adjoint_bytes=adjoint_bytes(m, P) if n > 1 else 0)
-
-
-def subdivided_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
-                      checkpoint_waves: bool = False,
-                      loss_per_position: Optional[float] = None) -> MemoryEstimate:
-    """Peak memory of joint replay with the prompt replayed in ``plan.prompt_segments``
-    segments (``replay._train_subdivided``): every wave against the K/V leaves (no prompt
-    graph), then each segment's replay alone; the leaves are >= fp32 at the trained depths and
-    in the model's dtype at graph-free ones; a segment's replay reads the earlier positions'
-    K/V as views of the leaves, and saving them keeps the leaves' whole storage."""
-    W = min(plan.wave_size, G)
-    last = G - (-(-G // W) - 1) * W
-    base = _leaf_read_bytes(m, P)
-    visible, full, recompute = [], [], []
-    for w in {W, last}:
-        wave = wave_bytes(m, P, S, w, loss_per_position)
-        visible.append(base + (0 if checkpoint_waves else wave))
-        full.append(base + wave)
-        back = _backward_peak(m, wave_bytes(m, P, S, w, loss_per_position, readout=False), w,
-                              S - 1, m.prefix_attention, P)
-        recompute += [base + back] if back else []
-    segments = segment_moments(m, P, plan.prompt_segments, G * (P + S))
-    return MemoryEstimate(saved_bytes=max(visible + recompute + [segments]),
-                          activation_bytes=max(full + recompute + [segments]),
-                          adjoint_bytes=adjoint_bytes(m, P))
 
 
 def segment_moments(m: ModelShape, P: int, segments: int, group_tokens: int) -> int:
@@ -752,11 +667,17 @@ def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
 def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
                 checkpoint_waves: bool = False,
                 loss_per_position: Optional[float] = None) -> MemoryEstimate:
+    """Peak memory of one-level group (prompt P, G responses of <= S tokens) by ``plan``: a
+    naive plan's microbatches, or the tree walk of its depth-1 tree (``tree_memory``)."""
     if plan.naive:
         return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
-    if plan.prompt_segments > 1:
-        return subdivided_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
-    return joint_memory(m, P, S, G, plan, checkpoint_waves, loss_per_position)
+    return tree_memory(m, flat_tree(P, S, G), plan, [False] * (G + 1), loss_per_position,
+                       checkpoint_waves)
+
+
+def flat_tree(P: int, S: int, G: int) -> PrefixTree:
+    """The depth-1 tree of a one-level group (``SharedPrefixGroup.as_tree``)."""
+    return PrefixTree((-1, *[0] * G), (0, *[P] * G), (P, *[P + S] * G), tuple(range(1, G + 1)))
 
 
 # ---- trees ----------------------------------------------------------------------------------
@@ -816,9 +737,10 @@ def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: 
                     loss_per_position: Optional[float], segmented: bool = False) -> int:
     """Node n's own forward with grad against its ancestors (and its own-token loss)."""
     saved, L, start = _Saved(), tree.ends[n] - tree.starts[n], tree.starts[n]
-    if tree.parents[n] < 0:
+    if tree.parents[n] < 0:  # the prompt: its ids a view of the group's [G, T] ids
         _block(m, saved, 1, L, "causal", readout=False)
-        return saved.total + L * INT64 * (not m.rope_dim)
+        ids = len(tree.leaf_of_row) * max(tree.ends) * INT64
+        return saved.total + ids + L * INT64 * (not m.rope_dim)
     _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
     saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
     via_chain = chain_parent(tree, n) is not None
@@ -839,9 +761,10 @@ def tree_wave_bytes(m: ModelShape, tree, n: int, leaves: list, last: bool, root_
     its forward and its backward (``_backward_peak``)."""
     P, W = tree.ends[n], len(leaves)
     S = max(tree.ends[c] for c in leaves) - P
-    wave = wave_bytes(m, P, S, W, loss_per_position)
-    wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
-                                                                  loss_per_position)
+    wave = wave_bytes(m, P, S, W, loss_per_position)  # its loss over the group layout [P + S]
+    if tree.depth > 1:  # a deeper tree's loss: over the wave's span
+        wave += _loss_bytes(m, W, S, loss_per_position) - _loss_bytes(m, W, P + S,
+                                                                      loss_per_position)
     back = _backward_peak(m, wave_bytes(m, P, S, W, loss_per_position, readout=False), W,
                           S - 1, m.prefix_attention, P)
     return max(wave, back) + _read_prefix_bytes(m, tree, n, last, root_retained, segmented)

@@ -1,8 +1,8 @@
-"""The replay engine of a group: its run state and the calls every phase makes (``GroupRun``),
-the model a wave's loss receives (``WaveModel``), a one-level group's phases or a naive plan's
-(``WaveReplay``); ``tree_schedule.TreeReplay`` runs a tree's phases with the same calls."""
+"""A group's run state and the calls every phase makes (``GroupRun``), the model a wave's loss
+receives (``WaveModel``), a naive plan's microbatches, and the prompt replayed in segments.
+``tree_schedule.TreeReplay`` runs every joint plan's phases with these calls: a one-level group
+is a depth-1 tree."""
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -133,95 +133,11 @@ class GroupRun:
         return split_loss(loss_func(output), self.per_token)[2]
 
 
-class WaveReplay:
-    """A one-level group's phases, or a naive plan's microbatches, on its ``GroupRun`` (as
-    ``TreeReplay`` a tree's); ``prompt``: score against the prompt's state (False: the rows
-    as full sequences, for a tree under a naive plan)."""
-
-    def __init__(self, run: GroupRun, prompt: bool = True):
-        self.run, self.prompt = run, prompt
-
-    def train(self, waves_context) -> int:
-        """The three phases (or the naive microbatches), phases 1-2 inside ``waves_context``
-        -> the number of waves."""
-        run = self.run
-        waves = run.group.waves(run.plan.wave_size)
-        if run.plan.naive:
-            _train_naive(run, waves, waves_context)
-            return len(waves)
-        if run.plan.prompt_segments > 1:
-            _train_subdivided(run, waves, waves_context)
-            return len(waves)
-        adjoints, state = None, None
-        with waves_context():
-            if len(waves) > 1:
-                state, leaves = _produce_prompt(run, run.plan.retain)
-                adjoints = _run_waves(run, leaves, waves[:-1])
-        _joint_replay(run, waves[-1], adjoints, state)
-        return len(waves)
-
-    @torch.no_grad()
-    def score(self) -> object:
-        """forward_only: every wave of the plan (a naive plan's microbatches scored as waves)
-        -> the merged result."""
-        run = self.run
-        state = None
-        if self.prompt and run.plan.prompt_segments > 1:  # the numbers its training reads
-            state = segmented_state(run, segment_bounds(run.group.prompt_length,
-                                                         run.plan.prompt_segments))
-        elif self.prompt:
-            state = run.prompt_state()
-        for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
-            run.results[n] = run.score_call(wave, state, n)
-        return merge(run.results, run.per_token)
-
-
-def _produce_prompt(run: GroupRun, retain: bool) -> tuple:
-    """Phase 1: the prompt under no_grad (recompute) or with grad, its graph kept (retain); its
-    state detached into grad-requiring leaves of at least fp32 (the same numbers), so the
-    waves' prefix adjoints accumulate in fp32. Depths of loops that truncated backprop leaves
-    graph-free stay plain tensors: no adjoint is allocated for them. -> (the state with its
-    graph when ``retain``, else None; the leaves)."""
-    run.guard.verify("prompt producer")
-    with contextlib.nullcontext() if retain else torch.no_grad():
-        state = run.prompt_state()
-    run.phase("prompt_producer")
-    run.state_dtype = state.boundary.dtype
-    trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-    leaves = state.detached_leaves(torch.float32, trained)
-    return (state if retain else None), leaves
-
-
-def _run_waves(run: GroupRun, leaves: PrefixState, waves: list) -> list:
-    """Phase 2: every wave but the last; returns the summed prefix adjoints: the leaves' grads
-    (>= fp32), into which autograd sums the waves (None where no grad arrived)."""
-    for n, wave in enumerate(waves):
-        run.wave_loss(wave, leaves, n).backward()
-        run.phase("wave")
-    return [leaf.grad if leaf.requires_grad else None for leaf in leaves.tensors()]
-
-
-def _joint_replay(run: GroupRun, wave: WaveBatch, adjoints,
-                  state: Optional[PrefixState] = None) -> None:
-    """Phase 3: the prompt with grad (recomputed unless ``state`` was retained), the last wave,
-    and one backward of loss_last + sum_k <state_k, adjoint_k>: the adjoints enter as the
-    state tensors' incoming gradients (roots of the same backward call)."""
-    run.guard.verify("joint replay", contents=True)
-    if state is None:
-        state = run.prompt_state()
-    roots, grads = [run.wave_loss(wave, state, len(run.results))], [None]
-    if adjoints is not None:
-        for t, a in zip(state.tensors(), adjoints):
-            if a is not None and t.requires_grad:
-                roots.append(t)
-                grads.append(a.to(t.dtype))
-    torch.autograd.backward(roots, grads)
-    run.phase("joint_replay")
-
-
-def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
-    """A group as full sequences, one microbatch per wave; every microbatch but the last inside
-    ``waves_context``, so the sync-enabled part is still one backward."""
+def train_naive(run: GroupRun, waves_context) -> int:
+    """A naive plan: the group's rows as full sequences, one microbatch per wave; every
+    microbatch but the last inside ``waves_context``, so the sync-enabled part is still one
+    backward. -> the number of microbatches."""
+    waves = run.group.waves(run.plan.wave_size)
     with waves_context():
         for n, wave in enumerate(waves[:-1]):
             run.wave_loss(wave, None, n).backward()
@@ -229,6 +145,16 @@ def _train_naive(run: GroupRun, waves: list, waves_context) -> None:
     run.guard.verify("naive step", contents=True)
     run.wave_loss(waves[-1], None, len(waves) - 1).backward()
     run.phase("naive")
+    return len(waves)
+
+
+@torch.no_grad()
+def score_naive(run: GroupRun) -> object:
+    """forward_only under a naive plan: its microbatches scored as full sequences -> the
+    merged result."""
+    for n, wave in enumerate(run.group.waves(run.plan.wave_size)):
+        run.results[n] = run.score_call(wave, None, n)
+    return merge(run.results, run.per_token)
 
 
 # ---- the subdivided replay: the prompt replayed in query segments ----------------------------
@@ -273,15 +199,6 @@ def segmented_state(run: GroupRun, bounds: list) -> PrefixState:
                 buf[s:e] = t
             full.boundary = own.boundary
     return full
-
-
-def _train_subdivided(run: GroupRun, waves: list, waves_context) -> None:
-    """The three phases with the prompt replayed in segments (see above)."""
-    bounds = segment_bounds(run.group.prompt_length, run.plan.prompt_segments)
-    with waves_context():
-        leaves = segmented_leaves(run, bounds)
-        _run_waves(run, leaves, waves)
-    replay_segments(run, leaves, bounds, waves_context)
 
 
 def segmented_leaves(run: GroupRun, bounds: list) -> PrefixState:

@@ -11,11 +11,12 @@ Per group (one prompt, G responses):
 Earlier groups of a step run entirely under ``config.no_sync_func`` (as MCore's schedule runs
 microbatches 1..n-1), so the sync-enabled part of every step is exactly one backward call.
 
-A group whose rows are a prefix tree of depth >= 2 (``SharedPrefixGroup.tree``) is trained
-depth first by ``tree_schedule.TreeReplay`` with the same three phases per node (the plan
-retains or recomputes each node's graph, ``GroupPlan.retain_nodes``); its root's replay is its one
-backward outside ``no_sync``. A depth-1 tree is a one-level group. The phases run in
-``replay.py`` and ``tree_schedule.py``; this module keeps MCore's interface.
+Every group is a prefix tree (a one-level group: the depth-1 tree of its prompt and one leaf
+per response, ``SharedPrefixGroup.as_tree``), trained depth first by the one replay engine,
+``tree_schedule.TreeReplay``, with the same three phases per node (the plan retains or
+recomputes each node's graph, ``GroupPlan.retain_nodes``); its root's replay is its one
+backward outside ``no_sync``. The engine's calls are ``replay.GroupRun``'s; this module keeps
+MCore's interface.
 
 The schedule knows nothing about the loss. As in MCore, ``forward_step_func(data_iterator,
 model)`` returns ``(output, loss_func)``; for a group it is called once per wave with an
@@ -74,8 +75,8 @@ from ..mcore_compat import stock_schedule_kwargs
 from .group import ReplayGuard, ReplayInputError, SharedPrefixGroup
 from .naive import logprobs_at
 from .planner import GroupPlan, Planner
-from .replay import GroupRun, WaveReplay, merge
-from .tree_schedule import TreeReplay, is_tree
+from .replay import GroupRun, merge, score_naive, train_naive
+from .tree_schedule import TreeReplay
 
 PHASES = ("prompt_producer", "wave", "joint_replay", "naive")
 
@@ -241,22 +242,18 @@ class SharedPrefixSchedule:
 
     def train_group(self, run: GroupRun, waves_context) -> dict:
         """All three phases for one group (``_replay``); phases 1-2 inside ``waves_context``."""
-        plan, num_waves = run.plan, _replay(run).train(waves_context)
+        plan = run.plan
+        num_waves = (train_naive(run, waves_context) if plan.naive
+                     else TreeReplay(run).train(waves_context))
         return merge(run.results, run.per_token, num_waves=num_waves, wave_size=plan.wave_size,
                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive),
                      prompt_segments=plan.prompt_segments)
 
     def score_group(self, run: GroupRun):
         """forward_only, no graph: the group's loss calls as its training makes them, each
-        ``loss_func`` called as MCore calls it (``WaveReplay.score``, ``TreeReplay.score``)."""
-        return _replay(run).score()
-
-
-def _replay(run: GroupRun):
-    """The group's replay: ``TreeReplay`` for a tree of depth >= 2 (its rows as full sequences
-    under a naive plan), ``WaveReplay`` for one level."""
-    tree = is_tree(run.group)
-    return TreeReplay(run) if tree and not run.plan.naive else WaveReplay(run, prompt=not tree)
+        ``loss_func`` called as MCore calls it (``TreeReplay.score``; a naive plan's rows as
+        full sequences, ``replay.score_naive``)."""
+        return score_naive(run) if run.plan.naive else TreeReplay(run).score()
 
 
 def _step_tokens(runs: list, device) -> Tensor:

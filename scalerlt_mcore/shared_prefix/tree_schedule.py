@@ -1,4 +1,7 @@
-"""Joint replay over a prefix tree (a group with ``tree`` of depth >= 2), depth first.
+"""Joint replay over a prefix tree, depth first: every group under a joint plan. A one-level
+group is the depth-1 tree of its prompt and one leaf per row (``SharedPrefixGroup.as_tree``),
+its waves in the group layout; its descent is the prompt producer, its units the waves, its
+replay the joint replay.
 
 For node N with the state P of its ancestors (their K/V concatenated along positions):
   1. descend   - N's own per-(loop, layer) K/V and boundary once without grad against P,
@@ -51,6 +54,7 @@ from .naive import is_report_pair, readout_dict
 from .replay import (
     GroupRun,
     as_prefix,
+    merge,
     replay_segments,
     segment_bounds,
     segmented_leaves,
@@ -90,11 +94,11 @@ class _Node:
 
 @dataclass
 class _Link:
-    """A node of a replay chain: its adjoint leaves and, when retained, its state's graph and
-    own-token loss."""
+    """A node of a replay chain: its adjoint leaves (None: no unit read them) and, when
+    retained, its state's graph and own-token loss."""
 
     node: int
-    leaves: PrefixState
+    leaves: Optional[PrefixState]
     state: Optional[PrefixState] = None
     loss: Optional[Tensor] = None
 
@@ -120,13 +124,15 @@ class TreeReplay:
 
     def __init__(self, run: GroupRun):
         self.run = run
-        self.group, self.tree = run.group, run.group.tree
+        self.group, self.tree = run.group, run.group.as_tree()
+        self.flat = self.tree.depth == 1  # one level: waves in the group layout [..., T]
         self.retained = run.plan.node_retained(self.tree.num_nodes)
         _check_chains(self.tree, self.retained)
         self.trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-        self.has_loss = nodes_with_loss(self.group)
-        self.rows = row_indices(self.tree, self.has_loss, run.plan.wave_size,
-                                self.group.tokens.device)
+        # a flat tree's root is the prompt (no loss) and its leaves are never own-forwarded
+        self.has_loss = [False] * self.tree.num_nodes if self.flat else nodes_with_loss(self.group)
+        self.rows = None if self.flat else row_indices(self.tree, self.has_loss,
+                                                       run.plan.wave_size, self.group.tokens.device)
         self.calls = 0  # loss calls so far: each one's number in the group's results
         self.num_waves = 0
         segments = run.plan.prompt_segments
@@ -160,6 +166,8 @@ class TreeReplay:
         same weights bit for bit, as a one-level group's do (docs/prefix_trees.md, Scoring)."""
         self.calls, calls = 0, []
         self._score_node(0, None, calls)
+        if self.flat:  # whole waves: their results concatenated over the rows
+            return merge(dict(enumerate(result for _, result in calls)), self.run.per_token)
         return lay_out(calls, self.group, self.run.per_token)
 
     def _score_node(self, n: int, prefix: Optional[PrefixState], calls: list) -> None:
@@ -184,7 +192,10 @@ class TreeReplay:
     # ---- the plan of a node ----------------------------------------------------------------
 
     def _units(self, n: int) -> list:
-        """Node n's internal children, then its leaf children in waves of the plan's size."""
+        """Node n's internal children, then its leaf children in waves of the plan's size (a
+        flat tree's: the group's waves)."""
+        if self.flat:
+            return [_Wave(wave) for wave in self.group.waves(self.run.plan.wave_size)]
         children = self.tree.children(n)
         units = [_Node(c) for c in children if not self.tree.is_leaf(c)]
         for k, wave in enumerate(leaf_waves(self.tree, n, self.run.plan.wave_size)):
@@ -202,18 +213,19 @@ class TreeReplay:
         wave -> the chain: [_Link, ..., the last _Wave]. ``prefix``: the ancestors' leaves;
         ``chain`` (retain): the state n's retained graph is computed against (the chain's
         retained ancestors after the chain top's ``prefix``)."""
-        retain = self.retained[n]
+        retain, units = self.retained[n], self._units(n)
         if n == 0 and self.bounds:  # never retained
             own = leaves = segmented_leaves(self.run, self.bounds)
+        elif n == 0 and not retain and len(units) == 1 and isinstance(units[0], _Wave):
+            return [_Link(n, None), units[0]]  # one wave: only the replay reads the prompt
         else:
-            self.run.guard.verify("tree node state")
+            self.run.guard.verify("prompt producer" if n == 0 else "tree node state")
             with contextlib.nullcontext() if retain else torch.no_grad():
                 own, loss = self._own(n, chain if retain else prefix,
                                       loss=retain and self.has_loss[n])
             self.run.phase("prompt_producer")
             leaves = own.detached_leaves(torch.float32, self.trained)
         path = _cat(prefix, leaves)
-        units = self._units(n)
         for unit in units[:-1]:
             self._train_unit(unit, path)
         last = units[-1]
@@ -240,7 +252,7 @@ class TreeReplay:
             if loss is not None:
                 roots.append(loss)
                 grads.append(None)
-            for t, leaf in zip(own.tensors(), link.leaves.tensors()):
+            for t, leaf in zip(own.tensors(), link.leaves.tensors() if link.leaves else ()):
                 if t.requires_grad and leaf.requires_grad and leaf.grad is not None:
                     roots.append(t)
                     grads.append(leaf.grad.to(t.dtype))
@@ -300,12 +312,6 @@ class TreeReplay:
         number, self.calls = self.calls, self.calls + 1
         call = self.run.score_call if score else self.run.wave_loss
         return call(wave, state, number, model)
-
-
-def is_tree(group) -> bool:
-    """Whether ``group`` trains by the tree schedule: a tree of depth >= 2 (a depth-1 tree is
-    a one-level group and keeps its schedule)."""
-    return group.tree is not None and group.tree.depth > 1
 
 
 def chain_parent(tree, n: int) -> Optional[int]:

@@ -28,8 +28,9 @@ from helpers.sp import (
 
 from scalerlt_mcore.model.kv import trained_depths
 from scalerlt_mcore.rl.objective import rl_forward_step
-from scalerlt_mcore.shared_prefix import SavedTensorProbe, replay
+from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.schedule import SharedPrefixSchedule
+from scalerlt_mcore.shared_prefix.tree_schedule import TreeReplay
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 F32_FACTOR = 1.5
@@ -194,23 +195,27 @@ def test_two_groups_in_one_step(mcore_single):
 
 
 class _AdjointBytes:
-    """Wraps a one-level group's waves phase (``replay._run_waves``), recording the bytes of
-    the prefix adjoints and the leaves' grad flags."""
+    """Wraps the replay engine's descent of the root (``TreeReplay._descend``), recording, once
+    every wave but the last has run, the bytes of the prefix adjoints (the root's leaves'
+    grads) and the leaves' grad flags."""
 
     def __init__(self):
-        self.adjoint_bytes, self.leaf_flags, self.run_waves = 0, [], replay._run_waves
+        self.adjoint_bytes, self.leaf_flags, self.descend = 0, [], TreeReplay._descend
 
-    def __call__(self, run, leaves, waves):
-        self.leaf_flags = [t.requires_grad for t in leaves.tensors()]
-        adjoints = self.run_waves(run, leaves, waves)
-        self.adjoint_bytes = sum(a.numel() * a.element_size() for a in adjoints if a is not None)
-        return adjoints
+    def __call__(self, engine, n, prefix, chain):
+        links = self.descend(engine, n, prefix, chain)
+        leaves = links[0].leaves.tensors()
+        self.leaf_flags = [t.requires_grad for t in leaves]
+        self.adjoint_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves
+                                 if t.grad is not None)
+        return links
 
 
 def _measure(model, group, wave: int) -> tuple:
     schedule, record = SharedPrefixSchedule(wave), _AdjointBytes()
     model.zero_grad(set_to_none=True)
-    with SavedTensorProbe(model) as probe, mock.patch.object(replay, "_run_waves", record):
+    with (SavedTensorProbe(model) as probe,
+          mock.patch.object(TreeReplay, "_descend", autospec=True, side_effect=record)):
         schedule(forward_step_func=rl_forward_step(LossSpec(loop_weights="uniform").objective()),
                  data_iterator=iter([group]), model=model, num_microbatches=1, seq_length=0,
                  micro_batch_size=1)
