@@ -296,10 +296,10 @@ def _best_naive(cfg, model, twin, wl, budget: float, R: int):
 def _naive_flops(m, wl, recompute: bool) -> float:
     """A group's naive step: forward 1 + backward 2 of every row (read out everywhere), plus
     the layers' forward again under full recompute (``app.plan._flops``)."""
-    from scalerlt_mcore.shared_prefix.planner import _pass_flops
+    from scalerlt_mcore.shared_prefix.planner import pass_flops
 
     T = wl.prompt_length + wl.S
-    return 3 * _pass_flops(m, wl.G, T, 0, readout=True) + recompute * _pass_flops(m, wl.G, T, 0)
+    return 3 * pass_flops(m, wl.G, T, 0, readout=True) + recompute * pass_flops(m, wl.G, T, 0)
 
 
 def full_size(family: Family, workloads=WORKLOADS, log=print) -> list:
@@ -419,7 +419,7 @@ def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
     where it trains a token; a leaf the same without its last token, read out there; one
     boundary readout per wave; under full recompute every node's layers once more
     (``app.plan._flops``'s count)."""
-    from scalerlt_mcore.shared_prefix.planner import _pass_flops
+    from scalerlt_mcore.shared_prefix.planner import pass_flops
 
     def read(positions: int) -> float:
         return m.loops * positions * 2 * m.hidden * m.vocab
@@ -429,10 +429,10 @@ def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
     for n in range(tree.num_nodes):
         start, L = tree.starts[n], tree.ends[n] - tree.starts[n]
         if tree.is_leaf(n):
-            layers, readouts, passes = _pass_flops(m, 1, L - 1, start), L - 1, 3
+            layers, readouts, passes = pass_flops(m, 1, L - 1, start), L - 1, 3
         else:
             leaves = sum(tree.is_leaf(c) for c in tree.children(n))
-            layers, passes = _pass_flops(m, 1, L, start), 3 + (not retained[n])
+            layers, passes = pass_flops(m, 1, L, start), 3 + (not retained[n])
             readouts = (L + 1 if n and has_loss[n] else 0) + -(-leaves // W)
         flops += passes * layers + 3 * read(readouts) + recompute * layers
     return flops

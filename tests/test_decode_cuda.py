@@ -8,7 +8,7 @@ import torch
 from helpers.decode import VOCAB, build
 
 from scalerlt_mcore.model.host_syncs import count_host_syncs
-from scalerlt_mcore.rl.rollout import Sampling, _Record, decode_tokens, generate
+from scalerlt_mcore.rl.rollout import DecodeRecord, Sampling, decode_tokens, generate
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -95,7 +95,7 @@ def test_eight_decode_steps_run_ahead_of_the_gpu(mcore_single):
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # cycles: about a second
         sampling = Sampling(generator=gen, banned=(0,), stop_check_interval=100)
-        rec = _Record(logits.shape[0], 6, steps, 0, VOCAB + 1, logits.device, False)
+        rec = DecodeRecord(logits.shape[0], 6, steps, 0, VOCAB + 1, logits.device, False)
         step = lambda t: model.decode_step(cache, t, with_exit=True)  # noqa: E731
         decode_tokens(step, logits, exit_lp, rec, steps, sampling.on(logits.shape[-1], "cuda"))
         done = torch.cuda.Event()

@@ -30,7 +30,7 @@ from ..shared_prefix.planner import (
     MemoryEstimate,
     ModelShape,
     Planner,
-    _pass_flops,
+    pass_flops,
     plan_memory,
 )
 from ..testing import model_parallel_context
@@ -256,8 +256,8 @@ def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_wa
     recomputed)."""
     flops = CostModel(call_s=0.0, flop_s=1.0).time(m, P, S, G, plan, checkpoint_waves)
     if recompute:
-        flops += (_pass_flops(m, G, P + S, 0) if plan.naive
-                  else _pass_flops(m, 1, P, 0) + _pass_flops(m, G, S, P))
+        flops += (pass_flops(m, G, P + S, 0) if plan.naive
+                  else pass_flops(m, 1, P, 0) + pass_flops(m, G, S, P))
     return flops
 
 

@@ -52,7 +52,7 @@ class DecodeGraph:
         exit distribution [R, B] or None), as ``decode_step(..., with_exit=True)``."""
         cache = self.cache
         config = self.model.config.with_loops(cache.num_loops)
-        self.model._check_inputs(tokens[:, None], None, None, cache, config)  # host checks
+        self.model.check_inputs(tokens[:, None], None, None, cache, config)  # host checks
         plan_positions = cache.positions(1)  # [B, 1] host
         slots = (plan_positions - cache.offsets()[:, None] if cache.prefix is not None
                  else plan_positions)

@@ -150,7 +150,7 @@ class LoopedGPTModel(LanguageModule):
         ``num_loops``: R of this call (None: the config's ``looped_num_loops``); a prefix state
         or cache must come from a call with the same R."""
         config = self.config.with_loops(num_loops)
-        self._check_inputs(input_ids, labels, prefix_state, kv_cache, config)
+        self.check_inputs(input_ids, labels, prefix_state, kv_cache, config)
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
                                         kv_cache, return_prefix_state,
                                         num_loops=config.looped_num_loops)
@@ -291,7 +291,7 @@ class LoopedGPTModel(LanguageModule):
         with the exit gate the exit distribution there as ``exit_logprobs`` [R, B, 1]; R =
         ``num_loops`` (None: the config's), the state's own."""
         config = self.config.with_loops(num_loops)
-        self._check_inputs(labels[:, None], None, prefix_state, None, config)
+        self.check_inputs(labels[:, None], None, prefix_state, None, config)
         batch = labels.shape[0]
         first, gate = self._boundary_reads(  # loops play the sequence role: [B, R], [Bp, R]
             prefix_state.boundary,
@@ -368,7 +368,7 @@ class LoopedGPTModel(LanguageModule):
         ``num_loops``: R (None: the config's), the cache's (``new_kv_cache``)."""
         cache.lengths.zero_()
         config = self.config.with_loops(num_loops)
-        self._check_inputs(tokens, None, None, cache, config)
+        self.check_inputs(tokens, None, None, cache, config)
         cache.fresh = cache.prefix is None
         try:
             states, _ = self._loop_states(tokens, None, None, None, cache, False,
@@ -399,7 +399,7 @@ class LoopedGPTModel(LanguageModule):
         per-loop log-probs [R, B, s] of labels[:, j] after tokens[:, : j + 1], else None). A
         row with count 0 keeps its length and gets meaningless logits."""
         config = self.config.with_loops(num_loops)
-        self._check_inputs(tokens, labels, None, cache, config)
+        self.check_inputs(tokens, labels, None, cache, config)
         if counts.device.type != "cpu" or tuple(counts.shape) != (tokens.shape[0],):
             raise ValueError(f"extend's counts must be a host tensor [{tokens.shape[0]}] (one "
                              f"per row), got {tuple(counts.shape)} on {counts.device}")
@@ -429,7 +429,7 @@ class LoopedGPTModel(LanguageModule):
         """Append one token per sequence (tokens [B]) -> per-loop logits [R, B, V] (as
         ``prefill``; ``with_exit``: and the exit distribution log p(r) [R, B], None without a
         gate; ``num_loops``: the cache's R, None: the config's)."""
-        self._check_inputs(tokens[:, None], None, None, cache, self.config.with_loops(num_loops))
+        self.check_inputs(tokens[:, None], None, None, cache, self.config.with_loops(num_loops))
         logits, exit_lp = self.decode_on_device(cache, tokens, cache.plan(1))
         cache.lengths += 1
         return (logits, exit_lp) if with_exit else logits
@@ -488,7 +488,7 @@ class LoopedGPTModel(LanguageModule):
         boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
         return PrefixState(keys, values, boundary, state_signature(config))
 
-    def _check_inputs(self, input_ids, labels, prefix_state, kv_cache, config) -> None:
+    def check_inputs(self, input_ids, labels, prefix_state, kv_cache, config) -> None:
         """The inputs of a call whose config (``with_loops``) is ``config``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .vocab_parallel import _group, _size, logprob_temperature
+from .vocab_parallel import group_size, logprob_temperature, tp_group_or_default
 
 
 def streamed_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, tile: int,
@@ -34,7 +34,7 @@ def streamed_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, tile: int,
     if hidden.dim() != 3 or labels.shape != (hidden.shape[1], hidden.shape[0]):
         raise ValueError(f"streamed readout: hidden must be [S, B, H] and labels [B, S], got "
                          f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
-    group = _group(tp_group)
+    group = tp_group_or_default(tp_group)
     out = _StreamedLogprobs.apply(hidden, weight, labels.t(), tile, group,
                                   logprob_temperature(temperature))
     return out.t()  # [B, S]
@@ -66,7 +66,7 @@ class _StreamedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, tile, group, T):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         flat, lab = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        offset = (dist.get_rank(group) * weight.shape[0]) if _size(group) > 1 else 0
+        offset = (dist.get_rank(group) * weight.shape[0]) if group_size(group) > 1 else 0
         inside, column = _label_columns(lab, offset, weight.shape[0])
         run_max = torch.full(lab.shape, -torch.inf, dtype=acc, device=hidden.device)
         run_sum = torch.zeros(lab.shape, dtype=acc, device=hidden.device)
@@ -81,7 +81,7 @@ class _StreamedLogprobs(torch.autograd.Function):
             cols = (column - start).clamp(0, end - start - 1)
             picked += torch.where(here, logits.gather(1, cols[:, None])[:, 0], 0)
         lse = _reduce_lse(run_max, run_sum, group)
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(picked, group=group)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.tile, ctx.group, ctx.T = tile, group, T
@@ -94,7 +94,7 @@ class _StreamedLogprobs(torch.autograd.Function):
         acc = lse.dtype
         flat, lab = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad = grad.reshape(-1).to(acc)
-        offset = (dist.get_rank(group) * weight.shape[0]) if _size(group) > 1 else 0
+        offset = (dist.get_rank(group) * weight.shape[0]) if group_size(group) > 1 else 0
         inside, column = _label_columns(lab, offset, weight.shape[0])
         grad_hidden = (torch.zeros(flat.shape, dtype=acc, device=flat.device)
                        if ctx.needs_input_grad[0] else None)
@@ -111,7 +111,7 @@ class _StreamedLogprobs(torch.autograd.Function):
             if grad_weight is not None:
                 torch.matmul(d_z.t(), flat, out=grad_weight[start:end])
         if grad_hidden is not None:
-            if _size(group) > 1:
+            if group_size(group) > 1:
                 dist.all_reduce(grad_hidden, group=group)  # the column-parallel input's grad
             grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)
         return grad_hidden, grad_weight, None, None, None, None
@@ -121,7 +121,7 @@ def _reduce_lse(run_max: Tensor, run_sum: Tensor, group) -> Tensor:
     """log sum_v exp(logit_v) over the whole vocabulary from each rank's running max and sum
     (max all-reduced first, then the rescaled sums, as MCore's vocab-parallel cross
     entropy)."""
-    if _size(group) > 1:
+    if group_size(group) > 1:
         local_max = run_max.clone()
         dist.all_reduce(run_max, op=dist.ReduceOp.MAX, group=group)
         run_sum = run_sum * (local_max - run_max).exp()

@@ -28,14 +28,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     return -(-vocab_size // multiple) * multiple
 
 
-def _group(tp_group):
+def tp_group_or_default(tp_group):
     """``tp_group``, else MCore's tensor-parallel group when model parallelism is set up."""
     if tp_group is None and parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_group()
     return tp_group
 
 
-def _size(group) -> int:
+def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -55,8 +55,8 @@ def token_logprobs(logits: Tensor, labels: Tensor, tp_group=None,
     log-probs. ``temperature``: of the distribution log_softmax(logits / T) (T =
     ``logprob_temperature(temperature)``; 1: the logits as they are)."""
     logits = tempered(logits, temperature)
-    tp_group = _group(tp_group)
-    if _size(tp_group) == 1:
+    tp_group = tp_group_or_default(tp_group)
+    if group_size(tp_group) == 1:
         logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return _VocabParallelLogprobs.apply(logits, labels, tp_group)
@@ -74,8 +74,8 @@ def tempered(logits: Tensor, temperature: float) -> Tensor:
 def gather_vocab(logits: Tensor, tp_group=None) -> Tensor:
     """logits [..., V / tp] -> [..., V], identical on every rank of ``tp_group`` (default as
     ``token_logprobs``)."""
-    tp_group = _group(tp_group)
-    if _size(tp_group) == 1:
+    tp_group = tp_group_or_default(tp_group)
+    if group_size(tp_group) == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits, group=tp_group)
 

@@ -193,7 +193,7 @@ def check_generator(generator, device: torch.device) -> None:
                          f"model's device")
 
 
-def _right_pad(rows: list, pad_id: int, width: Optional[int] = None) -> tuple:
+def right_pad(rows: list, pad_id: int, width: Optional[int] = None) -> tuple:
     """Host tensors: rows right-padded [B, Tp] and their lengths [B] (moved once by the
     caller); Tp: ``width`` (None: the longest row)."""
     lengths = mark_host(torch.tensor([len(r) for r in rows], device="cpu"))
@@ -277,7 +277,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
                                                      num_loops, prompt_kv, width, new_cache)
     else:
         rows = [p for p in prompts for _ in range(group_size)]
-        tokens, lengths = _right_pad(rows, pad_id, width)  # [B, Tp] host
+        tokens, lengths = right_pad(rows, pad_id, width)  # [B, Tp] host
         cache = new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens,
                           static=static_cache, num_loops=num_loops)
         logits, exit_lp = model.prefill(cache, upload(tokens, device), lengths, with_exit=True,
@@ -285,7 +285,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     check_exit_gate(sampling, exit_lp)
     step = (graphs.step(model, key, cache) if graphs is not None
             else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
-    rec = _Record(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
+    rec = DecodeRecord(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
     decode_tokens(step, logits, exit_lp, rec, max_new_tokens,
                   sampling.on(logits.shape[-1], device))
@@ -315,7 +315,7 @@ def check_exit_gate(sampling: Sampling, exit_lp: Optional[Tensor]) -> None:
                          f"(looped_exit_gate)")
 
 
-def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "_Record",
+def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "DecodeRecord",
                   steps: int, sampling: Sampling) -> int:
     """Sample up to ``steps`` tokens per row into ``rec`` from the first token's logits
     [R, B, V] (and exit distribution [R, B] or None), feeding each sampled token but the
@@ -338,7 +338,7 @@ def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "_Record
     return 0
 
 
-class _Record:
+class DecodeRecord:
     """What ``generate`` records per decoding step, on the model's device."""
 
     def __init__(self, R: int, B: int, steps: int, pad_id: int, eos_id: int, device,
@@ -402,7 +402,7 @@ def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: i
     ``model.new_kv_cache``)."""
     device = next(model.parameters()).device
     new_cache = new_cache or model.new_kv_cache
-    tokens, lengths = _right_pad(prompts, pad_id, width)  # [N, Tp] host
+    tokens, lengths = right_pad(prompts, pad_id, width)  # [N, Tp] host
     prefix = new_cache(len(prompts), tokens.shape[1], static=static, num_loops=num_loops)
     logits, exit_lp = model.prefill(prefix, upload(tokens, device), lengths, with_exit=True,
                                     num_loops=num_loops)  # [R, N, V], [R, N]

@@ -18,8 +18,8 @@ from .tasks import (
     Reverse,
     Sort,
     Task,
-    _require,
     hint_reply,
+    require,
 )
 from .user_task import dataset_task, factory_task, is_dataset
 
@@ -33,18 +33,18 @@ user's: ``jsonl:PATH``, ``parquet:PATH``, ``module.path:factory``)."""
 def get_task(name: str, *, rl_reward: Optional[str] = None, **options) -> Task:
     """The task ``name`` built with ``options`` (a dataset task scored by ``rl_reward``,
     ``module.path:function``); unknown names or options raise ValueError."""
-    _require(rl_reward is None or is_dataset(name), f"rl_reward scores a dataset task "
+    require(rl_reward is None or is_dataset(name), f"rl_reward scores a dataset task "
              f"(jsonl:PATH or parquet:PATH), not {name!r}")
     if is_dataset(name):
         return dataset_task(name, options, rl_reward)
     if name.startswith("reasoning_gym:"):
         return reasoning_gym_task(name, options)
     if name == "mix":
-        _require(set(options) <= {"tasks"}, f"task 'mix' takes only the option 'tasks', got "
+        require(set(options) <= {"tasks"}, f"task 'mix' takes only the option 'tasks', got "
                  f"{sorted(options)}")
         return MixedTask(**options)
     if name == "multiturn":
-        _require(set(options) <= {"task", "options", "hint"}, f"task 'multiturn' takes the "
+        require(set(options) <= {"task", "options", "hint"}, f"task 'multiturn' takes the "
                  f"options 'task', 'options' and 'hint', got {sorted(options)}")
         return MultiTurnTask(**options)
     if ":" in name:
@@ -77,7 +77,7 @@ class MixedTask(Task):
     """Entries ``{task: NAME, weight: W, options: {...}, reward: SPEC}``."""
 
     def __post_init__(self):
-        _require(isinstance(self.tasks, list) and len(self.tasks) > 0,
+        require(isinstance(self.tasks, list) and len(self.tasks) > 0,
                  "task 'mix' needs options {tasks: [{task: NAME, weight: W, options: {...}}]}")
         self._tasks, self._weights = [], []
         for i, entry in enumerate(self.tasks):
@@ -128,11 +128,11 @@ class MultiTurnTask(Task):
     again")."""
 
     def __post_init__(self):
-        _require(isinstance(self.task, str) and self.task != "multiturn",
+        require(isinstance(self.task, str) and self.task != "multiturn",
                  f"task 'multiturn': option 'task' must name another task, got {self.task!r}")
-        _require(isinstance(self.options, dict),
+        require(isinstance(self.options, dict),
                  f"task 'multiturn': option 'options' must be a mapping, got {self.options!r}")
-        _require(self.hint in HINTS,
+        require(self.hint in HINTS,
                  f"task 'multiturn': option 'hint' must be one of {HINTS}, got {self.hint!r}")
         self._inner = get_task(self.task, **self.options)
 
@@ -194,15 +194,15 @@ def corrupt(problem: Problem, rng: random.Random) -> str:
 def _mix_entry(i: int, entry: Any) -> tuple:
     """(task, weight) of entry ``i`` of a mix."""
     where = f"task 'mix' entry {i}"
-    _require(isinstance(entry, dict) and "task" in entry,
+    require(isinstance(entry, dict) and "task" in entry,
              f"{where} must be a mapping with a 'task' key, got {entry!r}")
     unknown = sorted(set(entry) - {"task", "weight", "options", "reward"})
-    _require(not unknown, f"{where} has unknown key {unknown[0] if unknown else ''!r}; "
+    require(not unknown, f"{where} has unknown key {unknown[0] if unknown else ''!r}; "
              "keys: task, weight, options, reward")
     weight = entry.get("weight", 1)
-    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+    require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
              f"{where}: weight must be a number > 0, got {weight!r}")
-    _require(entry["task"] != "mix", f"{where}: a mix cannot contain a mix")
+    require(entry["task"] != "mix", f"{where}: a mix cannot contain a mix")
     task = get_task(entry["task"], rl_reward=entry.get("reward"), **entry.get("options", {}))
     return task, float(weight)
 

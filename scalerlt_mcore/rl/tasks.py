@@ -123,10 +123,10 @@ class ModularArithmetic(Task):
     """Operators to draw from, a subset of ``+-*``."""
 
     def __post_init__(self):
-        _require(self.modulus >= 2, f"modulus must be >= 2, got {self.modulus}")
+        require(self.modulus >= 2, f"modulus must be >= 2, got {self.modulus}")
         lo, hi = self.min_operand, self.max_operand
-        _require(0 <= lo <= hi, f"need 0 <= min_operand <= max_operand, got {lo}, {hi}")
-        _require(bool(self.ops) and set(self.ops) <= set("+-*"),
+        require(0 <= lo <= hi, f"need 0 <= min_operand <= max_operand, got {lo}, {hi}")
+        require(bool(self.ops) and set(self.ops) <= set("+-*"),
                  f"ops must be a non-empty subset of '+-*', got {self.ops!r}")
 
     def _problem(self, rng):
@@ -157,9 +157,9 @@ class _StringTask(Task):
     marker = ">"
 
     def __post_init__(self):
-        _require(1 <= self.min_len <= self.max_len,
+        require(1 <= self.min_len <= self.max_len,
                  f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        _require(bool(self.alphabet), "alphabet must not be empty")
+        require(bool(self.alphabet), "alphabet must not be empty")
 
     def _problem(self, rng):
         text = "".join(rng.choices(self.alphabet, k=rng.randint(self.min_len, self.max_len)))
@@ -217,10 +217,10 @@ class KeyValueRetrieval(Task):
     """Digits per value (the answer's length)."""
 
     def __post_init__(self):
-        _require(self.num_pairs >= 1, f"num_pairs must be >= 1, got {self.num_pairs}")
-        _require(self.key_len >= 1, f"key_len must be >= 1, got {self.key_len}")
-        _require(self.value_len >= 1, f"value_len must be >= 1, got {self.value_len}")
-        _require(26**self.key_len >= 2 * self.num_pairs,
+        require(self.num_pairs >= 1, f"num_pairs must be >= 1, got {self.num_pairs}")
+        require(self.key_len >= 1, f"key_len must be >= 1, got {self.key_len}")
+        require(self.value_len >= 1, f"value_len must be >= 1, got {self.value_len}")
+        require(26**self.key_len >= 2 * self.num_pairs,
                  f"key_len {self.key_len} gives too few distinct keys for num_pairs "
                  f"{self.num_pairs} (26 ** key_len must be >= 2 * num_pairs)")
 
@@ -263,7 +263,7 @@ def hint_reply(problem: Problem, completion: str, hint: str = "prefix") -> str:
     verdict (``+`` right, ``-`` wrong), the ``hint`` (``HINTS``) and the prompt's last
     character (its marker, after which the model answers again). ``"abc>"`` (answer
     ``"cba"``) answered ``"cab"`` -> ``"-cb>"``; answered ``"cba"`` -> ``"+cba>"``."""
-    _require(hint in HINTS, f"hint must be one of {HINTS}, got {hint!r}")
+    require(hint in HINTS, f"hint must be one of {HINTS}, got {hint!r}")
     verdict = "+" if completion == problem.answer else "-"
     shown = correct_prefix(problem.answer, completion) if hint == "prefix" else ""
     return verdict + shown + problem.prompt[-1:]
@@ -283,6 +283,6 @@ def measure_lengths(task: Task, encode, n: int = 256, seed: int = 0,
             max(len(encode(p.answer)) for p in problems))
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

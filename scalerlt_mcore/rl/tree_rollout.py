@@ -38,12 +38,12 @@ from ..model.host_syncs import mark_host, upload
 from ..model.vocab_parallel import tempered
 from ..shared_prefix import TreeSegment
 from .rollout import (
+    DecodeRecord,
     Sampling,
-    _Record,
-    _right_pad,
     check_exit_gate,
     check_generator,
     decode_tokens,
+    right_pad,
 )
 
 
@@ -219,7 +219,7 @@ class _TreeGrower:
     def prefill_roots(self, prompts: list) -> tuple:
         """Level 0: the prompts, prefilled once. -> (logits [R, N, V], exit [R, N] or None)."""
         model = self.model
-        tokens, lengths = _right_pad([list(p) for p in prompts], self.pad_id)  # [N, Tp] host
+        tokens, lengths = right_pad([list(p) for p in prompts], self.pad_id)  # [N, Tp] host
         self.cache = model.new_kv_cache(len(prompts), tokens.shape[1], static=self.static,
                                         num_loops=self.num_loops)
         logits, exit_lp = model.prefill(self.cache, upload(tokens, self.device), lengths,
@@ -246,7 +246,7 @@ class _TreeGrower:
         B = len(parents)
         cache = model.new_kv_cache(B, M, prefix=self.cache, static=self.static,
                                    num_loops=self.num_loops)
-        rec = _Record(logits.shape[0], B, M, self.pad_id, self.eos_id, self.device,
+        rec = DecodeRecord(logits.shape[0], B, M, self.pad_id, self.eos_id, self.device,
                       exit_lp is not None)
         dropped = [p is None for p in parents]
         rec.done = upload(torch.tensor(dropped, dtype=torch.bool, device="cpu"), self.device)
@@ -261,7 +261,7 @@ class _TreeGrower:
             return None, None
         return self._finish_level(cache, parents, answers, fed)
 
-    def _answers(self, rec: _Record, parents: list) -> list:
+    def _answers(self, rec: DecodeRecord, parents: list) -> list:
         """Per row: (answer tokens, [L] sampled log-probs, [R, L] loop log-probs, [R, L] exit
         or None), up to and including the first eos; None for dropped rows."""
         out = rec.out.cpu().tolist()
@@ -301,7 +301,7 @@ class _TreeGrower:
         width = int(counts.max())
         if width == 0:  # every node finished: nothing below
             return None, None
-        tokens, _ = _right_pad([r or [self.pad_id] for r in pending], self.pad_id)
+        tokens, _ = right_pad([r or [self.pad_id] for r in pending], self.pad_id)
         cache.reserve(int(cache.lengths.max()) + width)
         logits, exit_lp, _ = self.model.extend(cache, upload(tokens[:, :width], self.device),
                                                counts,
@@ -385,7 +385,7 @@ def _tree_logprobs(model, trees: list, static_cache, num_loops, temperature: flo
     device = next(model.parameters()).device
     levels = _levels(trees)  # per depth: (tree, node) or None, in row order
     prompts = [list(_ids(trees[n][i].tokens)) for n, i in levels[0]]
-    tokens, lengths = _right_pad(prompts, 0)
+    tokens, lengths = right_pad(prompts, 0)
     cache = model.new_kv_cache(len(prompts), tokens.shape[1], static=static_cache,
                                num_loops=num_loops)
     logits = model.prefill(cache, upload(tokens, device), lengths, num_loops=num_loops)
@@ -394,7 +394,7 @@ def _tree_logprobs(model, trees: list, static_cache, num_loops, temperature: flo
     for above, level in zip(levels, levels[1:]):
         G = len(level) // len(above)
         rows = [[0] if e is None else list(_ids(trees[e[0]][e[1]].tokens)) for e in level]
-        padded, counts = _right_pad(rows, 0)  # [B, s] host
+        padded, counts = right_pad(rows, 0)  # [B, s] host
         on_device = upload(padded, device)  # [B, s]
         first = torch.log_softmax(tempered(logits, temperature), -1)
         first = first.repeat_interleave(G, dim=1)  # [R, B, V]

@@ -888,7 +888,7 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
 def _node_flops(m: ModelShape, tree, n: int, has_loss: bool) -> float:
     """Forward FLOPs of node n's own state (what recomputing it costs again)."""
     L, start = tree.ends[n] - tree.starts[n], tree.starts[n]
-    return _pass_flops(m, 1, L, start, readout=has_loss)
+    return pass_flops(m, 1, L, start, readout=has_loss)
 
 
 def _ancestors(tree, n: int) -> list:
@@ -921,8 +921,8 @@ class CostModel:
         recomputed = not plan.retain and (n > 1 or k > 1)
         prompt_passes = 4 if recomputed else 3  # forward(s) + backward (2)
         wave_passes = 4 if checkpoint_waves else 3
-        flops = (prompt_passes * _pass_flops(m, 1, P, 0)
-                 + wave_passes * _pass_flops(m, G, S, P, readout=True))
+        flops = (prompt_passes * pass_flops(m, 1, P, 0)
+                 + wave_passes * pass_flops(m, G, S, P, readout=True))
         prompt_calls = 3 * k if k > 1 else 2 + recomputed  # per segment: forward twice, backward
         calls = (n * 2 + prompt_calls) * m.depths
         calls += n * m.depths * checkpoint_waves
@@ -930,7 +930,7 @@ class CostModel:
 
     def naive_time(self, m: ModelShape, P: int, S: int, G: int, micro_batch_size: int) -> float:
         n = -(-G // min(micro_batch_size, G))
-        flops = 3 * _pass_flops(m, G, P + S, 0, readout=True)
+        flops = 3 * pass_flops(m, G, P + S, 0, readout=True)
         return self.call_s * 2 * n * m.depths + self.flop_s * flops
 
     def time(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
@@ -955,7 +955,7 @@ class CostModel:
             for i, tokens in enumerate(batches):
                 t = _time_step(model, tokens)
                 best[i] = min(best[i], t) if rep else best[i]
-        (c1, f1), (c2, f2) = [(2 * m.depths, 3 * _pass_flops(m, *b.shape, 0, readout=True))
+        (c1, f1), (c2, f2) = [(2 * m.depths, 3 * pass_flops(m, *b.shape, 0, readout=True))
                               for b in batches]
         (t1, t2), det = best, c1 * f2 - c2 * f1
         flop_s = max((c1 * t2 - c2 * t1) / det, 0.0) if det else 0.0
@@ -975,7 +975,7 @@ def shared_cost_model(model) -> CostModel:
     return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
 
 
-def _pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = False) -> float:
+def pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = False) -> float:
     """Forward FLOPs of ``rows`` x ``s`` tokens through every layer application (causal
     attention over ``prefix`` + own keys) and, optionally, the readouts."""
     hn, H = m.kv_channels, m.hidden

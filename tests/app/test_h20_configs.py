@@ -87,7 +87,7 @@ def data_checks_off(monkeypatch):
     device checks stay on (``check_device`` of every group, before any compute)."""
     monkeypatch.setattr(SharedPrefixGroup, "check", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(ReplayGuard, "_verify_contents", lambda self, where: None)
-    monkeypatch.setattr(rollout._Record, "rollout", lambda self, *args: self)
+    monkeypatch.setattr(rollout.DecodeRecord, "rollout", lambda self, *args: self)
 
 
 @pytest.mark.parametrize("name", META_STEP)
