@@ -1124,32 +1124,31 @@ class Planner:
         """A tree group's joint replay: waves of ``wave_size`` of each node's leaf children;
         per node, its graph retained or recomputed. ``prompt`` "retain" / "recompute": every
         node so (unchecked, as for a one-level group). "auto": without a budget every node
-        retained (as a one-level group retains); with one, ``_tree_greedy``."""
+        retained (as a one-level group retains); with one, ``_tree_greedy`` at the largest
+        wave (``wave_size`` "auto": G down to 1) and the fewest root segments that fit; none
+        fits: the error of the smallest wave with the whole root."""
         tree, G = group.tree, group.group_size
-        if self.wave_size == "auto":
-            raise ValueError(f"group {group.group_id}: wave_size 'auto' plans one-level groups; "
-                             f"a tree group (depth {tree.depth}) needs an integer "
-                             f"wave_size (or schedule 'naive')")
-        W, segments = min(self.wave_size, G), self.prompt_segments
+        widths = range(G, 0, -1) if self.wave_size == "auto" else (min(self.wave_size, G),)
+        segments = self.prompt_segments
         fixed = segments not in (1, "auto")
         if self.prompt != "auto" or self.budget is None:
+            if self.wave_size == "auto":
+                raise ValueError(f"group {group.group_id}: wave_size 'auto' of a tree group "
+                                 f"(depth {tree.depth}) is planned with prompt 'auto' and a "
+                                 f"memory budget")
             if fixed:
-                return GroupPlan(W, prompt_segments=segments)
-            return GroupPlan(W, retain=self.prompt != "recompute")
+                return GroupPlan(widths[0], prompt_segments=segments)
+            return GroupPlan(widths[0], retain=self.prompt != "recompute")
         m = ModelShape.from_model(model, num_loops)
-        if fixed:
-            return self._tree_greedy(m, group, W, segments)
-        try:
-            return self._tree_greedy(m, group, W)
-        except ValueError as e:
-            if segments != "auto":
-                raise
-            error = e
-        for n in segment_counts(group.prompt_length):  # the fewest root segments that fit
-            try:
-                return self._tree_greedy(m, group, W, n)
-            except ValueError:
-                pass
+        counts = [segments] if fixed else [1, *(segment_counts(group.prompt_length)
+                                               if segments == "auto" else ())]
+        error = None
+        for n in counts:  # the fewest root segments, then the largest wave, that fit
+            for W in widths:
+                try:
+                    return self._tree_greedy(m, group, W, n)
+                except ValueError as e:
+                    error = e if n == counts[0] else error  # the smallest wave's, whole root
         raise error
 
     def _tree_greedy(self, m: ModelShape, group, W: int, segments: int = 1) -> GroupPlan:

@@ -236,12 +236,15 @@ def test_forward_only_scores_the_rows(mcore_single):
 
 
 def test_tree_plan_errors(mcore_single):
+    """An auto wave size is planned under a budget with prompt 'auto'; a forced prompt mode
+    plans no wave size."""
     R = 2
     model = build_model(R=R).double()
     group = tree_group(DEPTH2, R, seed=1)
-    with pytest.raises(ValueError, match="a tree group \\(depth 2\\) needs an integer wave"):
+    with pytest.raises(ValueError, match="wave_size 'auto' of a tree group \\(depth 2\\) is "
+                       "planned with prompt 'auto' and a memory budget"):
         joint_step(model, [group], LossSpec(), "auto", memory_budget=2**30,
-                   loss_per_position=5.0)
+                   loss_per_position=5.0, prompt="retain")
 
 
 @pytest.mark.parametrize("shape,W,ck,k", [(DEPTH2, 2, False, 0), (DEPTH3, 3, True, 0),

@@ -233,6 +233,33 @@ def test_budget_below_recomputing_every_node_names_group_and_sizes(mcore_single)
     assert Planner(2, "auto", need, loss_per_position=LOSS_BYTES)(group, model).retain_nodes
 
 
+WIDE = [(None, 16), (0, 4), *[(1, 8)] * 6, (0, 6)]
+"""An internal node with six leaves (its waves' size sets the peak) and a leaf of the root."""
+
+
+def test_auto_wave_size_is_the_largest_that_fits_and_stays_exact(mcore_single):
+    """``wave_size="auto"`` on a tree: the largest wave whose every-node-recomputed plan fits
+    the budget, greedy retention on top; the step is exact against naive stock MCore; below
+    the smallest wave's peak, the error names that plan."""
+    model = build_model(R=R, arch=True).double()
+    group = tree_group(WIDE, R, seed=4, kl=True)
+    m, has_loss = ModelShape.from_model(model), nodes_with_loss(group)
+    need = {W: tree_memory(m, group.tree, GroupPlan(W), has_loss, LOSS_BYTES).peak_bytes
+            for W in range(1, group.group_size + 1)}
+    assert need[4] < need[5] < need[6]
+    plan = Planner("auto", "auto", need[4], loss_per_position=LOSS_BYTES,
+                   prompt_segments=1)(group, model)
+    assert plan.wave_size == 4
+    assert tree_memory(m, group.tree, plan, has_loss, LOSS_BYTES).peak_bytes <= need[4]
+    loss, ref = _reference(model, group)
+    out, _, _ = _run(model, group, plan, W=plan.wave_size)
+    _assert_close_rel(out[0]["loss"], loss, 1e-12, "tree loss")
+    assert max(rel_errors(grads(model), ref).values()) <= 1e-12
+    with pytest.raises(ValueError, match=r"the smallest \(every node recomputed, wave size 1\)"):
+        Planner("auto", "auto", need[1] - 1, loss_per_position=LOSS_BYTES,
+                prompt_segments=1)(group, model)
+
+
 def test_a_groups_row_indices_are_one_upload_on_meta():
     """Every node's rows below (where it trains a token) and every leaf wave's rows, in one
     non-blocking copy, not one blocking copy per wave and node (each a stream synchronize on
