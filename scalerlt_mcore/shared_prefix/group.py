@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .tree import PrefixTree, TreeError, build_tree, check_rows, tree_rows
+from .tree import PrefixTree, TreeError, build_tree, check_rows, flat_tree, tree_rows
 
 GUARDED = ("tokens", "labels", "loss_mask")
 """The group's own tensor fields the replay reads (a subclass adds its ``EXTRAS``)."""
@@ -156,8 +156,8 @@ class SharedPrefixGroup:
         and one leaf per row, each leaf the row's positions P .. T-1 (padding included)."""
         if self.tree is not None:
             return self.tree
-        (G, T), P = self.tokens.shape, self.prompt_length
-        return PrefixTree((-1, *[0] * G), (0, *[P] * G), (P, *[T] * G), tuple(range(1, G + 1)))
+        G, T = self.tokens.shape
+        return flat_tree(self.prompt_length, T, G)
 
     def waves(self, wave_size: int) -> list:
         """The group's responses split into waves of ``wave_size``: ``WaveBatch`` objects."""

@@ -4,7 +4,7 @@ Memory (docs/design.md): the bytes autograd saves for backward (what ``SavedTens
 measures) and the prefix adjoints, per (model, group, plan, checkpointed waves), and for naive
 training of the same group. One model of the joint replay, ``tree_memory``, walks the replay
 engine's order (``tree_schedule.TreeReplay``) over the group's tree (a one-level group's:
-``flat_tree``), each moment the retained graphs of the current path plus one working set:
+``tree.flat_tree``), each moment the retained graphs of the current path plus one working set:
 
 - a wave holds its own activations and the prefix state it reads (leaves that share the
   no-grad state's K/V storage, or in a bf16/fp16 model fp32 copies of it);
@@ -47,7 +47,7 @@ from ..model.attention import LoopedCoreAttention
 from ..model.config import FieldError
 from .probe import SavedTensorProbe
 from .replay import segment_bounds
-from .tree import PrefixTree
+from .tree import flat_tree
 from .tree_schedule import chain_parent, nodes_with_loss
 
 PROMPT_MODES = ("recompute", "retain")
@@ -671,13 +671,8 @@ def plan_memory(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan,
     naive plan's microbatches, or the tree walk of its depth-1 tree (``tree_memory``)."""
     if plan.naive:
         return naive_memory(m, P, S, G, plan.wave_size, loss_per_position)
-    return tree_memory(m, flat_tree(P, S, G), plan, [False] * (G + 1), loss_per_position,
+    return tree_memory(m, flat_tree(P, P + S, G), plan, [False] * (G + 1), loss_per_position,
                        checkpoint_waves)
-
-
-def flat_tree(P: int, S: int, G: int) -> PrefixTree:
-    """The depth-1 tree of a one-level group (``SharedPrefixGroup.as_tree``)."""
-    return PrefixTree((-1, *[0] * G), (0, *[P] * G), (P, *[P + S] * G), tuple(range(1, G + 1)))
 
 
 # ---- trees ----------------------------------------------------------------------------------

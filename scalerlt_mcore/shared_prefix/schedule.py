@@ -241,7 +241,8 @@ class SharedPrefixSchedule:
         return results
 
     def train_group(self, run: GroupRun, waves_context) -> dict:
-        """All three phases for one group (``_replay``); phases 1-2 inside ``waves_context``."""
+        """All three phases for one group (``TreeReplay.train``), or a naive plan's
+        microbatches (``replay.train_naive``); phases 1-2 inside ``waves_context``."""
         plan = run.plan
         num_waves = (train_naive(run, waves_context) if plan.naive
                      else TreeReplay(run).train(waves_context))

@@ -96,6 +96,12 @@ class PrefixTree:
         return slice(self.starts[n] - 1, self.ends[n] - 1)
 
 
+def flat_tree(P: int, T: int, G: int) -> PrefixTree:
+    """The depth-1 tree of a one-level group of G rows of T positions: the prompt (node 0,
+    positions 0 .. P-1) and one leaf per row (positions P .. T-1, padding included)."""
+    return PrefixTree((-1, *[0] * G), (0, *[P] * G), (P, *[T] * G), tuple(range(1, G + 1)))
+
+
 def build_tree(segments: list) -> tuple:
     """Check ``segments`` and lay them out -> (PrefixTree, tokens [N] x [L_n] long,
     loss masks [N] x [L_n] float64). Errors name the node."""
