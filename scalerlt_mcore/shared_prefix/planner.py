@@ -20,16 +20,16 @@ engine's order (``tree_schedule.TreeReplay``) over the group's tree (a one-level
   what the backward freed before it (``recompute_bytes``); the prompt's backward comes after
   its waves'. ``selective`` saves a recomputed module's inputs and rebuilds one at a time.
 
-The accounting follows the local layer spec op by op (layer norms, GELU MLP, learned or RoPE
-positions, injection, prelude/coda, all-loop readouts); each attention call's bytes are its core
-attention's own model (``saved_bytes``, beside the kernels in ``model/kernels.py``). What a
-family adds or saves beyond that (sandwich norms, adapters, loop-boundary norms, exit gates,
-tensor-parallel shards) is measured on the live model: ``calibration`` runs a few short
-forwards under ``SavedTensorProbe`` (under the model's own recompute setting) and fits bytes per
-token of the prelude, of each loop and of each readout; under ``full`` recompute the same
-forwards without it give what a recomputed layer saves beyond the op-by-op layer
-(``layer_bytes``). Tests hold the sum to within 10% of the probe for every family, with and
-without recompute. Time: ``CostModel`` (a fixed
+The bytes of every forward are measured on the live model, not copied from a layer spec:
+``calibration`` runs a few one-row causal forwards under ``SavedTensorProbe`` (1 and 2 loops,
+with and without readouts, two lengths; on the model's device, dtype, TP shards and recompute
+setting) and fits saved bytes per token of the embedding and prelude, of each trained loop and
+of each readout; each attention call adds its core attention's own model (``saved_bytes``,
+beside the kernels in ``model/kernels.py``: what a kernel keeps against a prefix of any
+length). Under ``full`` recompute the same forwards without it give what a recomputed layer
+saves (``layer_bytes``); under ``selective`` recompute of ``mlp`` one MLP's forward gives what
+it rebuilds (``mlp_bytes``). Tests hold the sum to within 10% of the probe for every family,
+with and without recompute. Time: ``CostModel`` (a fixed
 cost per layer call plus a cost per FLOP, calibrated by a short measurement).
 """
 
@@ -124,9 +124,6 @@ class ModelShape:
     prelude: int
     core: int
     coda: int
-    injection: bool
-    zero_initial_state: bool
-    rms_norm: bool
     rope_dim: int
     """Rotary dimension; 0 with learned absolute positions."""
     prefix_attention: str
@@ -140,9 +137,6 @@ class ModelShape:
     core_attention: type = LoopedCoreAttention
     """The layers' core attention: its ``saved_bytes(shape, rows, s, mode, prefix)`` is the
     memory model of every attention call (a swapped-in core attention brings its own)."""
-    token_bytes: tuple = (0.0, 0.0, 0.0)
-    """Measured saved bytes per token beyond the op-by-op model: (the embedding and prelude,
-    each trained loop, each trained loop's readout); see ``calibration``."""
     recompute: Optional[str] = None
     """MCore's ``recompute_granularity`` (``full``, ``selective``) or None."""
     chunks: tuple = ((), (), ())
@@ -150,23 +144,28 @@ class ModelShape:
     coda layer lists (``model.recompute.layer_chunks``)."""
     recompute_modules: tuple = ()
     """Under ``selective`` recompute: the recomputed modules (``core_attn``, ``mlp``, ...)."""
-    layer_bytes: float = 0.0
-    """Under ``full`` recompute: measured saved bytes per token of a recomputed layer beyond
-    the op-by-op layer (a family's own norms and adapters inside its layers); see
+    token_bytes: tuple = (0.0, 0.0, 0.0)
+    """Measured saved bytes per token of (the embedding and prelude, each trained loop, each
+    trained loop's readout), the attention kernels' own bytes and the token ids aside; see
     ``calibration``."""
+    layer_bytes: float = 0.0
+    """Under ``full`` recompute: measured saved bytes per token of one layer application
+    without recompute (its input included, its attention kernel aside): what a checkpointed
+    chunk rebuilds in its backward."""
+    mlp_bytes: float = 0.0
+    """Under ``selective`` recompute of ``mlp``: measured bytes per token an MLP saves beyond
+    its input (what its backward rebuilds)."""
 
     @classmethod
     def from_model(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
         """The shape of ``model`` running ``num_loops`` loops (None: ``looped_num_loops``),
         calibrated on the model (``calibration``, once per model, dtype and device)."""
-        token_bytes, layer_bytes = calibration(model)
-        return replace(cls.uncalibrated(model, num_loops), token_bytes=token_bytes,
-                       layer_bytes=layer_bytes)
+        return replace(cls.uncalibrated(model, num_loops), **calibration(model))
 
     @classmethod
     def uncalibrated(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
-        """The op-by-op shape of ``model``, read from its config (``token_bytes`` 0): per
-        rank, with heads, K/V groups, FFN width and vocabulary split over tensor parallelism."""
+        """The shape of ``model`` read from its config, nothing measured: per rank, with heads,
+        K/V groups, FFN width and vocabulary split over tensor parallelism."""
         c = model.config.with_loops(num_loops)
         dtype = next(model.parameters()).dtype
         rope = getattr(model, "rotary_pos_emb", None)
@@ -176,10 +175,7 @@ class ModelShape:
             heads=c.num_attention_heads // tp,
             kv_groups=(c.num_query_groups or c.num_attention_heads) // tp,
             kv_channels=c.kv_channels, vocab=model.vocab_size // tp, loops=c.looped_num_loops,
-            prelude=c.looped_num_prelude_layers, core=c.num_layers,
-            coda=c.looped_num_coda_layers, injection=c.looped_injection != "none",
-            zero_initial_state=c.looped_initial_state == "zeros",
-            rms_norm=c.normalization == "RMSNorm",
+            prelude=c.looped_num_prelude_layers, core=c.num_layers, coda=c.looped_num_coda_layers,
             rope_dim=0 if rope is None else 2 * rope.inv_freq.numel(),
             prefix_attention=c.looped_prefix_attention, dtype_bytes=dtype.itemsize,
             acc_bytes=torch.promote_types(dtype, torch.float32).itemsize,
@@ -254,223 +250,141 @@ def _core_attention(model) -> type:
     return kind
 
 
-# ---- saved bytes of one forward, op by op -----------------------------------------------------
+# ---- saved bytes of one forward, calibrated on the live model ---------------------------------
 
 
-class _Saved:
-    """Saved storages of one forward, each counted once (several ops may save one tensor)."""
-
-    def __init__(self):
-        self.named, self.total, self._fresh = {}, 0, 0
-
-    def add(self, nbytes: int, name: Optional[str] = None) -> None:
-        if name is None:
-            self.total += nbytes
-        elif name not in self.named:
-            self.named[name] = nbytes
-            self.total += nbytes
-
-    def fresh(self, prefix: str) -> str:
-        self._fresh += 1
-        return f"{prefix}{self._fresh}"
-
-
-class _GraphFree(_Saved):
-    """A loop run without a graph: it saves nothing; its storages are named by ``parent``, so
-    that a name it hands on (its output) is new to the parent."""
-
-    def __init__(self, parent: _Saved):
-        super().__init__()
-        self.parent = parent
-
-    def add(self, nbytes: int, name: Optional[str] = None) -> None:
-        pass
-
-    def fresh(self, prefix: str) -> str:
-        return self.parent.fresh(prefix)
-
-
-def _norm(m: ModelShape, saved: _Saved, x: str, n: int) -> None:
-    """A layer norm of ``n`` tokens whose input storage is ``x`` (its output is counted by
-    the linear that reads it)."""
-    saved.add(n * m.hidden * m.dtype_bytes, x)
-    if m.rms_norm:  # input, 1/rms, and the normalised input (for the weight's gradient)
-        saved.add(n * m.acc_bytes + n * m.hidden * m.dtype_bytes)
-    else:  # input, mean, 1/std
-        saved.add(2 * n * m.acc_bytes)
-
-
-def _attention(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: int) -> None:
-    """Core attention of ``rows`` x ``s`` queries; ``kind``: causal, cascade or concat against
-    ``prefix`` keys. The bytes are the core attention's own model (its ``saved_bytes``); prefix
-    K/V storage is counted by ``prefix_bytes``."""
-    saved.add(m.core_attention.saved_bytes(m, rows, s, kind, prefix))
-
-
-def _layer(m: ModelShape, saved: _Saved, x: str, rows: int, s: int, kind: str,
-           prefix: int) -> str:
-    """One transformer layer application; returns the name of its output storage. Under
-    ``selective`` recompute a recomputed core attention saves its inputs (the QKV output) and a
-    recomputed MLP its input."""
-    n, b = rows * s, m.dtype_bytes
-    _norm(m, saved, x, n)
-    saved.add(n * m.hidden * b)  # linear_qkv input
+def _attention_calls(m: ModelShape) -> int:
+    """Attention applications of one forward whose kernel saves for backward: the trained
+    layer applications outside checkpointed chunks (none where ``core_attn`` is recomputed)."""
     if "core_attn" in m.recompute_modules:
-        saved.add(n * m.qkv_width * b)
-    else:
-        _attention(m, saved, rows, s, kind, prefix)
-    _norm(m, saved, saved.fresh("residual"), n)
-    saved.add(n * m.hidden * b)  # linear_fc1 input
-    if "mlp" not in m.recompute_modules:
-        saved.add(_mlp_bytes(m, n))
-    return saved.fresh("layer_out")
+        return 0
+    plain = [sum(end - start for start, end, ck in chunks if not ck) for chunks in m.chunks]
+    return plain[0] + m.trained_loops * (plain[1] + plain[2])
 
 
-def _mlp_bytes(m: ModelShape, n: int) -> int:
-    """What an MLP saves beyond its input: the activation's input and fc2's input."""
-    return n * m.ffn * m.dtype_bytes * (2 if m.gated else 1) + n * m.ffn * m.dtype_bytes
-
-
-def _layers(m: ModelShape, saved: _Saved, x: str, which: int, rows: int, s: int, kind: str,
-            prefix: int) -> str:
-    """A run of the prelude (``which`` 0), core (1) or coda (2) layers by its recompute chunks:
-    a checkpointed chunk saves only its input (its prefix K/V are counted with the prefix)."""
-    for start, end, checkpointed in m.chunks[which]:
-        if checkpointed and not isinstance(saved, _GraphFree):
-            saved.add(rows * s * m.hidden * m.dtype_bytes, x)
-            x = saved.fresh("chunk_out")
-            continue
-        for _ in range(end - start):
-            x = _layer(m, saved, x, rows, s, kind, prefix)
-    return x
+def block_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0,
+                readout: bool = True) -> int:
+    """Saved bytes of the looped block's forward over ``rows`` x ``s`` tokens (prelude, trained
+    loops, their readouts): the measured bytes per token plus each saving attention call's
+    kernel model (``kind`` causal, cascade or concat against ``prefix`` keys). Token ids,
+    positions and prefix K/V storage are the caller's."""
+    prelude, loop, read = m.token_bytes
+    per_token = prelude + m.trained_loops * (loop + read * readout)
+    attention = m.core_attention.saved_bytes(m, rows, s, kind, prefix)
+    return round(rows * s * per_token) + _attention_calls(m) * attention
 
 
 def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0) -> int:
     """The largest working set activation recompute rebuilds in a backward of ``rows`` x ``s``
-    tokens: a ``selective`` module, or a ``full`` chunk's layers (beyond its saved input) less
+    tokens: a ``selective`` module, or a ``full`` chunk's layers beyond its saved input, less
     what the backward freed before it: in the last loop the saves of the plain layers and the
     inputs of the chunks after it (the prelude's chunks: nothing freed, an upper bound)."""
+    n = rows * s
+    attention = m.core_attention.saved_bytes(m, rows, s, kind, prefix)
     if m.recompute == "selective":
-        sizes = [0]
-        if "core_attn" in m.recompute_modules:
-            sizes.append(m.core_attention.saved_bytes(m, rows, s, kind, prefix))
-        if "mlp" in m.recompute_modules:
-            sizes.append(_mlp_bytes(m, rows * s))
-        return max(sizes)
+        return max(attention * ("core_attn" in m.recompute_modules),
+                   round(m.mlp_bytes * n) * ("mlp" in m.recompute_modules))
+    layer, chunk_input = round(m.layer_bytes * n) + attention, n * m.hidden * m.dtype_bytes
     worst = 0
     for lists in ((2, 1), (0,)) if m.trained_loops else ((0,),):
         freed = 0  # what the backward has freed of the lists after the chunk (last loop)
         for which in lists:
             for start, end, checkpointed in reversed(m.chunks[which]):
-                saved = _Saved()
-                saved.named["input"] = 0
-                x = "input"
-                for _ in range(end - start):
-                    x = _layer(m, saved, x, rows, s, kind, prefix)
+                rebuilt = (end - start) * layer - chunk_input if end > start else 0
                 if checkpointed:
-                    extra = round(m.layer_bytes * rows * s * (end - start))
-                    worst = max(worst, saved.total + extra - freed)
-                    freed += rows * s * m.hidden * m.dtype_bytes  # its input
-                else:
-                    freed += saved.total
+                    worst = max(worst, rebuilt - freed)
+                freed += chunk_input if checkpointed else rebuilt
     return worst
-
-
-def _readout(m: ModelShape, saved: _Saved, h: str, n: int) -> None:
-    """Final norm, output layer and log-softmax of ``n`` positions."""
-    _norm(m, saved, h, n)
-    saved.add(n * m.hidden * m.dtype_bytes + n * m.vocab * m.acc_bytes)
-
-
-def _block(m: ModelShape, saved: _Saved, rows: int, s: int, kind: str, prefix: int = 0,
-           readout: bool = True) -> None:
-    """The recurrent block's forward (prelude, R loops of core and coda) and the readouts."""
-    n = rows * s
-    h = saved.fresh("embedding")
-    h = _layers(m, saved, h, 0, rows, s, kind, prefix)
-    embed = h
-    state = saved.fresh("zeros") if m.zero_initial_state else embed
-    for r in range(m.loops):
-        live = saved if r >= m.graph_free_loops else _GraphFree(saved)
-        x = state
-        if m.injection:
-            live.add(2 * n * m.hidden * m.dtype_bytes)  # [state; embed]
-            x = live.fresh("injected")
-        state = y = _layers(m, live, x, 1, rows, s, kind, prefix)
-        y = _layers(m, live, y, 2, rows, s, kind, prefix)
-        if readout:
-            _readout(m, live, y, n)
-    prelude, loop, read = m.token_bytes
-    saved.add(round(n * (prelude + m.trained_loops * (loop + read * readout))))
-
-
-# ---- calibration on the live model ----------------------------------------------------------
 
 
 CALIBRATION_TOKENS = (8, 16)
 """Token counts of the calibration forwards (one row each): two, so that a fixed cost per call
 does not count as a cost per token."""
 
-_CALIBRATIONS = weakref.WeakKeyDictionary()  # model -> {(dtype, device): token_bytes}
+_CALIBRATIONS = weakref.WeakKeyDictionary()  # model -> {(dtype, device): measured fields}
 
 
-def calibration(model) -> tuple:
-    """(``ModelShape.token_bytes``, ``ModelShape.layer_bytes``) of ``model``: measured once per
-    (model, dtype, device)."""
+def calibration(model) -> dict:
+    """``ModelShape``'s measured fields of ``model`` (``token_bytes``, ``layer_bytes``,
+    ``mlp_bytes``): measured once per (model, dtype, device)."""
     p = next(model.parameters())
     cached = _CALIBRATIONS.setdefault(model, {})
     key = (p.dtype, p.device)
     if key not in cached:
-        cached[key] = _calibrate(model), _calibrate_layers(model)
+        with _config_as(model.config, looped_backprop_loops=0):  # every loop measured
+            cached[key] = _calibrate(model)
     return cached[key]
 
 
-def _calibrate(model) -> tuple:
-    """Saved bytes per token the op-by-op model misses (negative: counts in excess), from
-    causal forwards at 1 and 2 loops, with and without readouts, under the model's own
-    recompute setting: the per-token difference of measured and predicted bytes is linear in
-    the trained loops (k) and readouts."""
-    (fixed1, k1), (fixed2, k2), (read1, _) = (_excess_per_token(model, R, readout)
-                                              for R, readout in ((1, False), (2, False),
-                                                                 (1, True)))
-    loop = (fixed2 - fixed1) / (k2 - k1) if k2 != k1 else 0.0
-    return (fixed1 - k1 * loop, loop, (read1 - fixed1) / k1)
-
-
-def _calibrate_layers(model) -> float:
-    """``ModelShape.layer_bytes``: under ``full`` recompute, what the model's layers save per
-    token beyond the op-by-op layer, per layer: the calibration without recompute less the one
-    with it (what the layers save in the forward there, they save in the backward here),
-    over the checkpointed layers of the prelude and one loop. 0 without full recompute."""
-    config = model.config
+def _calibrate(model) -> dict:
+    """The measured fields: bytes per token under the model's recompute setting; under
+    ``full`` recompute also without it (what a recomputed layer saves, ``layer_bytes``); under
+    ``selective`` with ``mlp`` one MLP's saves (``mlp_bytes``)."""
     m = ModelShape.uncalibrated(model, 1)
-    if m.recompute != "full":
-        return 0.0
-    layers = sum(end - start for chunks in m.chunks for start, end, ck in chunks if ck)
-    if not layers:
-        return 0.0
-    ours = _calibrate(model)
-    config.recompute_granularity = None
-    try:
-        plain = _calibrate(model)
-    finally:
-        config.recompute_granularity = "full"
-    return (plain[0] + plain[1] - ours[0] - ours[1]) / layers
+    ours = _token_bytes(model)
+    fields = dict(token_bytes=ours)
+    checkpointed = [end - start for chunks in m.chunks for start, end, ck in chunks if ck]
+    if checkpointed:  # the prelude's and one loop's chunks
+        with _config_as(model.config, recompute_granularity=None):
+            plain = _token_bytes(model)
+        rebuilt = plain[0] + plain[1] - ours[0] - ours[1]  # sum over chunks of k layers - input
+        inputs = len(checkpointed) * m.hidden * m.dtype_bytes
+        fields["layer_bytes"] = (rebuilt + inputs) / sum(checkpointed)
+    if "mlp" in m.recompute_modules:
+        fields["mlp_bytes"] = _mlp_bytes(model, m)
+    return fields
 
 
-def _excess_per_token(model, R: int, readout: bool) -> tuple:
-    """(measured - predicted saved bytes per token of an R-loop forward, its trained loops)."""
+def _token_bytes(model) -> tuple:
+    """``ModelShape.token_bytes``: saved bytes per token of (the embedding and prelude, a
+    loop, a loop's readout), from causal forwards of 1 and 2 loops with and without readouts:
+    what the probe measures less the attention kernels' own model and the token ids."""
+    f1, f2, r1 = (_per_token(model, R, readout)
+                  for R, readout in ((1, False), (2, False), (1, True)))
+    return (2 * f1 - f2, f2 - f1, r1 - f1)
+
+
+def _per_token(model, R: int, readout: bool) -> float:
+    """Bytes per token of an R-loop forward beyond its attention calls and token ids: the
+    slope between two lengths."""
     m = ModelShape.uncalibrated(model, R)
     lengths = [min(s, model.max_sequence_length) for s in CALIBRATION_TOKENS]
     if lengths[0] == lengths[1]:
         lengths[0] //= 2
-    excess = []
+    rest = []
     for s in lengths:
-        saved = _Saved()
-        _block(m, saved, 1, s, "causal", readout=readout)
+        attention = _attention_calls(m) * m.core_attention.saved_bytes(m, 1, s, "causal", 0)
         ids = s * INT64 * (1 + readout) + s * INT64 * (not m.rope_dim)  # ids, labels, positions
-        excess.append(_measured_forward(model, R, s, readout) - saved.total - ids)
-    return (excess[1] - excess[0]) / (lengths[1] - lengths[0]), m.trained_loops
+        rest.append(_measured_forward(model, R, s, readout) - attention - ids)
+    return (rest[1] - rest[0]) / (lengths[1] - lengths[0])
+
+
+def _mlp_bytes(model, m: ModelShape) -> float:
+    """What a core layer's MLP saves per token beyond its input (what selective recompute
+    rebuilds): its forward on two lengths under the probe."""
+    mlp, device = model.decoder.layers[0].mlp, next(model.parameters()).device
+    sizes = []
+    for s in CALIBRATION_TOKENS:
+        x = torch.zeros(s, 1, m.hidden, dtype=next(model.parameters()).dtype, device=device,
+                        requires_grad=True)
+        with torch.enable_grad(), SavedTensorProbe(model) as probe:
+            mlp(x)
+        sizes.append(probe.peak_bytes)
+    per_token = (sizes[1] - sizes[0]) / (CALIBRATION_TOKENS[1] - CALIBRATION_TOKENS[0])
+    return per_token - m.hidden * m.dtype_bytes
+
+
+@contextlib.contextmanager
+def _config_as(config, **fields):
+    """``config`` with ``fields`` set for the block (the model's modules share it)."""
+    old = {name: getattr(config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(config, name, value)
 
 
 def _measured_forward(model, R: int, s: int, readout: bool) -> int:
@@ -534,26 +448,30 @@ def wave_bytes(m: ModelShape, P: int, S: int, W: int,
                loss_per_position: Optional[float], readout: bool = True) -> int:
     """One wave against the prefix state (the prefix K/V storage not included); ``readout``
     False: without its readouts and loss (what its backward holds once they are done)."""
-    saved = _Saved()
-    R, H, b = m.loops, m.hidden, m.dtype_bytes
-    k = m.trained_loops  # loops whose boundary readout builds a graph
-    if readout:  # the boundary
-        saved.add(k * H * b * 2 + k * 2 * m.acc_bytes + W * R * m.vocab * m.acc_bytes)
-    saved.add(2 * W * S * INT64)  # the wave's token and label ids
+    total = 2 * W * S * INT64  # the wave's token and label ids
+    if readout:
+        total += _boundary_bytes(m, W) + _loss_bytes(m, W, P + S, loss_per_position)
     if S > 1:
-        _block(m, saved, W, S - 1, m.prefix_attention, prefix=P, readout=readout)
-        saved.add((S - 1) * INT64 * (not m.rope_dim))  # positions
-    return saved.total + (_loss_bytes(m, W, P + S, loss_per_position) if readout else 0)
+        total += block_bytes(m, W, S - 1, m.prefix_attention, prefix=P, readout=readout)
+        total += (S - 1) * INT64 * (not m.rope_dim)  # positions
+    return total
+
+
+def _boundary_bytes(m: ModelShape, rows: int) -> int:
+    """The readout of a path's last position for ``rows`` first labels: its final norm per
+    trained loop, and each row's log-probs over the vocabulary per loop."""
+    k = m.trained_loops  # loops whose boundary readout builds a graph
+    return k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes + (
+        rows * m.loops * m.vocab * m.acc_bytes)
 
 
 def naive_bytes(m: ModelShape, T: int, rows: int, loss_per_position: Optional[float],
                 readout: bool = True) -> int:
     """One naive microbatch of ``rows`` full sequences of length T (``readout``: as in
     ``wave_bytes``)."""
-    saved = _Saved()
-    _block(m, saved, rows, T, "causal", readout=readout)
-    saved.add(2 * rows * T * INT64 + T * INT64 * (not m.rope_dim))  # ids, labels, positions
-    return saved.total + (_loss_bytes(m, rows, T, loss_per_position) if readout else 0)
+    ids = 2 * rows * T * INT64 + T * INT64 * (not m.rope_dim)  # ids, labels, positions
+    loss = _loss_bytes(m, rows, T, loss_per_position) if readout else 0
+    return block_bytes(m, rows, T, "causal", readout=readout) + ids + loss
 
 
 def _backward_peak(m: ModelShape, forward: int, rows: int, s: int, kind: str,
@@ -647,11 +565,9 @@ def segment_bytes(m: ModelShape, start: int, end: int, group_tokens: int) -> int
     """A prompt segment's replay graph (positions ``start`` .. ``end`` against the earlier
     ones; the prefix K/V storage not included); ``group_tokens``: the group's token ids,
     whose storage its slice keeps."""
-    saved = _Saved()
-    _block(m, saved, 1, end - start, "causal" if start == 0 else m.prefix_attention,
-           prefix=start, readout=False)
-    saved.add(group_tokens * INT64 + (end - start) * INT64 * (not m.rope_dim))  # ids, positions
-    return saved.total
+    kind = "causal" if start == 0 else m.prefix_attention
+    ids = group_tokens * INT64 + (end - start) * INT64 * (not m.rope_dim)  # ids, positions
+    return block_bytes(m, 1, end - start, kind, prefix=start, readout=False) + ids
 
 
 def naive_memory(m: ModelShape, P: int, S: int, G: int, micro_batch_size: int,
@@ -731,21 +647,18 @@ def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
                     loss_per_position: Optional[float], segmented: bool = False) -> int:
     """Node n's own forward with grad against its ancestors (and its own-token loss)."""
-    saved, L, start = _Saved(), tree.ends[n] - tree.starts[n], tree.starts[n]
+    L, start = tree.ends[n] - tree.starts[n], tree.starts[n]
+    positions = L * INT64 * (not m.rope_dim)
     if tree.parents[n] < 0:  # the prompt: its ids a view of the group's [G, T] ids
-        _block(m, saved, 1, L, "causal", readout=False)
         ids = len(tree.leaf_of_row) * max(tree.ends) * INT64
-        return saved.total + ids + L * INT64 * (not m.rope_dim)
-    _block(m, saved, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
-    saved.add(L * INT64 * (1 + (not m.rope_dim)))  # token ids, positions
+        return block_bytes(m, 1, L, "causal", readout=False) + ids + positions
+    total = block_bytes(m, 1, L, m.prefix_attention, prefix=start, readout=has_loss)
+    total += L * INT64 + positions  # token ids
     via_chain = chain_parent(tree, n) is not None
-    total = saved.total + _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained,
-                                             segmented)
+    total += _read_prefix_bytes(m, tree, tree.parents[n], via_chain, root_retained, segmented)
     if has_loss:  # the first label from the parent's boundary; the loss over the rows below
-        k, rows = m.trained_loops, len(tree.rows_below(n))
-        total += k * m.hidden * m.dtype_bytes * 2 + k * 2 * m.acc_bytes
-        total += m.loops * m.vocab * m.acc_bytes + L * INT64
-        total += _loss_bytes(m, rows, L, loss_per_position)
+        total += _boundary_bytes(m, 1) + L * INT64
+        total += _loss_bytes(m, len(tree.rows_below(n)), L, loss_per_position)
     return total
 
 

@@ -84,10 +84,10 @@ MODELS = {
     "exit-gate-arch-f32": lambda: _gated(R=3, hidden=32, heads=4),
     "exit-gate-truncated-bf16": lambda: _gated(R=3, hidden=32, heads=4,
                                                looped_backprop_loops=2).to(torch.bfloat16),
-    # the streamed readout keeps no [.., V] logits: measured, not the op-by-op readout's
+    # the streamed readout keeps no [.., V] logits: the calibration measures what it keeps
     "streamed-readout-f32": lambda: build_model(R=2, hidden=32, heads=4, looped_readout_tile=16),
     "ouro-streamed-bf16": _family(write_ouro_checkpoint, torch.bfloat16, looped_readout_tile=16),
-    # the public families, measured on the live model beyond the op-by-op GPT layer
+    # the public families: their own layers, measured on the live model
     "ouro-f32": _family(write_ouro_checkpoint, torch.float32),
     "ouro-bf16": _family(write_ouro_checkpoint, torch.bfloat16),
     "ouro-truncated-f32": _family(write_ouro_checkpoint, torch.float32, looped_backprop_loops=2),
