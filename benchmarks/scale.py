@@ -251,28 +251,13 @@ def _row(name: str, plan, memory, flops: float, resident: int, gpu: float,
     """One schedule's figures; ``plan`` None: no plan fits (``memory`` is the smallest's).
     The per-GPU total: what stays resident, plus the larger of the step and the rollout cache
     freed before it (``cache``)."""
+    from scalerlt_mcore.app.plan import plan_text
+
     total = resident + max(memory.peak_bytes, cache)
     fits = plan is not None and total <= gpu
-    return {"schedule": name, "plan": _plan_text(plan), "fits": fits,
+    return {"schedule": name, "plan": plan_text(plan), "fits": fits,
             "saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
             "total_bytes": total, "shortfall_bytes": max(total - gpu, 0), "flops": flops}
-
-
-def _plan_text(plan, tree=None) -> str:
-    """A plan in words; a tree's: how many of its internal nodes it retains."""
-    if plan is None:
-        return "none fits"
-    if plan.naive:
-        return f"naive, micro-batch {plan.wave_size}"
-    if plan.retain_nodes is not None and tree is not None:
-        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
-        kept = sum(plan.retain_nodes[n] for n in internal)
-        split = (f", the prompt in {plan.prompt_segments} segments"
-                 if plan.prompt_segments > 1 else "")
-        return f"waves of {plan.wave_size}, {kept}/{len(internal)} internal nodes retained{split}"
-    if plan.prompt_segments > 1:
-        return f"waves of {plan.wave_size}, prompt recomputed in {plan.prompt_segments} segments"
-    return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
 
 
 def _best_naive(cfg, model, twin, wl, budget: float, R: int):
@@ -327,7 +312,13 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
     """``wl``'s rows at full size: the plan command's report, its run planned under the budget
     the GPU leaves (a tree: its rows as one-level sequences, and the tree's joint rows from
     the planner's tree model)."""
-    from scalerlt_mcore.app.plan import Workload, make_report, shortfall, smallest_change
+    from scalerlt_mcore.app.plan import (
+        Workload,
+        make_report,
+        plan_text,
+        shortfall,
+        smallest_change,
+    )
 
     cfg, gpu = _for_workload(cfg0, wl), GPU_GIB * GIB
     work = Workload(WORLD_SIZE, wl.prompt_length, gpu)
@@ -352,7 +343,7 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
                        _best_naive(cfg, model, twin, wl, budget, R))
     m = _shape(model, R) if naive_rc is False else _shape(twin, R)
     naive_best = None if naive is None else {
-        "plan": _plan_text(naive) + (", recompute" if naive_rc else ""),
+        "plan": plan_text(naive) + (", recompute" if naive_rc else ""),
         "flops": _naive_flops(m, wl, naive_rc)}
     joint_best = next((r for r in rows[2:] if r["fits"]), None)
     ratio = (naive_best["flops"] / joint_best["flops"]
@@ -412,32 +403,6 @@ def _tree_group(wl: ScaleWorkload):
                            group_size=wl.G, group_id=0, tree=tree, loss_mask=mask)
 
 
-def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
-    """Joint replay of a tree by ``plan``, as the tree schedule runs it (benchmarks/tree.py's
-    ``analytic_passes``): an internal node's layers forward 1 + backward 2 (a recomputed one's
-    forward once more, without grad), read out at its own positions and its parent's boundary
-    where it trains a token; a leaf the same without its last token, read out there; one
-    boundary readout per wave; under full recompute every node's layers once more
-    (``app.plan._flops``'s count)."""
-    from scalerlt_mcore.shared_prefix.planner import pass_flops
-
-    def read(positions: int) -> float:
-        return m.loops * positions * 2 * m.hidden * m.vocab
-
-    retained, W = plan.node_retained(tree.num_nodes), plan.wave_size
-    flops = 0.0
-    for n in range(tree.num_nodes):
-        start, L = tree.starts[n], tree.ends[n] - tree.starts[n]
-        if tree.is_leaf(n):
-            layers, readouts, passes = pass_flops(m, 1, L - 1, start), L - 1, 3
-        else:
-            leaves = sum(tree.is_leaf(c) for c in tree.children(n))
-            layers, passes = pass_flops(m, 1, L, start), 3 + (not retained[n])
-            readouts = (L + 1 if n and has_loss[n] else 0) + -(-leaves // W)
-        flops += passes * layers + 3 * read(readouts) + recompute * layers
-    return flops
-
-
 def plan_tree(cfg, model, wl: ScaleWorkload, budget: float):
     """The planner's tree plan for ``wl`` under ``budget``: the largest wave (leaves of a node
     per wave) for which its greedy per-node choice fits, -> (plan or None, the memory of the
@@ -477,6 +442,7 @@ def _tree_rows(cfg, model, twin, wl, budget, held, gpu, cache) -> list:
 def _tree_row(name, cfg, model, wl, budget, held, gpu, cache, tree, has_loss, R) -> dict:
     """One tree row: the planner's plan on ``model`` (the smallest plan's peak and FLOPs where
     none fits), its retained nodes and wave size."""
+    from scalerlt_mcore.app.plan import plan_text, tree_flops
     from scalerlt_mcore.shared_prefix.planner import GroupPlan
 
     plan, memory = plan_tree(cfg, model, wl, budget)
@@ -487,7 +453,7 @@ def _tree_row(name, cfg, model, wl, budget, held, gpu, cache, tree, has_loss, R)
     row["retain_nodes"] = None if plan is None else list(plan.retain_nodes)
     row["wave_size"] = counted.wave_size
     row["prompt_segments"] = counted.prompt_segments
-    row["plan"] = _plan_text(plan, tree)
+    row["plan"] = plan_text(plan, tree)
     return row
 
 
@@ -593,6 +559,7 @@ def scaled_down(family: Family, wl: ScaleWorkload, entry: Optional[dict] = None,
                 factor: int = SCALE, seed: int = 0) -> dict:
     """``wl`` at 1/``factor`` of its lengths on the family's tiny model: naive micro-batch 1
     and joint replay by the full-size plan's shape, measured beside predicted."""
+    from scalerlt_mcore.app.plan import plan_text
     from scalerlt_mcore.shared_prefix.planner import GroupPlan
 
     small = wl.scaled(factor)
@@ -605,7 +572,7 @@ def scaled_down(family: Family, wl: ScaleWorkload, entry: Optional[dict] = None,
         measured = measured_peak(cfg, model, batch, plan)
         predicted = predicted_saved(cfg, model, small, plan)
         tree = prefix_tree(small)[0] if small.is_tree else None
-        out["runs"].append({"schedule": name, "plan": _plan_text(plan, tree),
+        out["runs"].append({"schedule": name, "plan": plan_text(plan, tree),
                             "measured": measured,
                             "predicted": predicted, "error": predicted / measured - 1})
     return out

@@ -1,7 +1,8 @@
 """Does a run fit? ``python -m scalerlt_mcore.plan`` with the run's flags (``--config``,
 ``--pretrained-checkpoint --use-checkpoint-args``, ``--bf16``, ...) and the workload's
 (``--world-size``, ``--plan-prompt-length``; S and G are the run's ``--rl-max-response-length``
-and ``--grpo-group-size``).
+and ``--grpo-group-size``; with ``--rl-rollout tree`` a group is the largest tree of
+``--rl-tree-branches``: every answer S tokens, every reply between turns ``--plan-reply-length``).
 
 The run's model is built at full size on ``meta`` (no memory, no FLOPs) and the planner's
 memory model is calibrated there (``ModelShape.from_model``). Printed per GPU: the model state
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..model.decode_graph import DecodeGraphs
+from ..shared_prefix.group import SharedPrefixGroup
 from ..shared_prefix.planner import (
     CostModel,
     GroupPlan,
@@ -33,6 +35,8 @@ from ..shared_prefix.planner import (
     pass_flops,
     plan_memory,
 )
+from ..shared_prefix.tree import TreeSegment
+from ..shared_prefix.tree_schedule import nodes_with_loss
 from ..testing import model_parallel_context
 from .config import (
     ConfigError,
@@ -41,8 +45,11 @@ from .config import (
     parse_args,
     prompts_per_step,
     schedule_from,
+    task_from,
+    tokenizer_from,
     validate,
 )
+from .config.rl import max_reply_tokens, parse_tree_branches, tree_turns
 from .pretrained import resolve_pretrained, run_vocab_size
 from .runtime import build_model
 
@@ -62,6 +69,8 @@ class Workload:
     world_size: int
     prompt_length: int
     gpu_bytes: float
+    reply_length: int = 0
+    """A multi-turn tree's environment reply between two answers, in tokens."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,9 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="prompt tokens P of a group (default 512)")
     p.add_argument("--plan-gpu-memory-gib", type=float, default=96.0,
                    help="memory of one GPU in GiB (default 96, an H20)")
+    p.add_argument("--plan-reply-length", type=int, default=None,
+                   help="a multi-turn tree's environment reply in tokens (default: the longest "
+                        "the run's task gives with its tokenizer)")
     return p
 
 
@@ -145,20 +157,43 @@ def parse(argv) -> tuple:
     cfg = parse_args(rest)
     resolve_pretrained(cfg)
     validate(cfg, args.world_size, gpu=True)  # a plan for GPUs, wherever it is made
-    if cfg.rl.rl_rollout == "tree":
-        raise ConfigError("rl_rollout tree: the plan command plans one-level groups (a prompt "
-                          "and its G responses)")
     if cfg.model.pipeline_model_parallel_size != 1 or cfg.model.tensor_model_parallel_size != 1:
         raise ConfigError("the plan command builds the model in one process: it plans "
                           "tensor_model_parallel_size 1 and pipeline_model_parallel_size 1")
-    T = args.plan_prompt_length + cfg.rl.rl_max_response_length
+    reply = _reply_length(cfg, args.plan_reply_length)
+    path = _path_length(cfg, reply)
+    T = args.plan_prompt_length + path
     if T > cfg.model.max_position_embeddings:
-        raise ConfigError(f"--plan-prompt-length {args.plan_prompt_length} + "
-                          f"rl_max_response_length {cfg.rl.rl_max_response_length} = {T} "
+        what = (f"rl_max_response_length {path}" if path == cfg.rl.rl_max_response_length
+                else f"{path} positions of a tree's turns and replies")
+        raise ConfigError(f"--plan-prompt-length {args.plan_prompt_length} + {what} = {T} "
                           f"positions: max_position_embeddings is "
                           f"{cfg.model.max_position_embeddings}")
     return cfg, Workload(args.world_size, args.plan_prompt_length,
-                         args.plan_gpu_memory_gib * GIB)
+                         args.plan_gpu_memory_gib * GIB, reply)
+
+
+def _reply_length(cfg, flag: Optional[int]) -> int:
+    """The reply between a tree's turns: the flag's, else the run's task's longest (0 for one
+    turn)."""
+    if tree_turns(cfg.rl) == 1:
+        return 0
+    if flag is not None:
+        if flag < 0:
+            raise ConfigError(f"--plan-reply-length must be >= 0, got {flag}")
+        return flag
+    try:
+        return max_reply_tokens(task_from(cfg), tokenizer_from(cfg))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--plan-reply-length: the run's task and tokenizer do not give the "
+                          f"replies' length ({e}); give it") from None
+
+
+def _path_length(cfg, reply: int) -> int:
+    """Positions after the prompt on a root-to-leaf row: every turn's answer and the replies
+    between them."""
+    turns = tree_turns(cfg.rl)
+    return turns * cfg.rl.rl_max_response_length + (turns - 1) * reply
 
 
 # ---- the model on meta and its state ----------------------------------------------------------
@@ -243,17 +278,24 @@ def rollout_cache_bytes(cfg, model, workload: Workload, positions: Optional[int]
     prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
     P, S, G = workload.prompt_length, rl.rl_max_response_length, rl.grpo_group_size
     rows = G * (P + S) if rl.rl_rollout == "per_row" else P + G * S
+    if rl.rl_rollout == "tree":  # every node's tokens once
+        tree = workload_group(cfg, workload).tree
+        rows = sum(end - start for start, end in zip(tree.starts, tree.ends))
     return per_token * prompts * (rows if positions is None else G * positions)
 
 
 # ---- the rows ---------------------------------------------------------------------------------
 
 
-def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_waves: bool,
+def _flops(m: ModelShape, group, plan: GroupPlan, checkpoint_waves: bool,
            recompute: bool) -> float:
     """FLOPs of one group's step by ``plan`` (the cost model's count: forward 1, backward 2),
     plus the layers' forward once more under full recompute (the readouts are not
-    recomputed)."""
+    recomputed); a deeper tree's joint replay by ``tree_flops``."""
+    P, S, G = group.prompt_length, group.response_length, group.group_size
+    tree = group.tree
+    if not plan.naive and tree is not None and tree.depth > 1:
+        return tree_flops(m, tree, plan, nodes_with_loss(group), recompute)
     flops = CostModel(call_s=0.0, flop_s=1.0).time(m, P, S, G, plan, checkpoint_waves)
     if recompute:
         flops += (pass_flops(m, G, P + S, 0) if plan.naive
@@ -261,11 +303,36 @@ def _flops(m: ModelShape, P: int, S: int, G: int, plan: GroupPlan, checkpoint_wa
     return flops
 
 
+def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
+    """Joint replay of a tree by ``plan``, as the tree schedule runs it (benchmarks/tree.py's
+    ``analytic_passes``): an internal node's layers forward 1 + backward 2 (a recomputed one's
+    forward once more, without grad), read out at its own positions and its parent's boundary
+    where it trains a token; a leaf the same without its last token, read out there; one
+    boundary readout per wave; under full recompute every node's layers once more
+    (``_flops``'s count)."""
+    def read(positions: int) -> float:
+        return m.loops * positions * 2 * m.hidden * m.vocab
+
+    retained, W = plan.node_retained(tree.num_nodes), plan.wave_size
+    flops = 0.0
+    for n in range(tree.num_nodes):
+        start, L = tree.starts[n], tree.ends[n] - tree.starts[n]
+        if tree.is_leaf(n):
+            layers, readouts, passes = pass_flops(m, 1, L - 1, start), L - 1, 3
+        else:
+            leaves = sum(tree.is_leaf(c) for c in tree.children(n))
+            layers, passes = pass_flops(m, 1, L, start), 3 + (not retained[n])
+            readouts = (L + 1 if n and has_loss[n] else 0) + -(-leaves // W)
+        flops += passes * layers + 3 * read(readouts) + recompute * layers
+    return flops
+
+
 def _naive_row(name, m, cfg, workload, recompute) -> Row:
-    P, S, G = workload.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
+    group = workload_group(cfg, workload)
+    P, S, G = group.prompt_length, group.response_length, group.group_size
     plan, loss = GroupPlan(1, naive=True), _loss_per_position(cfg)
     return Row(name, plan, plan_memory(m, P, S, G, plan, loss_per_position=loss),
-               _flops(m, P, S, G, plan, False, recompute) * _groups(cfg, workload))
+               _flops(m, group, plan, False, recompute) * _groups(cfg, workload))
 
 
 def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
@@ -273,30 +340,65 @@ def _joint_row(name, model, m, cfg, workload, budget, recompute) -> Row:
     fewest prompt segments) under ``budget``, on ``model`` as built (with or without activation
     recompute); the smallest plan's peak when none fits or the planner refuses (checkpointed
     waves under recompute)."""
-    group = _group(cfg, workload)
-    P, S, G = group.prompt_length, group.response_length, group.group_size
+    group = workload_group(cfg, workload)
     waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
     planner = Planner("auto", "auto", memory_budget=max(budget, 1.0), checkpoint_waves=waves,
                       loss_per_position=_loss_per_position(cfg))
     try:
         plan = planner(group, model, cfg.model.looped_num_loops)
     except ValueError:
-        plan, chosen = planner.smallest_plan(P), None
+        plan, chosen = _smallest_plan(planner, group), None
     else:
         chosen = plan
-    return Row(name, chosen, planner.memory(m, P, S, G, plan),
-               _flops(m, P, S, G, plan, waves, recompute) * _groups(cfg, workload))
+    return Row(name, chosen, planner.group_memory(m, group, plan),
+               _flops(m, group, plan, waves, recompute) * _groups(cfg, workload))
+
+
+def _smallest_plan(planner: Planner, group) -> GroupPlan:
+    """The plan of the least memory: a one-level group's by the planner, a deeper tree's
+    waves of 1 with every node recomputed."""
+    tree = group.tree
+    if tree is None or tree.depth == 1:
+        return planner.smallest_plan(group.prompt_length)
+    return GroupPlan(1, retain_nodes=(False,) * tree.num_nodes)
 
 
 def _loss_per_position(cfg) -> float:
     return objective_from(cfg).saved_per_position
 
 
-def _group(cfg, workload: Workload) -> SimpleNamespace:
-    """What a planner reads of a one-level group of the workload's shape."""
-    return SimpleNamespace(prompt_length=workload.prompt_length, group_id=0, tree=None,
-                           response_length=cfg.rl.rl_max_response_length,
-                           group_size=cfg.rl.grpo_group_size)
+def workload_group(cfg, workload: Workload):
+    """What a planner reads of a group of the workload's shape: a one-level group's sizes, or
+    with ``rl_rollout tree`` the group of the largest tree the run decodes (``tree_segments``,
+    token ids 0)."""
+    if cfg.rl.rl_rollout != "tree":
+        return SimpleNamespace(prompt_length=workload.prompt_length, group_id=0, tree=None,
+                               response_length=cfg.rl.rl_max_response_length,
+                               group_size=cfg.rl.grpo_group_size)
+    segments = tree_segments(workload.prompt_length, parse_tree_branches(cfg.rl.rl_tree_branches),
+                             cfg.rl.rl_max_response_length, workload.reply_length)
+    return SharedPrefixGroup.from_tree(segments, 0, device="cpu")
+
+
+def tree_segments(P: int, branches: tuple, answer: int, reply: int) -> list:
+    """The ``TreeSegment``s of a tree of ``branches`` (children per depth below the root): a
+    prompt of P tokens, every answer ``answer`` tokens (trained), each followed by a reply of
+    ``reply`` (not trained) but on the last turn; nodes depth first, as tree rollouts give
+    them."""
+    segments = [TreeSegment(torch.zeros(P, dtype=torch.long, device="cpu"), None)]
+
+    def grow(parent: int, depth: int) -> None:
+        if depth == len(branches):
+            return
+        tail = 0 if depth == len(branches) - 1 else reply
+        mask = torch.cat([torch.ones(answer, device="cpu"), torch.zeros(tail, device="cpu")])
+        for _ in range(branches[depth]):
+            segments.append(TreeSegment(torch.zeros(answer + tail, dtype=torch.long,
+                                                    device="cpu"), parent, mask))
+            grow(len(segments) - 1, depth + 1)
+
+    grow(0, 0)
+    return segments
 
 
 def _groups(cfg, workload: Workload) -> int:
@@ -318,13 +420,12 @@ def run_choice(cfg, model, m: ModelShape, workload: Workload, budget: float) -> 
         chooser = schedule_from(cfg, default_budget=HEADROOM * budget).chooser
     except ValueError as e:  # no budget left: the shortfall says what does not fit
         return None, None, str(e)
-    group = _group(cfg, workload)
+    group = workload_group(cfg, workload)
     try:
         plan = chooser(group, model, cfg.model.looped_num_loops)
     except ValueError as e:
         return None, None, str(e)
-    return plan, chooser.memory(m, group.prompt_length, group.response_length,
-                                group.group_size, plan), ""
+    return plan, chooser.group_memory(m, group, plan), ""
 
 
 def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
@@ -384,7 +485,7 @@ def smallest_change(cfg, workload: Workload, model, twin) -> str:
     if cfg.model.recompute_granularity is None:
         report = make_report(with_recompute(cfg), workload, twin, twin)
         if not shortfall(report):
-            return (f"add {RECOMPUTE_FLAGS} ({_plan_text(report.run_plan)}, "
+            return (f"add {RECOMPUTE_FLAGS} ({plan_text(report.run_plan)}, "
                     f"{_size(report.resident_bytes + report.run_memory.peak_bytes)} per GPU)")
     P = longest_prompt(cfg, workload, model, twin)
     return "" if P is None else f"--plan-prompt-length {P} (the longest prompt that fits)"
@@ -424,11 +525,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M"
 
 
-def _plan_text(plan: Optional[GroupPlan]) -> str:
+def plan_text(plan: Optional[GroupPlan], tree=None) -> str:
+    """A plan in words; a tree's: how many of its internal nodes it retains."""
     if plan is None:
         return "none fits"
     if plan.naive:
         return f"naive, micro-batch {plan.wave_size}"
+    if plan.retain_nodes is not None and tree is not None:
+        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+        kept = sum(plan.retain_nodes[n] for n in internal)
+        split = (f", the prompt in {plan.prompt_segments} segments"
+                 if plan.prompt_segments > 1 else "")
+        return f"waves of {plan.wave_size}, {kept}/{len(internal)} internal nodes retained{split}"
     if plan.prompt_segments > 1:
         return f"waves of {plan.wave_size}, prompt recomputed in {plan.prompt_segments} segments"
     return f"waves of {plan.wave_size}, prompt {'retained' if plan.retain else 'recomputed'}"
@@ -437,13 +545,12 @@ def _plan_text(plan: Optional[GroupPlan]) -> str:
 def format_report(r: Report) -> str:
     """The per-GPU table (GiB), the rows and the run's own plan."""
     cfg, w = r.cfg, r.workload
-    P, S, G = w.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
     dp = data_parallel_size(cfg, w.world_size)
     unit, size = _unit(r)
     lines = [f"model: {_count(r.parameters)} parameters, {cfg.model.looped_num_loops} loops, "
              f"{'bf16' if cfg.model.bf16 else 'fp16' if cfg.model.fp16 else 'fp32'}; "
              f"{w.world_size} GPUs of {w.gpu_bytes / GIB:g} GiB, TP "
-             f"{cfg.model.tensor_model_parallel_size}, DP {dp}; a group: P {P}, S {S}, G {G}; "
+             f"{cfg.model.tensor_model_parallel_size}, DP {dp}; {_group_text(cfg, w)}; "
              f"{_groups(cfg, w)} group(s) per GPU per step", "",
              f"per GPU {unit:>41}"]
     lines += [f"  {name:<38}{v / size:10.2f}" for name, v in r.state.items()]
@@ -454,11 +561,12 @@ def format_report(r: Report) -> str:
               f"{unit}:",
               f"  {'schedule':<34}{'activations':>12}{'adjoints':>10}{'peak':>9}"
               f"{'FLOP':>10}  plan"]
+    tree = workload_group(cfg, w).tree
     for row in r.rows:
         e = row.memory
         lines.append(f"  {row.name:<34}{e.activation_bytes / size:12.2f}"
                      f"{e.adjoint_bytes / size:10.2f}{e.peak_bytes / size:9.2f}"
-                     f"{row.flops:10.3g}  {_plan_text(row.plan)}")
+                     f"{row.flops:10.3g}  {plan_text(row.plan, tree)}")
     lines.append("")
     if r.run_plan is None:
         lines.append(f"the run's schedule: {r.run_error}")
@@ -468,9 +576,19 @@ def format_report(r: Report) -> str:
         lines.append(f"the run's schedule ({sp.shared_prefix_schedule}, wave size "
                      f"{sp.shared_prefix_wave_size}, "
                      f"{_budget_text(budget, r.budget)}): "
-                     f"{_plan_text(r.run_plan)}, peak {r.run_memory.peak_bytes / size:.2f} "
+                     f"{plan_text(r.run_plan, tree)}, peak {r.run_memory.peak_bytes / size:.2f} "
                      f"{unit}; {total / size:.2f} {unit} per GPU in training")
     return "\n".join(lines)
+
+
+def _group_text(cfg, w: Workload) -> str:
+    """The workload's group in words: P, S, G, or a tree's branches and lengths."""
+    P, S, G = w.prompt_length, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size
+    if cfg.rl.rl_rollout != "tree":
+        return f"a group: P {P}, S {S}, G {G}"
+    replies = f", replies of {w.reply_length}" if tree_turns(cfg.rl) > 1 else ""
+    return (f"a tree: P {P}, branches {cfg.rl.rl_tree_branches}, answers of {S}{replies}, "
+            f"G {G} leaves")
 
 
 def _budget_text(mib: Optional[float], left: float) -> str:
@@ -511,7 +629,7 @@ def shortfall(r: Report) -> str:
     elif r.run_plan is None:
         short = f"the run's schedule finds no plan: {r.run_error}"
     elif held + r.run_memory.peak_bytes > gpu:
-        return (f"the run's plan ({_plan_text(r.run_plan)}) needs "
+        return (f"the run's plan ({plan_text(r.run_plan)}) needs "
                 f"{_size(held + r.run_memory.peak_bytes)} per GPU, {have}: set "
                 f"--shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or lower")
     else:

@@ -407,16 +407,16 @@ def _measured_forward(model, R: int, s: int, readout: bool) -> int:
 @contextlib.contextmanager
 def _flash_on_meta(device):
     """On ``meta`` (a model sized for a GPU, no GPU here) plain SDPA would run its math
-    kernel and save fp32 scores; a GPU runs flash attention: half-precision calls without a
-    mask go to the flash op (whose ``meta`` kernel saves what it saves on a GPU: q, k, v, the
-    output and the log-sum-exp)."""
+    kernel and save the scores; a GPU (flash in half precision, memory-efficient in fp32) and
+    a CPU (its flash kernel) save no scores: calls without a mask go to the flash op (whose
+    ``meta`` kernel saves q, k, v, the output and the log-sum-exp)."""
     if device.type != "meta":
         yield
         return
     plain = torch.nn.functional.scaled_dot_product_attention
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        if attn_mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -1033,10 +1033,14 @@ class Planner:
         per node, its graph retained or recomputed. ``prompt`` "retain" / "recompute": every
         node so (unchecked, as for a one-level group). "auto": without a budget every node
         retained (as a one-level group retains); with one, ``_tree_greedy`` at the largest
-        wave (``wave_size`` "auto": G down to 1) and the fewest root segments that fit; none
-        fits: the error of the smallest wave with the whole root."""
+        wave (``wave_size`` "auto": a node's most leaf children down to 1) and the fewest
+        root segments that fit; none fits: the error of the smallest wave with the whole
+        root."""
         tree, G = group.tree, group.group_size
-        widths = range(G, 0, -1) if self.wave_size == "auto" else (min(self.wave_size, G),)
+        widest = max(sum(tree.is_leaf(c) for c in tree.children(n))  # a node's leaf children
+                     for n in range(tree.num_nodes))
+        widths = (range(widest, 0, -1) if self.wave_size == "auto"
+                  else (min(self.wave_size, G),))
         segments = self.prompt_segments
         fixed = segments not in (1, "auto")
         if self.prompt != "auto" or self.budget is None:
@@ -1113,6 +1117,15 @@ class Planner:
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)
+
+    def group_memory(self, m: ModelShape, group, plan: GroupPlan) -> MemoryEstimate:
+        """``memory`` of ``group`` by ``plan``: a deeper tree's joint replay by its own walk."""
+        tree = getattr(group, "tree", None)
+        if plan.naive or tree is None or tree.depth == 1:
+            return self.memory(m, group.prompt_length, group.response_length,
+                               group.group_size, plan)
+        return tree_memory(m, tree, plan, nodes_with_loss(group), self.loss_per_position,
+                           self.checkpoint_waves)
 
     def _fits(self, m, P, S, G, plan) -> bool:
         return self.budget is None or self.memory(m, P, S, G, plan).peak_bytes <= self.budget

@@ -22,9 +22,20 @@ from helpers.h20 import CONFIGS, REPO, checkpoint_dir
 from helpers.sp import make_group
 
 from scalerlt_mcore.app.config import model_config, objective_from, parse_args, schedule_from
-from scalerlt_mcore.app.plan import GIB, main, make_report, meta_model, parse, shortfall
+from scalerlt_mcore.app.plan import (
+    GIB,
+    HEADROOM,
+    format_report,
+    main,
+    make_report,
+    meta_model,
+    parse,
+    shortfall,
+    tree_segments,
+)
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import build_model
+from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.planner import GroupPlan, Planner
@@ -138,6 +149,61 @@ def test_recompute_rows_are_planned_under_the_budget():
             print(f"\n[plan] {row.name} {row.plan}: predicted {row.memory.saved_bytes} B, "
                   f"measured {got} B ({err:.1%})")
             assert err <= RTOL, (row.plan, row.memory.saved_bytes, got)
+
+
+TREE = ["--config", str(REPO / "configs" / "multiturn_tree.yaml"), "--world-size", "1",
+        "--plan-prompt-length", "6", "--plan-reply-length", "4"]
+"""The tiny multi-turn tree run (branches 4,4, answers of 5): prompts of 6, replies of 4."""
+
+
+def _tree_peak(cfg, plan) -> int:
+    """``SavedTensorProbe``'s peak of the run's schedule training the command's tree (random
+    advantages and behaviour log-probs) by ``plan`` on CPU."""
+    model = build_model(cfg, model_config(cfg, "cpu"), run_vocab_size(cfg), "cpu")
+    R = cfg.model.looped_num_loops
+    segments = tree_segments(6, (4, 4), cfg.rl.rl_max_response_length, 4)
+    G, T = RLGroup.from_tree(segments, 0).tokens.shape
+    gen = torch.Generator().manual_seed(0)
+    group = RLGroup.from_tree(segments, 0, advantages=torch.randn(G, generator=gen),
+                              old_logprobs=-3 + 0.1 * torch.randn(R, G, T, generator=gen))
+    schedule = schedule_from(cfg, model, max_response_length=T - 6)  # a path's positions
+    schedule.chooser = lambda group, model: plan
+    with SavedTensorProbe(model) as probe:
+        schedule(forward_step_func=rl_forward_step(objective_from(cfg)),
+                 data_iterator=iter([group]), model=model, num_microbatches=1, num_loops=R,
+                 seq_length=T, micro_batch_size=G)
+    return probe.peak_bytes
+
+
+def test_a_tree_run_is_planned_and_matches_a_cpu_run():
+    """``rl_rollout tree``: the command plans the largest tree the run decodes (its branches,
+    answers of S, replies of ``--plan-reply-length``): the table names the tree, the rollout
+    cache holds each node's tokens once, and where the run's default budget is 90% of the
+    joint row's peak the run's own plan (per node retained or recomputed) fits that budget and
+    its predicted saved bytes are within 10% of the run's schedule training that tree on CPU
+    by that plan."""
+    cfg, workload = parse(TREE)
+    with model_parallel_context(seed=1):
+        big = make_report(cfg, workload)
+        text = format_report(big)
+        assert "a tree: P 6, branches 4,4, answers of 5, replies of 4, G 16 leaves" in text
+        unique = 6 + 4 * (5 + 4) + 16 * 5  # the prompt, 4 answers + replies, 16 answers
+        prompts = cfg.training.global_batch_size // cfg.rl.grpo_group_size  # one GPU
+        # per token: depths (2 layers x 2 loops), K and V, hidden 64, fp32
+        assert big.rollout_cache == unique * prompts * 2 * 2 * 2 * 64 * 4
+        joint = big.rows[2]
+        small = dataclasses.replace(workload, gpu_bytes=big.state_bytes
+                                    + 0.9 * joint.memory.peak_bytes / HEADROOM)
+        report = make_report(cfg, small)
+        plan = report.run_plan
+        assert plan is not None, report.run_error
+        assert plan.retain_nodes is not None and not all(plan.retain_nodes), plan
+        assert report.run_memory.peak_bytes <= HEADROOM * report.budget
+        got = _tree_peak(cfg, plan)
+        err = abs(report.run_memory.saved_bytes / got - 1)
+        print(f"\n[plan] tree {plan}: predicted {report.run_memory.saved_bytes} B, measured "
+              f"{got} B ({err:.1%})")
+        assert err <= RTOL, (plan, report.run_memory.saved_bytes, got)
 
 
 def _mib(text: str) -> float:

@@ -143,6 +143,7 @@ def test_tree_flops_are_the_tree_benchs_count(mcore_single, retain):
     """The tree's joint FLOPs equal benchmarks/tree.py's analytic count of the same tree and
     model (itself held to PyTorch's FlopCounterMode in tests/test_tree_bench.py)."""
     from benchmarks import tree as tree_bench
+    from scalerlt_mcore.app.plan import tree_flops
     from scalerlt_mcore.shared_prefix.planner import GroupPlan, ModelShape
 
     twl = tree_bench.TreeWorkload(prompt_length=6, branches=(2, 3), node_lengths=(4, 3),
@@ -152,6 +153,6 @@ def test_tree_flops_are_the_tree_benchs_count(mcore_single, retain):
                              trained_lengths=(2, 3))
     tree, has_loss, _ = scale.prefix_tree(wl)
     plan = GroupPlan(twl.wave_size, retain=retain)
-    got = scale.tree_flops(ModelShape.from_model(model), tree, plan, has_loss)
+    got = tree_flops(ModelShape.from_model(model), tree, plan, has_loss)
     want = tree_bench.analytic_flops(twl, tree_bench.config_shape(model.config))
     assert got == want["joint_retain" if retain else "joint"]

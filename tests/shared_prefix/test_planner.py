@@ -270,12 +270,14 @@ def test_budget_below_every_plan_names_group_and_sizes(mcore_single):
 @pytest.mark.parametrize("kw", [dict(R=2, hidden=64, heads=4),
                                 dict(R=3, arch=True, hidden=64, heads=4, num_query_groups=2,
                                      normalization="RMSNorm")])
-def test_a_model_on_meta_calibrates_as_on_a_device(mcore_single, kw):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_model_on_meta_calibrates_as_on_a_device(mcore_single, kw, dtype):
     """A full-size model is planned on ``meta`` (no memory, no GPU): its calibration runs the
-    fused attention a device runs (``_flash_on_meta``), not SDPA's math kernel with fp32 scores,
-    so it predicts what the same bf16 model measures on CPU (fused there too), within 2%."""
-    cpu = build_model(**kw).to(torch.bfloat16)
-    meta = build_model(**kw).to(torch.bfloat16).to("meta")
+    fused attention a device runs (``_flash_on_meta``), not SDPA's math kernel with its scores,
+    so it predicts what the same model measures on CPU (fused there too), within 2%, in bf16
+    and in fp32."""
+    cpu = build_model(**kw).to(dtype)
+    meta = build_model(**kw).to(dtype).to("meta")
     pred = [naive_memory(ModelShape.from_model(m), 24, 8, 4, 1, LOSS_BYTES).saved_bytes
             for m in (cpu, meta)]
     assert abs(pred[1] / pred[0] - 1) <= 0.02, pred
