@@ -7,9 +7,8 @@ S 2048, G 8) and T (a depth-2 tree: P 8192, 4 branches of 1024 answer + 256 repl
 leaves of 1024 under each). Per schedule (naive micro-batch 1, with and without MCore's full
 recompute; joint replay at the plan the planner picks under the budget, with and without
 MCore's full recompute): the peak, the per-GPU total, the step FLOPs, and naive / joint FLOPs at
-the plans each picks under the same budget. One-level workloads go through the plan command's
-``make_report``; the tree through the planner's tree memory model (``Planner`` with a tree
-group; the plan command plans one-level groups only).
+the plans each picks under the same budget. Every workload goes through the plan command's
+``make_report`` (the tree as ``--rl-rollout tree``: its branches, answers and replies).
 
 Scaled down, measured: each workload at 1/``SCALE`` of its lengths (the same G and branching,
 the same P:S proportions) on each family's tiny CPU config (bf16), trained for real by the
@@ -175,6 +174,16 @@ class ScaleWorkload:
                              cut(self.response_length) if self.response_length else 0,
                              self.group_size, self.branches, nodes, trained)
 
+    @property
+    def answer_length(self) -> int:
+        """Tokens of every answer: the whole response, or a tree node's trained part."""
+        return self.trained_lengths[0] if self.is_tree else self.response_length
+
+    @property
+    def reply_length(self) -> int:
+        """A tree's environment reply after each answer but the last turn's."""
+        return self.node_lengths[0] - self.trained_lengths[0] if self.is_tree else 0
+
     def describe(self) -> dict:
         return {**asdict(self), "G": self.G, "S": self.S}
 
@@ -203,12 +212,16 @@ def family_argv(family: Family, source: Path) -> list:
 
 
 def plan_argv(family: Family, source: Path, wl: ScaleWorkload) -> list:
-    """The plan command's flags for ``wl`` (one group per GPU per step: global batch DP x G)."""
-    return family_argv(family, source) + [
+    """The plan command's flags for ``wl`` (one group per GPU per step: global batch DP x G;
+    a tree: a multi-turn task's tree of its branches, answers and replies)."""
+    tree = (["--rl-rollout", "tree", "--rl-tree-branches", ",".join(map(str, wl.branches)),
+             "--rl-task", "multiturn", "--plan-reply-length", str(wl.reply_length)]
+            if wl.is_tree else [])
+    return family_argv(family, source) + tree + [
         "--world-size", str(WORLD_SIZE), "--plan-prompt-length", str(wl.prompt_length),
-        "--plan-gpu-memory-gib", repr(GPU_GIB), "--rl-max-response-length", str(wl.S),
-        "--grpo-group-size", str(wl.G), "--micro-batch-size", str(wl.G),
-        "--global-batch-size", str(WORLD_SIZE * wl.G)]
+        "--plan-gpu-memory-gib", repr(GPU_GIB), "--rl-max-response-length",
+        str(wl.answer_length), "--grpo-group-size", str(wl.G), "--micro-batch-size",
+        str(wl.G), "--global-batch-size", str(WORLD_SIZE * wl.G)]
 
 
 def _family_cfg(family: Family, source: Path):
@@ -238,26 +251,36 @@ def plan_command_says(argv: list) -> str:
 
 
 def _for_workload(cfg, wl: ScaleWorkload):
-    """``cfg`` with the workload's S, G and one group per GPU."""
+    """``cfg`` with the workload's S (a tree: its answers and branches), G and one group per
+    GPU."""
     cfg = copy.deepcopy(cfg)
-    cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size = wl.S, wl.G
+    cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size = wl.answer_length, wl.G
+    if wl.is_tree:
+        cfg.rl.rl_rollout, cfg.rl.rl_tree_branches = "tree", ",".join(map(str, wl.branches))
     cfg.training.global_batch_size = WORLD_SIZE * wl.G
     cfg.training.micro_batch_size = wl.G
     return cfg
 
 
 def _row(name: str, plan, memory, flops: float, resident: int, gpu: float,
-         cache: int = 0) -> dict:
+         cache: int = 0, tree=None) -> dict:
     """One schedule's figures; ``plan`` None: no plan fits (``memory`` is the smallest's).
     The per-GPU total: what stays resident, plus the larger of the step and the rollout cache
-    freed before it (``cache``)."""
+    freed before it (``cache``). A tree's joint row also gives its plan's retained nodes,
+    wave size and prompt segments (the scaled run's plan)."""
     from scalerlt_mcore.app.plan import plan_text
 
     total = resident + max(memory.peak_bytes, cache)
     fits = plan is not None and total <= gpu
-    return {"schedule": name, "plan": plan_text(plan), "fits": fits,
-            "saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
-            "total_bytes": total, "shortfall_bytes": max(total - gpu, 0), "flops": flops}
+    row = {"schedule": name, "plan": plan_text(plan, tree), "fits": fits,
+           "saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
+           "total_bytes": total, "shortfall_bytes": max(total - gpu, 0), "flops": flops}
+    if tree is not None and name.startswith("joint"):
+        row["retain_nodes"] = None if plan is None else list(plan.node_retained(
+            tree.num_nodes))
+        row["wave_size"] = 1 if plan is None else plan.wave_size
+        row["prompt_segments"] = 1 if plan is None else plan.prompt_segments
+    return row
 
 
 def _best_naive(cfg, model, twin, wl, budget: float, R: int):
@@ -310,35 +333,32 @@ def full_size(family: Family, workloads=WORKLOADS, log=print) -> list:
 
 def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWorkload) -> dict:
     """``wl``'s rows at full size: the plan command's report, its run planned under the budget
-    the GPU leaves (a tree: its rows as one-level sequences, and the tree's joint rows from
-    the planner's tree model)."""
+    the GPU leaves (a tree's naive rows: its rows as one-level sequences)."""
     from scalerlt_mcore.app.plan import (
         Workload,
         make_report,
         plan_text,
         shortfall,
         smallest_change,
+        workload_group,
     )
 
     cfg, gpu = _for_workload(cfg0, wl), GPU_GIB * GIB
-    work = Workload(WORLD_SIZE, wl.prompt_length, gpu)
+    work = Workload(WORLD_SIZE, wl.prompt_length, gpu, wl.reply_length)
     report = make_report(cfg, work, model, twin)
     cfg.shared_prefix.shared_prefix_memory_budget = max(report.budget / 2**20, 1.0)
     report = make_report(cfg, work, model, twin)  # the run's own plan under that budget
     R = cfg.model.looped_num_loops
     held, budget = report.resident_bytes, report.budget
-    cache = _tree_cache(report, wl) if wl.is_tree else report.rollout_cache
+    cache, tree = report.rollout_cache, workload_group(cfg, work).tree
     freed = 0 if held > report.state_bytes else cache
-    rows = [_row(r.name, r.plan, r.memory, r.flops, held, gpu, freed) for r in report.rows]
+    rows = [_row(r.name, r.plan, r.memory, r.flops, held, gpu, freed, tree)
+            for r in report.rows]
     refused = " ".join(plan_command_says(plan_argv(family, source, wl)).split())
-    if wl.is_tree:
-        rows[2:] = _tree_rows(cfg, model, twin, wl, budget, held, gpu, freed)
-        says = "refuses rl_rollout tree (one-level groups only)"
-    else:
-        if shortfall(report):  # as the command prints it: with the smallest change that fits
-            report.change = smallest_change(cfg, work, model, twin)
-        says = shortfall(report) or "fits"
-        says = f"refuses: {refused}; at the shape: {says}" if refused else says
+    if shortfall(report):  # as the command prints it: with the smallest change that fits
+        report.change = smallest_change(cfg, work, model, twin)
+    says = shortfall(report) or "fits"
+    says = f"refuses: {refused}; at the shape: {says}" if refused else says
     naive, naive_rc = ((None, None) if report.state_bytes + cache > gpu else
                        _best_naive(cfg, model, twin, wl, budget, R))
     m = _shape(model, R) if naive_rc is False else _shape(twin, R)
@@ -395,75 +415,6 @@ def prefix_tree(wl: ScaleWorkload):
         for n in tree.path(leaf)[1:]:
             mask[g, nodes[n].start - 1 : nodes[n].start - 1 + nodes[n].trained] = 1
     return tree, [n.trained > 0 for n in nodes], mask
-
-
-def _tree_group(wl: ScaleWorkload):
-    tree, _, mask = prefix_tree(wl)
-    return SimpleNamespace(prompt_length=wl.prompt_length, response_length=wl.S,
-                           group_size=wl.G, group_id=0, tree=tree, loss_mask=mask)
-
-
-def plan_tree(cfg, model, wl: ScaleWorkload, budget: float):
-    """The planner's tree plan for ``wl`` under ``budget``: the largest wave (leaves of a node
-    per wave) for which its greedy per-node choice fits, -> (plan or None, the memory of the
-    plan or of the smallest one)."""
-    from scalerlt_mcore.app.plan import _loss_per_position
-    from scalerlt_mcore.shared_prefix.planner import GroupPlan, Planner, tree_memory
-
-    group, R = _tree_group(wl), cfg.model.looped_num_loops
-    loss = _loss_per_position(cfg)
-    waves = cfg.shared_prefix.shared_prefix_checkpoint_waves
-    for W in range(max(wl.branches), 0, -1):
-        planner = Planner(W, "auto", memory_budget=max(budget, 1.0), checkpoint_waves=waves,
-                          loss_per_position=loss)
-        try:
-            plan = planner(group, model, R)
-        except ValueError:
-            continue
-        return plan, tree_memory(_shape(model, R), group.tree, plan, _has_loss(wl), loss, waves)
-    smallest = GroupPlan(1, retain_nodes=(False,) * group.tree.num_nodes)
-    return None, tree_memory(_shape(model, R), group.tree, smallest, _has_loss(wl), loss,
-                             waves)
-
-
-def _has_loss(wl: ScaleWorkload) -> list:
-    return prefix_tree(wl)[1]
-
-
-def _tree_rows(cfg, model, twin, wl, budget, held, gpu, cache) -> list:
-    """Joint replay of the tree at the planner's plan under ``budget``, without and with
-    MCore's full recompute (``twin``)."""
-    R = cfg.model.looped_num_loops
-    tree, has_loss, _ = prefix_tree(wl)
-    return [_tree_row(name, cfg, m, wl, budget, held, gpu, cache, tree, has_loss, R)
-            for name, m in (("joint replay", model), ("joint replay, recompute", twin))]
-
-
-def _tree_row(name, cfg, model, wl, budget, held, gpu, cache, tree, has_loss, R) -> dict:
-    """One tree row: the planner's plan on ``model`` (the smallest plan's peak and FLOPs where
-    none fits), its retained nodes and wave size."""
-    from scalerlt_mcore.app.plan import plan_text, tree_flops
-    from scalerlt_mcore.shared_prefix.planner import GroupPlan
-
-    plan, memory = plan_tree(cfg, model, wl, budget)
-    counted = plan or GroupPlan(1, retain_nodes=(False,) * tree.num_nodes)
-    recompute = model.config.recompute_granularity is not None
-    row = _row(name, plan, memory, tree_flops(_shape(model, R), tree, counted, has_loss,
-                                              recompute=recompute), held, gpu, cache=cache)
-    row["retain_nodes"] = None if plan is None else list(plan.retain_nodes)
-    row["wave_size"] = counted.wave_size
-    row["prompt_segments"] = counted.prompt_segments
-    row["plan"] = plan_text(plan, tree)
-    return row
-
-
-def _tree_cache(report, wl: ScaleWorkload) -> int:
-    """The rollout cache of a tree decoded prompt-once: every unique token's K/V once (the
-    report's cache is of a one-level group, P + G S tokens)."""
-    from .tree import tree_nodes
-
-    unique = sum(n.length for n in tree_nodes(wl.tree_workload()))
-    return round(report.rollout_cache * unique / (wl.prompt_length + wl.G * wl.S))
 
 
 # ---- scaled down, measured on CPU -------------------------------------------------------------
