@@ -49,7 +49,7 @@ from .config import (
     tokenizer_from,
     validate,
 )
-from .config.rl import max_reply_tokens, parse_tree_branches, tree_turns
+from .config.rl import max_reply_tokens, parse_tree_branches, rollout_positions, tree_turns
 from .pretrained import resolve_pretrained, run_vocab_size
 from .runtime import build_model
 
@@ -267,21 +267,17 @@ def state_bytes(cfg, model, world_size: int) -> dict:
 
 
 def rollout_cache_bytes(cfg, model, workload: Workload, positions: Optional[int] = None) -> int:
-    """The rank's rollout K/V cache at its longest: every depth, K and V, in the run's dtype;
-    the prompt's once per prompt (``rl_rollout prompt_once``) or per row, the responses' per
-    row; the rank's prompts at once. ``positions``: each row's, at most (instead of the
-    workload's prompt and the responses)."""
+    """The rank's rollout K/V cache at its longest: every depth, K and V, in the run's dtype,
+    of ``rollout_positions`` per prompt (a tree's nodes once); the rank's prompts at once (an
+    evaluation decodes no more: ``RLTrainer.eval_rows``). ``positions``: each of G rows',
+    at most (instead of the workload's prompt and the responses)."""
     c, rl = model.config, cfg.rl
     width = next(model.parameters()).dtype.itemsize
     per_token = (c.looped_num_depths * 2 * (c.num_query_groups or c.num_attention_heads)
                  // c.tensor_model_parallel_size * c.kv_channels * width)
     prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
-    P, S, G = workload.prompt_length, rl.rl_max_response_length, rl.grpo_group_size
-    rows = G * (P + S) if rl.rl_rollout == "per_row" else P + G * S
-    if rl.rl_rollout == "tree":  # every node's tokens once
-        tree = workload_group(cfg, workload).tree
-        rows = sum(end - start for start, end in zip(tree.starts, tree.ends))
-    return per_token * prompts * (rows if positions is None else G * positions)
+    rows = rollout_positions(rl, workload.prompt_length, workload.reply_length)
+    return per_token * prompts * (rows if positions is None else rl.grpo_group_size * positions)
 
 
 # ---- the rows ---------------------------------------------------------------------------------

@@ -54,7 +54,13 @@ from .config import (
     task_from,
     tokenizer_from,
 )
-from .config.rl import max_reply_tokens, parse_tree_branches, task_lengths, tree_turns
+from .config.rl import (
+    max_reply_tokens,
+    parse_tree_branches,
+    rollout_positions,
+    task_lengths,
+    tree_turns,
+)
 from .engine import EngineClient, check_engine_records, rollout_of, timeout_s, usable
 from .plan import device_budget
 
@@ -141,6 +147,10 @@ class RLTrainer:
         # the weights are replaced by the policy's at the first RL step (``_take_reference``)
         self.ref = KLReference(self._frozen_copy(model)) if self.objective.kl_coef > 0 else None
         self.groups_per_rank = prompts_per_step(cfg) // self.world
+        # an evaluation's decode holds no more K/V than an RL step's rollout
+        prompt = longest - self.path_tokens
+        self.eval_rows = max(1, self.groups_per_rank * rollout_positions(
+            cfg.rl, prompt, self.reply_tokens) // longest)
         # never sampled; nor the ids past the tokenizer's (a pretrained vocabulary, Megatron's
         # padding): ``Sampling.vocab_size``
         self.banned = (self.tok.pad_id, self.tok.bos_id)
@@ -520,19 +530,33 @@ class RLTrainer:
     @torch.no_grad()
     def evaluate(self, num_loops=None) -> dict:
         """Greedy exact-match accuracy on fixed held-out prompts (``eval_problems``), from
-        every loop's readout of ``num_loops`` loops (None: the config's)."""
-        problems = self.eval_problems()
-        per_loop = []
-        for loop in range(num_loops or self.model.config.looped_num_loops):
-            ro = self.rollout(0, problems, 1, temperature=0.0, loop=loop, num_loops=num_loops)
-            per_loop.append(self.rewards(problems, ro).mean().item())
-        out = {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
-        turns = tree_turns(self.cfg.rl)
+        every loop's readout of ``num_loops`` loops (None: the config's). Each data-parallel
+        rank decodes its share, ``eval_rows`` prompts at a time (no more K/V than an RL
+        rollout); the rewards are summed over the ranks."""
+        problems = self.eval_problems()[self.rank :: self.world]
+        chunks = [problems[i : i + self.eval_rows]
+                  for i in range(0, len(problems), self.eval_rows)]
+        R, turns = num_loops or self.model.config.looped_num_loops, tree_turns(self.cfg.rl)
+        sums = [sum(float(self.rewards(c, self.rollout(0, c, 1, temperature=0.0, loop=loop,
+                                                       num_loops=num_loops)).sum())
+                    for c in chunks) for loop in range(R)]
         if turns > 1:  # the whole episode, greedy: one answer per turn, the replies between
-            trees = self.tree_rollout(0, problems, num_loops, branches=[1] * turns,
-                                      temperature=0.0)
-            out["eval_final_reward"] = torch.cat(self.tree_rewards(problems, trees)).mean().item()
+            sums.append(sum(float(torch.cat(self.tree_rewards(c, self.tree_rollout(
+                0, c, num_loops, branches=[1] * turns, temperature=0.0))).sum())
+                for c in chunks))
+        *sums, count = self._data_parallel_sum(sums + [len(problems)])
+        per_loop = [s / count for s in sums[:R]]
+        out = {"eval_reward": per_loop[-1], "eval_per_loop": per_loop}
+        if turns > 1:
+            out["eval_final_reward"] = sums[R] / count
         return out
+
+    def _data_parallel_sum(self, values: list) -> list:
+        """``values`` summed over the data-parallel ranks (float64)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t.tolist()
 
     def _reduce(self, metrics: dict) -> dict:
         """Mean of scalar metrics over data-parallel ranks; a per-token loss is the step's

@@ -109,7 +109,12 @@ def _two_rank_job(rank, world_size, argv):
 
     tr.rewards = record
     metrics = [_step(tr, step) for step in range(tr.cfg.training.train_iters)]
-    return {"params": _flat(tr.model), "init": init, "seen": seen, "metrics": metrics}
+    tr.rewards, decoded = rewards, []
+    rollout = tr.rollout
+    tr.rollout = lambda step, problems, *a, **k: decoded.append(len(problems)) or rollout(
+        step, problems, *a, **k)
+    return {"params": _flat(tr.model), "init": init, "seen": seen, "metrics": metrics,
+            "eval": tr.evaluate(), "decoded": decoded, "eval_rows": tr.eval_rows}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +133,34 @@ def test_two_ranks_hold_identical_parameters(two_rank_job):
     assert len(r0["seen"]) == TWO_RANK_ITERS - SFT
     for m in r0["metrics"][SFT:]:
         assert m["reward_std"] > 0 and m["grad_norm"] > 0, m
+
+
+def _evaluated(params, eval_rows=None) -> dict:
+    """One rank's evaluation of every held-out prompt with ``params`` (``eval_rows`` prompts
+    per decode; None: the trainer's)."""
+    with model_parallel_context(TINY["seed"]):
+        tr = _trainer(_flags(train_iters=TWO_RANK_ITERS))
+        torch.nn.utils.vector_to_parameters(params, tr.model.parameters())
+        tr.eval_rows = eval_rows or tr.eval_rows
+        return tr.evaluate()
+
+
+def test_two_ranks_evaluate_their_shares_as_one_rank(two_rank_job):
+    """Each data-parallel rank decodes half the held-out prompts, in rollouts of at most
+    ``eval_rows`` prompts (no more K/V than an RL rollout's); the rewards summed over the ranks
+    equal one rank evaluating every prompt with the same weights, in one decode per loop or in
+    decodes of 3."""
+    r0, r1 = two_rank_job
+    assert r0["eval"] == r1["eval"]
+    prompts = TINY["eval_iters"] * TINY["global_batch_size"] // TINY["grpo_group_size"]
+    loops = TINY["looped_num_loops"]
+    for r in (r0, r1):
+        assert sum(r["decoded"]) == prompts // 2 * loops and max(r["decoded"]) <= r["eval_rows"]
+    for eval_rows in (None, 3):
+        one = _evaluated(r0["params"], eval_rows)
+        assert one.keys() == r0["eval"].keys()
+        for a, b in zip(one["eval_per_loop"], r0["eval"]["eval_per_loop"], strict=True):
+            assert math.isclose(a, b, abs_tol=1e-12), (eval_rows, one, r0["eval"])
 
 
 def test_torchrun_two_ranks_end_to_end(tmp_path, two_rank_job):

@@ -258,6 +258,23 @@ def parse_tree_branches(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+def rollout_positions(rl: RLArgs, prompt: int, reply: int = 0) -> int:
+    """K/V positions of one prompt's rollout at its longest (``prompt`` positions): ``per_row``
+    G rows of prompt and response, ``prompt_once`` the prompt once and G responses, ``tree``
+    every node once (answers of ``rl_max_response_length``, ``reply`` after each but the last
+    turn's)."""
+    S, G = rl.rl_max_response_length, rl.grpo_group_size
+    if rl.rl_rollout == "per_row":
+        return G * (prompt + S)
+    if rl.rl_rollout == "prompt_once":
+        return prompt + G * S
+    branches, nodes, width = parse_tree_branches(rl.rl_tree_branches), 0, 1
+    for depth, b in enumerate(branches):
+        width *= b
+        nodes += width * (S + (reply if depth < len(branches) - 1 else 0))
+    return prompt + nodes
+
+
 def tree_turns(rl: RLArgs) -> int:
     """The model's answers on a root-to-leaf path: the tree's depth with ``rl_rollout:
     tree``, else 1."""
