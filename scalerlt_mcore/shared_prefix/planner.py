@@ -144,9 +144,10 @@ class ModelShape:
     coda layer lists (``model.recompute.layer_chunks``)."""
     recompute_modules: tuple = ()
     """Under ``selective`` recompute: the recomputed modules (``core_attn``, ``mlp``, ...)."""
-    token_bytes: tuple = (0.0, 0.0, 0.0)
-    """Measured saved bytes per token of (the embedding and prelude, each trained loop, each
-    trained loop's readout), the attention kernels' own bytes and the token ids aside; see
+    token_bytes: tuple = (0.0, 0.0, 0.0, 0.0)
+    """Measured saved bytes per token of (the embedding and prelude, each trained loop, a
+    trained loop's readout, what two consecutive readouts save once: the loop output that is
+    the next loop's input), the attention kernels' own bytes and the token ids aside; see
     ``calibration``."""
     layer_bytes: float = 0.0
     """Under ``full`` recompute: measured saved bytes per token of one layer application
@@ -268,8 +269,9 @@ def block_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0,
     loops, their readouts): the measured bytes per token plus each saving attention call's
     kernel model (``kind`` causal, cascade or concat against ``prefix`` keys). Token ids,
     positions and prefix K/V storage are the caller's."""
-    prelude, loop, read = m.token_bytes
-    per_token = prelude + m.trained_loops * (loop + read * readout)
+    prelude, loop, read, shared = m.token_bytes
+    k = m.trained_loops
+    per_token = prelude + k * loop + readout * (k * read - max(k - 1, 0) * shared)
     attention = m.core_attention.saved_bytes(m, rows, s, kind, prefix)
     return round(rows * s * per_token) + _attention_calls(m) * attention
 
@@ -337,11 +339,12 @@ def _calibrate(model) -> dict:
 
 def _token_bytes(model) -> tuple:
     """``ModelShape.token_bytes``: saved bytes per token of (the embedding and prelude, a
-    loop, a loop's readout), from causal forwards of 1 and 2 loops with and without readouts:
-    what the probe measures less the attention kernels' own model and the token ids."""
-    f1, f2, r1 = (_per_token(model, R, readout)
-                  for R, readout in ((1, False), (2, False), (1, True)))
-    return (2 * f1 - f2, f2 - f1, r1 - f1)
+    loop, a loop's readout, what two readouts share), from causal forwards of 1 and 2 loops
+    with and without readouts: what the probe measures less the attention kernels' own model
+    and the token ids."""
+    f1, f2, r1, r2 = (_per_token(model, R, readout)
+                      for R, readout in ((1, False), (2, False), (1, True), (2, True)))
+    return (2 * f1 - f2, f2 - f1, r1 - f1, 2 * (r1 - f1) - (r2 - f2))
 
 
 def _per_token(model, R: int, readout: bool) -> float:
