@@ -42,12 +42,19 @@ def _init_mcore(seed: int, tensor_model_parallel_size: int = 1) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+_GROUPS_KEPT_BY_DESTROY = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+                           "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO")
+"""MCore's module globals that ``destroy_model_parallel`` leaves set (0.16.1 and 0.19.2)."""
+
+
 def _destroy_mcore() -> None:
     """Destroy model-parallel state and the default process group, whichever exist, and drop
     the models MCore's caches still hold (``_release_cached_models``)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    for name in _GROUPS_KEPT_BY_DESTROY:  # each would keep its gloo threads polling
+        setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
     _release_cached_models()

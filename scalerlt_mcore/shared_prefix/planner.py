@@ -372,6 +372,7 @@ def _mlp_bytes(model, m: ModelShape) -> float:
                         requires_grad=True)
         with torch.enable_grad(), SavedTensorProbe(model) as probe:
             mlp(x)
+        probe.release()
         sizes.append(probe.peak_bytes)
     per_token = (sizes[1] - sizes[0]) / (CALIBRATION_TOKENS[1] - CALIBRATION_TOKENS[0])
     return per_token - m.hidden * m.dtype_bytes
@@ -402,6 +403,7 @@ def _measured_forward(model, R: int, s: int, readout: bool) -> int:
         with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
               _flash_on_meta(device), torch.enable_grad(), SavedTensorProbe(model) as probe):
             model(tokens, labels=labels, readout=readout, num_loops=R)
+        probe.release()
         return probe.peak_bytes
     finally:
         model.train(training)

@@ -6,11 +6,13 @@ resident anyway). Storages are told apart by identity, not address, so that tens
 during backward are not saved through these hooks and are not counted.
 """
 
+import weakref
+
 import torch
 
 
 class _Held:
-    __slots__ = ("probe", "key", "tensor")
+    __slots__ = ("probe", "key", "tensor", "__weakref__")
 
     def __init__(self, probe, key, tensor):
         self.probe, self.key, self.tensor = probe, key, tensor
@@ -28,6 +30,7 @@ class SavedTensorProbe:
         self._live = {}  # storage ptr -> [bytes, refs]
         self.current_bytes = 0
         self.peak_bytes = 0
+        self._held = weakref.WeakSet()  # what graph nodes still hold
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self):
@@ -47,7 +50,16 @@ class SavedTensorProbe:
             self.current_bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         entry[1] += 1
-        return _Held(self, key, tensor)
+        held = _Held(self, key, tensor)
+        self._held.add(held)
+        return held
+
+    def release(self) -> None:
+        """Drop what a forward that is never backwarded still holds: a node that saved its own
+        output holds itself through it, so that graph (its parameters, its process groups)
+        would outlive the forward. Its backward cannot run afterwards."""
+        for held in list(self._held):
+            held.tensor = None
 
     @staticmethod
     def _unpack(held):

@@ -3,7 +3,9 @@ against ``SavedTensorProbe`` measurements, prefix-adjoint bytes against the pref
 wave size and prompt mode chosen for a memory budget (exact whatever it picks), the cost
 model's calibration and the joint-vs-naive choice, and the app's flags."""
 
+import gc
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from scalerlt_mcore.shared_prefix.planner import (
     ModelShape,
     Planner,
     adjoint_bytes,
+    calibration,
     naive_memory,
     plan_memory,
 )
@@ -281,6 +284,21 @@ def test_a_model_on_meta_calibrates_as_on_a_device(mcore_single, kw, dtype):
     pred = [naive_memory(ModelShape.from_model(m), 24, 8, 4, 1, LOSS_BYTES).saved_bytes
             for m in (cpu, meta)]
     assert abs(pred[1] / pred[0] - 1) <= 0.02, pred
+
+
+@pytest.mark.parametrize("recompute", [{}, dict(recompute_granularity="full",
+                                                 recompute_method="uniform",
+                                                 recompute_num_layers=1)], ids=["none", "full"])
+def test_calibration_leaves_no_graph_behind(mcore_single, recompute):
+    """Calibration's forwards are never backwarded; nothing of their graphs outlives it: not
+    the model's parameters, nor the process groups its layers hold (each a gloo group's
+    threads, polling until the process ends)."""
+    model = build_model(R=2, arch=True, **recompute)
+    weight = weakref.ref(next(model.parameters()))
+    assert calibration(model)["token_bytes"]
+    del model
+    gc.collect()
+    assert weight() is None
 
 
 def test_a_budget_under_activation_recompute_is_refused_with_checkpointed_waves(mcore_single):
