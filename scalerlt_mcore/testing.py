@@ -53,11 +53,20 @@ def _destroy_mcore() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    for name in _GROUPS_KEPT_BY_DESTROY:  # each would keep its gloo threads polling
-        setattr(parallel_state, name, None)
+    _drop_kept_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
     _release_cached_models()
+
+
+def _drop_kept_groups() -> None:
+    """Unset what ``destroy_model_parallel`` leaves set: each group would keep its gloo threads
+    polling."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        for name in _GROUPS_KEPT_BY_DESTROY:
+            setattr(parallel_state, name, None)
 
 
 def _release_cached_models() -> None:
@@ -130,6 +139,19 @@ def _releasable_ddp_hooks():
 
 
 @contextmanager
+def releasing_models():
+    """What is built inside is not kept alive after it by MCore's caches, MCore's leftover
+    module globals or MCore DDP's backward hooks (module docstring): for code that sets up
+    model parallelism itself, as the main job run in-process does."""
+    try:
+        with _releasable_ddp_hooks():
+            yield
+    finally:
+        _release_cached_models()
+        _drop_kept_groups()
+
+
+@contextmanager
 def model_parallel_context(seed: int = 1234):
     """World size 1 gloo process group + MCore model-parallel state, destroyed on exit; the
     models built inside it keep neither alive after it (module docstring)."""
@@ -183,7 +205,7 @@ def _worker(rank, world_size, port, seed, tp, timeout, fn, args, kwargs, results
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int = 2, *args, timeout: float = 300, mcore_seed: int = 1234,
+def run_distributed(fn, world_size: int = 2, *args, timeout: float = 500, mcore_seed: int = 1234,
                     tensor_model_parallel_size: int = 1, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` spawned gloo ranks, with
     MCore's model parallelism initialised for ``tensor_model_parallel_size`` (data-parallel

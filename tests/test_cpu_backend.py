@@ -61,7 +61,7 @@ def test_not_applied_at_import_and_every_target_patched_when_enabled():
     """Importing all of scalerlt_mcore patches nothing; enabling replaces every target."""
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_PROBE, json.dumps(_targets())],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True, text=True, timeout=400, check=True,
     )
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not probe["enabled_at_import"]
@@ -210,7 +210,7 @@ def test_failed_patch_restores_everything_and_retry_applies_once():
     empty, no logging filter); the retry then wraps each stock target exactly once."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", _ROLLBACK_PROBE], capture_output=True,
-                          text=True, timeout=120, env=env)
+                          text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     targets, failed, retry = probe["targets"], probe["failed"], probe["retry"]

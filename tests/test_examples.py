@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_joint_replay_step_example_runs():
     out = subprocess.run([sys.executable, "examples/joint_replay_step.py"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-1].startswith("optimizer step ok=True"), out.stdout

@@ -126,7 +126,7 @@ def test_missing_wheelhouse_fails_at_once_with_the_fix(tmp_path):
     run = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(out), "--mcore",
                           absent, "--wheelhouse", str(tmp_path / "none"), "--work",
                           str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env=ENV)
+                         timeout=400, env=ENV)
     assert run.returncode == 1
     assert f"megatron-core=={absent} is not installed" in run.stderr
     assert "make wheelhouse" in run.stderr and "ignored paths that travel" in run.stderr

@@ -48,9 +48,9 @@ def _train(tmp_path, name: str, *flags, engine_lag=None) -> list:
                                   cwd=tmp_path, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
     proc = subprocess.run([sys.executable, "-m", "scalerlt_mcore.train", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=500)
     if engine is not None:
-        out = engine.communicate(timeout=120)[0]
+        out = engine.communicate(timeout=400)[0]
         assert engine.returncode == 0 and "engine: served 3 request(s)" in out, out[-2000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -52,7 +52,7 @@ TINY = RUN + ["--world-size", "2", "--plan-prompt-length", str(P)]
 
 def test_help():
     out = subprocess.run([sys.executable, "-m", "scalerlt_mcore.plan", "--help"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stderr
     for flag in ("--world-size", "--plan-prompt-length", "--plan-gpu-memory-gib"):
         assert flag in out.stdout

@@ -119,7 +119,7 @@ def _two_rank_job(rank, world_size, argv):
 
 @pytest.fixture(scope="module")
 def two_rank_job():
-    return run_distributed(_two_rank_job, 2, _flags(train_iters=TWO_RANK_ITERS), timeout=200,
+    return run_distributed(_two_rank_job, 2, _flags(train_iters=TWO_RANK_ITERS), timeout=400,
                            mcore_seed=TINY["seed"])
 
 
@@ -446,12 +446,12 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path):
             if line.startswith("step"):
                 cut.send_signal(signal.SIGTERM)
                 break
-        seen += cut.communicate(timeout=120)[0].splitlines()
+        seen += cut.communicate(timeout=400)[0].splitlines()
         b1 = _ok(subprocess.CompletedProcess(cut.args, cut.returncode, "\n".join(seen),
                                              (tmp_path / "b1.err").read_text()))
         resumed = _ok(_run(TRAIN + common + ["--load", "b_ckpt", "--save", "b_ckpt",
                                              "--run-dir", "b_run2"], tmp_path))
-        full.wait(timeout=240)
+        full.wait(timeout=400)
     finally:
         for proc in (full, cut):
             proc.kill()
@@ -568,7 +568,7 @@ def test_tensor_parallel_ranks_plan_alike():
     per group (each rank's own timings could send one rank naive and the other joint)."""
     flags = _flags(tensor_model_parallel_size=2, make_vocab_size_divisible_by=128,
                    shared_prefix_schedule="auto")
-    costs = run_distributed(_cost_model, 2, flags, tensor_model_parallel_size=2, timeout=300,
+    costs = run_distributed(_cost_model, 2, flags, tensor_model_parallel_size=2, timeout=500,
                             mcore_seed=TINY["seed"])
     assert costs[0] == costs[1]
 
@@ -591,7 +591,7 @@ def _load_params(argv: list, ckpt):
 
 
 def test_cli_unknown_flag_exits_with_message(tmp_path):
-    proc = _run(TRAIN + ["--train-iter", "3"], tmp_path, timeout=120)
+    proc = _run(TRAIN + ["--train-iter", "3"], tmp_path, timeout=400)
     assert proc.returncode != 0
     assert "unknown key 'train_iter' on the command line" in proc.stderr
     assert "did you mean 'train_iters'?" in proc.stderr
@@ -641,7 +641,7 @@ def test_bad_config_rejected_before_any_process_group(monkeypatch):
 
 def test_global_batch_not_divisible_by_dp_times_group(tmp_path):
     proc = _run(_torchrun(_free_port()) + _flags(global_batch_size=12, train_iters=1),
-                tmp_path, timeout=180)
+                tmp_path, timeout=400)
     assert proc.returncode != 0
     assert ("global_batch_size (12) must be divisible by data-parallel size x grpo_group_size "
             "(2 x 4 = 8)") in proc.stdout + proc.stderr

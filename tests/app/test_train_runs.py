@@ -196,7 +196,7 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, argv, line):
     """``line``: how the one line starts."""
     (tmp_path / "bad.yaml").write_text("num_layers: 2.5\n")
     (tmp_path / "a_file").write_text("not a directory\n")
-    proc = _run(TRAIN + FAST + ["--train-iters", "3"] + argv, tmp_path, timeout=180)
+    proc = _run(TRAIN + FAST + ["--train-iters", "3"] + argv, tmp_path, timeout=400)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]

@@ -136,7 +136,7 @@ def test_a_tree_run_from_the_command_line(tmp_path):
     run_dir = tmp_path / "run"
     argv = _flags(**{**TREE_OPTIONS, "eval_interval": 0}, train_iters=SFT + 2,
                   run_dir=str(run_dir))
-    proc = _run(TRAIN + argv, tmp_path, timeout=300)
+    proc = _run(TRAIN + argv, tmp_path, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _records(run_dir)
     assert [(r["kind"], r["step"]) for r in records][-3:] == [

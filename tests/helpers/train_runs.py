@@ -33,7 +33,7 @@ def _flags(**overrides) -> list:
     return out
 
 
-def _run(cmd: list, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
+def _run(cmd: list, cwd, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
 
