@@ -232,7 +232,8 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
 
 def _check_recompute(cfg: LoopedTransformerConfig) -> None:
     """Recompute settings MCore's own checks let through but the looped block cannot honour
-    (``recompute.py``): a method or layer count without ``full`` granularity, a count < 1."""
+    (``recompute.py``): a method or layer count without ``full`` granularity, a count < 1, a
+    recomputed MLP with a bias."""
     granularity, n = cfg.recompute_granularity, cfg.recompute_num_layers
     if cfg.recompute_method is not None and granularity != "full":
         raise FieldError("recompute_method", f"{cfg.recompute_method!r} (--recompute-method) "
@@ -243,6 +244,11 @@ def _check_recompute(cfg: LoopedTransformerConfig) -> None:
     if granularity == "full" and (not isinstance(n, int) or n < 1):
         raise FieldError("recompute_num_layers", "(--recompute-num-layers) must be an integer "
                          f">= 1 with recompute_granularity 'full', got {n!r}")
+    if granularity == "selective" and "mlp" in (cfg.recompute_modules or ()) \
+            and cfg.add_bias_linear:
+        raise FieldError("recompute_modules", "'mlp' (--recompute-modules mlp) needs "
+                         "add_bias_linear=False (--disable-bias-linear): MCore's MLP checkpoint "
+                         "returns the fc2 bias parameter itself, whose backward never ends")
 
 
 LOOP_SAMPLINGS = ("fixed", "uniform:a,b", "poisson_lognormal[:max]")

@@ -231,6 +231,11 @@ def test_recompute_saves_fewer_bytes(mcore_single, kind):
      "got None"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
      "recompute_num_layers .* must be an integer >= 1 with recompute_granularity 'full', got 0"),
+    # a recomputed MLP with a bias: its fc2 bias parameter came back from MCore's checkpoint
+    # with the checkpoint as its grad_fn, and the backward re-entered it until memory ran out
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+     r"recompute_modules 'mlp' .--recompute-modules mlp. needs add_bias_linear=False "
+     r".--disable-bias-linear."),
 ])
 def test_bad_settings_are_refused(mcore_single, extra, message):
     with pytest.raises(ValueError, match=message):
