@@ -205,10 +205,10 @@ class LoopedSelfAttention(SelfAttention):
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
             core = self._prefix_core("attention to a prefix state")
+            kind = ctx.prefix_attention  # not ``ctx`` in the closure (recompute.py, the cycle)
 
             def attend(query, key, value, prefix_keys, prefix_values):
-                with core.attending_to(PrefixKV(prefix_keys, prefix_values,
-                                                ctx.prefix_attention)):
+                with core.attending_to(PrefixKV(prefix_keys, prefix_values, kind)):
                     return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
 
             return self._maybe_checkpointed(attend, query, key, value, ctx.prefix.keys[d],

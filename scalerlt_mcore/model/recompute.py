@@ -67,9 +67,13 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
     depths = list(range(first_depth, first_depth + len(layers)))
     prefix = _prefix_kv(ctx, depths)
     record = ctx is not None and ctx.record
+    # the checkpoint's node keeps ``forward`` for its backward: a closure over ``ctx`` itself
+    # would reach, through ``ctx.recorded``, tensors whose graph holds that node, a cycle
+    # through autograd's C++ that no collection frees (every step's K/V, the model)
+    template = None if ctx is None else dataclasses.replace(ctx, recorded={})
 
     def forward(x, attention_mask, rotary_pos_emb, *prefix_kv):
-        inner = _chunk_context(ctx, depths, prefix_kv)
+        inner = _chunk_context(template, depths, prefix_kv)
         x = run_layers(layers, x, first_depth, inner, attention_mask, rotary_pos_emb)
         if not record:
             return x

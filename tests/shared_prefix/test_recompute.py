@@ -8,9 +8,11 @@
   tensor; with truncated backprop and with the exit gate; at TP=1 and TP=2.
 - It saves less: ``SavedTensorProbe`` peaks of a naive microbatch and of a joint-replay step
   fall with full (and selective) recompute.
+- Nothing of a step's graph outlives it (a chunk's checkpoint kept every step's K/V once).
 - Settings the block cannot honour are refused with one line naming the field.
 """
 
+import gc
 from functools import partial
 
 import pytest
@@ -215,6 +217,30 @@ def test_recompute_saves_fewer_bytes(mcore_single, kind):
         f"{s or 'none'} {b} B ({b / peaks[None]:.3f})" for s, b in peaks.items()))
     assert peaks["full-uniform-1"] < peaks["selective"] < peaks[None]
     assert peaks["full-uniform-1"] < 0.6 * peaks[None]
+
+
+# ---- nothing outlives a step ---------------------------------------------------------------
+
+
+def _graph_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn)
+
+
+@pytest.mark.parametrize("setting,prompt", [
+    ("full-uniform-1", "recompute"), ("full-block-1", "retain"), ("selective-all", "recompute"),
+    ("selective-all", "retain")])
+def test_no_graph_outlives_a_step(mcore_single, setting, prompt):
+    """After each joint-replay step under recompute no tensor of its graph is alive. A chunk's
+    checkpoint once kept a closure over the forward's K/V routing, which holds the K/V recorded
+    after it, whose graph holds the checkpoint: a cycle through autograd that no collection
+    frees, so every step's K/V (and the model) stayed for good."""
+    R = 2
+    model = build_model(R=R, arch=True, **SETTINGS[setting]).double()
+    spec = LossSpec(kl_coef=0.1)
+    before = _graph_tensors()
+    joint_step(model, [make_group(4, 12, 5, R, seed=1, kl=True)], spec, 2, prompt=prompt)
+    assert _graph_tensors() == before
 
 
 # ---- refused settings ----------------------------------------------------------------------
