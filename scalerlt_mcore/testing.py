@@ -122,18 +122,20 @@ def _releasable_ddp_hooks():
     from megatron.core.distributed import DistributedDataParallel
 
     require_mcore("scalerlt_mcore.testing: releasing MCore DDP backward hooks")
-    make = vars(DistributedDataParallel)["_make_backward_post_hook"]
+    current = vars(DistributedDataParallel)["_make_backward_post_hook"]
+    make = getattr(current, "stock", current)  # nested: the innermost context owns the hooks
     made = []
 
     def _make_backward_post_hook(self, param):
         made.append(_ReleasableHook(make(self, param)))
         return made[-1]
 
+    _make_backward_post_hook.stock = make
     DistributedDataParallel._make_backward_post_hook = _make_backward_post_hook
     try:
         yield
     finally:
-        DistributedDataParallel._make_backward_post_hook = make
+        DistributedDataParallel._make_backward_post_hook = current
         for hook in made:
             hook.hook = None
 
