@@ -227,10 +227,11 @@ def _graph_tensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn)
 
 
-@pytest.mark.parametrize("setting,prompt", [
-    ("full-uniform-1", "recompute"), ("full-block-1", "retain"), ("selective-all", "recompute"),
-    ("selective-all", "retain")])
-def test_no_graph_outlives_a_step(mcore_single, setting, prompt):
+@pytest.mark.parametrize("setting,prompt,shape", [
+    ("full-uniform-1", "recompute", "one-level"), ("full-block-1", "retain", "one-level"),
+    ("selective-all", "recompute", "one-level"), ("selective-all", "retain", "one-level"),
+    ("full-uniform-1", "recompute", "tree")])
+def test_no_graph_outlives_a_step(mcore_single, setting, prompt, shape):
     """After each joint-replay step under recompute no tensor of its graph is alive. A chunk's
     checkpoint once kept a closure over the forward's K/V routing, which holds the K/V recorded
     after it, whose graph holds the checkpoint: a cycle through autograd that no collection
@@ -239,7 +240,7 @@ def test_no_graph_outlives_a_step(mcore_single, setting, prompt):
     model = build_model(R=R, arch=True, **SETTINGS[setting]).double()
     spec = LossSpec(kl_coef=0.1)
     before = _graph_tensors()
-    joint_step(model, [make_group(4, 12, 5, R, seed=1, kl=True)], spec, 2, prompt=prompt)
+    joint_step(model, [_group(shape, R, seed=1)], spec, 2, prompt=prompt)
     assert _graph_tensors() == before
 
 
