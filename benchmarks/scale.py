@@ -218,6 +218,7 @@ def plan_argv(family: Family, source: Path, wl: ScaleWorkload) -> list:
              "--rl-task", "multiturn", "--plan-reply-length", str(wl.reply_length)]
             if wl.is_tree else [])
     return family_argv(family, source) + tree + [
+        "--max-position-embeddings", str(wl.prompt_length + wl.S),  # the source's if more
         "--world-size", str(WORLD_SIZE), "--plan-prompt-length", str(wl.prompt_length),
         "--plan-gpu-memory-gib", repr(GPU_GIB), "--rl-max-response-length",
         str(wl.answer_length), "--grpo-group-size", str(wl.G), "--micro-batch-size",
@@ -338,6 +339,7 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
         Workload,
         make_report,
         plan_text,
+        rows_that_fit,
         shortfall,
         smallest_change,
         workload_group,
@@ -345,6 +347,8 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
 
     cfg, gpu = _for_workload(cfg0, wl), GPU_GIB * GIB
     work = Workload(WORLD_SIZE, wl.prompt_length, gpu, wl.reply_length)
+    # where every sample at once does not fit: the most at once that do (the command's change)
+    cfg.rl.inference_max_requests = samples = rows_that_fit(cfg, work, model)
     report = make_report(cfg, work, model, twin)
     cfg.shared_prefix.shared_prefix_memory_budget = max(report.budget / 2**20, 1.0)
     report = make_report(cfg, work, model, twin)  # the run's own plan under that budget
@@ -358,6 +362,8 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
     if shortfall(report):  # as the command prints it: with the smallest change that fits
         report.change = smallest_change(cfg, work, model, twin)
     says = shortfall(report) or "fits"
+    if samples is not None:
+        says = f"with --inference-max-requests {samples}: {says}"
     says = f"refuses: {refused}; at the shape: {says}" if refused else says
     naive, naive_rc = ((None, None) if report.state_bytes + cache > gpu else
                        _best_naive(cfg, model, twin, wl, budget, R))
@@ -370,6 +376,7 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
              if naive_best and joint_best else None)
     return {"family": family.name, "workload": wl.describe(), "parameters": report.parameters,
             "state": report.state, "state_bytes": report.state_bytes, "rollout_cache": cache,
+            "samples_at_once": samples,
             "cache_fits": report.state_bytes + cache <= gpu, "budget_bytes": budget,
             "gpu_bytes": gpu, "rows": rows, "naive_best": naive_best,
             "joint_best": None if joint_best is None else {
@@ -616,10 +623,16 @@ def summary_table(result: dict) -> str:
         nb, jb, ratio = e["naive_best"], e["joint_best"], e["naive_over_joint_flops"]
         joint = _joint_text(jb) or "none fits"
         lines.append(f"| {e['family']} | {e['workload']['name']} | {_gib(e['state_bytes'])} | "
-                     f"{_gib(e['rollout_cache'])} | {'none fits' if nb is None else nb['plan']}"
+                     f"{_cache_text(e)} | {'none fits' if nb is None else nb['plan']}"
                      f" | {joint} | {'n/a' if ratio is None else f'{ratio:.2f}'} | "
                      f"{e['plan_command']} |")
     return "\n".join(lines)
+
+
+def _cache_text(e: dict) -> str:
+    """The rollout cache in GiB, and the samples decoded at once where not all."""
+    rows = e.get("samples_at_once")
+    return _gib(e["rollout_cache"]) + ("" if rows is None else f" ({rows} at a time)")
 
 
 def scaled_table(result: dict) -> str:

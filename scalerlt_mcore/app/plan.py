@@ -268,16 +268,19 @@ def state_bytes(cfg, model, world_size: int) -> dict:
 
 def rollout_cache_bytes(cfg, model, workload: Workload, positions: Optional[int] = None) -> int:
     """The rank's rollout K/V cache at its longest: every depth, K and V, in the run's dtype,
-    of ``rollout_positions`` per prompt (a tree's nodes once); the rank's prompts at once (an
-    evaluation decodes no more: ``RLTrainer.eval_rows``). ``positions``: each of G rows',
-    at most (instead of the workload's prompt and the responses)."""
+    of ``rollout_positions`` (the rank's prompts, ``inference_max_requests`` samples at a
+    time; an evaluation decodes no more: ``RLTrainer.eval_rows``). ``positions``: each row's
+    at most, every row its own (instead of the workload's prompt and the responses)."""
     c, rl = model.config, cfg.rl
     width = next(model.parameters()).dtype.itemsize
     per_token = (c.looped_num_depths * 2 * (c.num_query_groups or c.num_attention_heads)
                  // c.tensor_model_parallel_size * c.kv_channels * width)
     prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
-    rows = rollout_positions(rl, workload.prompt_length, workload.reply_length)
-    return per_token * prompts * (rows if positions is None else rl.grpo_group_size * positions)
+    if positions is not None:
+        rows = prompts * rl.grpo_group_size
+        return per_token * min(rows, rl.inference_max_requests or rows) * positions
+    return per_token * rollout_positions(rl, workload.prompt_length, workload.reply_length,
+                                         prompts)
 
 
 # ---- the rows ---------------------------------------------------------------------------------
@@ -475,16 +478,52 @@ def with_recompute(cfg):
 
 def smallest_change(cfg, workload: Workload, model, twin) -> str:
     """The smallest change of the run found to fit, in flags, evaluated on the meta models:
-    MCore's full recompute (where the run has none and its own schedule then fits), else the
-    longest prompt that fits (halving, then a bisection); '' when neither fits. Tensor
-    parallelism is not evaluated (the command builds TP 1 in one process)."""
+    where the model state and rollout cache do not fit, the most samples decoded at once that
+    fit (``rows_that_fit``) first; then the run as it is, MCore's full recompute (where the run
+    has none and its own schedule then fits), else the longest prompt that fits (halving, then
+    a bisection); '' when none fits. Tensor parallelism is not evaluated (the command builds TP
+    1 in one process)."""
+    rows = rows_that_fit(cfg, workload, model)
+    flags = "" if rows is None else f"--inference-max-requests {rows}"
+    if rows is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.rl.inference_max_requests = rows
+        if fits := _fitting(make_report(cfg, workload, model, twin), flags):
+            return fits
     if cfg.model.recompute_granularity is None:
         report = make_report(with_recompute(cfg), workload, twin, twin)
-        if not shortfall(report):
-            return (f"add {RECOMPUTE_FLAGS} ({plan_text(report.run_plan)}, "
-                    f"{_size(report.resident_bytes + report.run_memory.peak_bytes)} per GPU)")
+        if fits := _fitting(report, f"{flags} {RECOMPUTE_FLAGS}".strip()):
+            return fits
     P = longest_prompt(cfg, workload, model, twin)
-    return "" if P is None else f"--plan-prompt-length {P} (the longest prompt that fits)"
+    return "" if P is None else (f"{flags} --plan-prompt-length {P} (the longest prompt that "
+                                 f"fits)").strip()
+
+
+def _fitting(report: Report, flags: str) -> str:
+    """'add FLAGS (the plan, its per-GPU total)' where ``report`` fits, else ''."""
+    if shortfall(report):
+        return ""
+    return (f"add {flags} ({plan_text(report.run_plan)}, "
+            f"{_size(report.resident_bytes + report.run_memory.peak_bytes)} per GPU)")
+
+
+def rows_that_fit(cfg, workload: Workload, model) -> Optional[int]:
+    """The most samples decoded at once (``--inference-max-requests``) at which the model state
+    and rollout cache fit, where they do not as the run decodes; None where they do, or where
+    no count fits (a tree decodes whole trees: at least G)."""
+    state = sum(state_bytes(cfg, model, workload.world_size).values())
+    if state + rollout_cache_bytes(cfg, model, workload) <= workload.gpu_bytes:
+        return None
+    rl, fewer = cfg.rl, copy.deepcopy(cfg)
+    rows = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size) * (
+        rl.grpo_group_size)
+    now = min(rows, rl.inference_max_requests or rows)
+    least = rl.grpo_group_size if rl.rl_rollout == "tree" else 1
+    for rows in range(now - 1, least - 1, -1):
+        fewer.rl.inference_max_requests = rows
+        if state + rollout_cache_bytes(fewer, model, workload) <= workload.gpu_bytes:
+            return rows
+    return None
 
 
 def longest_prompt(cfg, workload: Workload, model, twin) -> Optional[int]:
@@ -614,8 +653,9 @@ def shortfall(r: Report) -> str:
     have = f"the GPU has {_size(gpu)}"
     if state + r.rollout_cache > gpu:
         short = (f"the model state and rollout cache need {_size(state + r.rollout_cache)} per "
-                 f"GPU, {have}: lower --plan-prompt-length, --grpo-group-size or the prompts "
-                 f"per GPU (--global-batch-size), or raise --world-size")
+                 f"GPU, {have}: lower --inference-max-requests (the samples decoded at "
+                 f"once), --plan-prompt-length, --grpo-group-size or the prompts per GPU "
+                 f"(--global-batch-size), or raise --world-size")
     elif not any(row.plan is not None and held + row.memory.peak_bytes <= gpu
                  for row in r.rows):
         least = min(r.rows, key=lambda row: row.memory.peak_bytes)
@@ -639,8 +679,8 @@ def _change_text(change: Optional[str]) -> str:
         return ""
     if change:
         return f"; the smallest change that fits: {change}"
-    return ("; neither activation recompute nor a shorter prompt fits (tensor parallelism is "
-            "not evaluated: the command plans TP 1)")
+    return ("; neither fewer samples decoded at once, activation recompute nor a shorter "
+            "prompt fits (tensor parallelism is not evaluated: the command plans TP 1)")
 
 
 def main(argv=None) -> int:

@@ -112,20 +112,25 @@ def resolve_pretrained(cfg) -> list[str]:
 
 def _take_loop_layout(cfg, source: LoopedSource) -> str:
     """``--use-checkpoint-args`` of a looped source: its loop layout, loop count, maximum
-    positions, exit threshold (Ouro), truncated backprop and Poisson-lognormal loop sampling
-    (Huginn's training) become the run's; a line for the log."""
+    positions (unless the run's are more, as Megatron-LM keeps a given
+    ``--max-position-embeddings``: rotary positions have no table to match), exit threshold
+    (Ouro), truncated backprop and Poisson-lognormal loop sampling (Huginn's training) become
+    the run's; a line for the log."""
     taken = {**source.looped, "looped_num_loops": source.num_loops}
     if source.backprop_loops:  # Huginn's training: sampled loop counts, truncated backprop
         taken.update(looped_backprop_loops=source.backprop_loops,
                      looped_num_loops_sampling="poisson_lognormal")
-    if source.max_sequence_length:
+    if (source.max_sequence_length or 0) >= cfg.model.max_position_embeddings:
         taken["max_position_embeddings"] = source.max_sequence_length
     for key, value in taken.items():
         setattr(cfg.model, key, value)
     if source.exit_threshold is not None:
         cfg.rl.rl_exit_threshold = taken["rl_exit_threshold"] = source.exit_threshold
+    kept = ("" if "max_position_embeddings" in taken or not source.max_sequence_length else
+            f"; the run's max_position_embeddings {cfg.model.max_position_embeddings} kept "
+            f"(the source's {source.max_sequence_length}: longer rows are beyond its training)")
     return f"loop layout from {source.model_type}: " + ", ".join(
-        f"{k} {v}" for k, v in taken.items())
+        f"{k} {v}" for k, v in taken.items()) + kept
 
 
 def _resolve_tokenizer(cfg) -> list[str]:

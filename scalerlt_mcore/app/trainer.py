@@ -149,8 +149,8 @@ class RLTrainer:
         self.groups_per_rank = prompts_per_step(cfg) // self.world
         # an evaluation's decode holds no more K/V than an RL step's rollout
         prompt = longest - self.path_tokens
-        self.eval_rows = max(1, self.groups_per_rank * rollout_positions(
-            cfg.rl, prompt, self.reply_tokens) // longest)
+        self.eval_rows = max(1, rollout_positions(cfg.rl, prompt, self.reply_tokens,
+                                                  self.groups_per_rank) // longest)
         # never sampled; nor the ids past the tokenizer's (a pretrained vocabulary, Megatron's
         # padding): ``Sampling.vocab_size``
         self.banned = (self.tok.pad_id, self.tok.bos_id)
@@ -241,7 +241,8 @@ class RLTrainer:
                        sampling=self.sampling(step, loop=loop, **given),
                        prompt_once=self.cfg.rl.rl_rollout in ("prompt_once", "tree"),
                        num_loops=num_loops, prompt_kv=self.cfg.rl.rl_prompt_kv,
-                       cuda_graph=self.decode_graphs)
+                       cuda_graph=self.decode_graphs,
+                       max_rows=self.cfg.rl.inference_max_requests)
         self.model.train()
         return out
 
@@ -258,7 +259,7 @@ class RLTrainer:
             self.model, prompts, branches or parse_tree_branches(self.cfg.rl.rl_tree_branches),
             self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
             sampling=self.sampling(step, **given), num_loops=num_loops,
-            reply_fn=self._reply_fn(problems))
+            reply_fn=self._reply_fn(problems), max_rows=self.cfg.rl.inference_max_requests)
         self.model.train()
         return [TreeSample(out.segments[n], out.loop_logprobs[n]) for n in range(len(prompts))]
 

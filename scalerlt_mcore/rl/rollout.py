@@ -252,7 +252,7 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
              pad_id: int, sampling: Optional[Sampling] = None, prompt_once: bool = False,
              static_cache: Optional[bool] = None,
              cuda_graph: Union[bool, DecodeGraphs] = False, num_loops: Optional[int] = None,
-             prompt_kv: Optional[str] = None) -> Rollout:
+             prompt_kv: Optional[str] = None, max_rows: Optional[int] = None) -> Rollout:
     """Sample ``group_size`` responses per prompt (a list of token lists) as ``sampling`` says
     (a ``Sampling``; None: its defaults). Log-probs at the sampling temperature (greedy: 1; no
     top-p, no ban, over the whole padded vocabulary, as training scores them). The returned
@@ -261,9 +261,56 @@ def generate(model, prompts: list, group_size: int, max_new_tokens: int, *, eos_
     log-probs up to rounding; rows are ordered as per row); ``prompt_kv`` (``PROMPT_KV``;
     None: by device) how its samples read the prompt's K/V. ``num_loops``: R of the decoding
     (None: the config's ``looped_num_loops``). ``cuda_graph``: decode steps replay a CUDA
-    graph, captured for this call (True) or kept across calls (``DecodeGraphs``)."""
-    device = next(model.parameters()).device
+    graph, captured for this call (True) or kept across calls (``DecodeGraphs``).
+    ``max_rows``: the most samples decoded at once (``decode_pieces``; None: all), which
+    bounds the K/V cache; the samples drawn in turn from one generator."""
     sampling = sampling or Sampling()
+    cuda_graph = DecodeGraphs() if cuda_graph is True else cuda_graph  # one for every call
+    if max_rows is None or len(prompts) * group_size <= max_rows:
+        return _generate(model, prompts, group_size, max_new_tokens, eos_id, pad_id, sampling,
+                         prompt_once, static_cache, cuda_graph, num_loops, prompt_kv)
+    parts = [[_generate(model, prompts[first:last], g, max_new_tokens, eos_id, pad_id,
+                        sampling, prompt_once, static_cache, cuda_graph, num_loops, prompt_kv)
+              for g in samples] for first, last, samples in decode_pieces(
+                  len(prompts), group_size, max_rows)]
+    return join_rollouts([join_rollouts(p, group_axis=True) for p in parts])
+
+
+def decode_pieces(num_prompts: int, group_size: int, max_rows: int) -> list:
+    """How ``generate`` splits N prompts x G samples into calls of at most ``max_rows`` rows:
+    (first prompt, end prompt, [samples per call]); whole groups together where ``max_rows``
+    holds one or more, else each prompt's samples ``max_rows`` at a time."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if max_rows >= group_size:
+        step = max_rows // group_size
+        return [(i, min(i + step, num_prompts), [group_size])
+                for i in range(0, num_prompts, step)]
+    samples = [min(max_rows, group_size - g) for g in range(0, group_size, max_rows)]
+    return [(i, i + 1, samples) for i in range(num_prompts)]
+
+
+def join_rollouts(parts: list, group_axis: bool = False) -> Rollout:
+    """One ``Rollout`` of ``parts`` decoded in turn: their prompts one after another, or
+    (``group_axis``) more samples of the same prompts."""
+    if len(parts) == 1:
+        return parts[0]
+    axis = int(group_axis)  # [N, G, ...]; per-loop fields [R, N, G, ...] one further
+
+    def cat(name: str, loop_first: bool = False):
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else torch.cat(values, axis + loop_first)
+
+    return Rollout(parts[0].prompts if group_axis else [q for p in parts for q in p.prompts],
+                   cat("responses"), cat("lengths"), cat("logprobs"),
+                   cat("loop_logprobs", True), cat("exit_logprobs", True), cat("exit_loops"))
+
+
+def _generate(model, prompts: list, group_size: int, max_new_tokens: int, eos_id: int,
+              pad_id: int, sampling: Sampling, prompt_once: bool, static_cache, cuda_graph,
+              num_loops: Optional[int], prompt_kv: Optional[str]) -> Rollout:
+    """``generate``'s one call: every sample of ``prompts`` decoded at once."""
+    device = next(model.parameters()).device
     check_generator(sampling.generator, device)
     prompt_kv = prompt_kv or default_prompt_kv(device)
     if prompt_kv not in PROMPT_KV:

@@ -27,6 +27,7 @@ the segments as they are, ``TreeRollout.old_logprobs`` their rows' old log-probs
 """
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -135,20 +136,52 @@ class _Node:
 def generate_tree(model, prompts: list, branches: Sequence[int],
                   max_new_tokens: Union[int, Sequence[int]], *, eos_id: int, pad_id: int,
                   sampling: Optional[Sampling] = None, static_cache: Optional[bool] = None,
-                  num_loops: Optional[int] = None,
-                  reply_fn: Optional[ReplyFn] = None) -> TreeRollout:
+                  num_loops: Optional[int] = None, reply_fn: Optional[ReplyFn] = None,
+                  max_rows: Optional[int] = None) -> TreeRollout:
     """Grow one tree per prompt (a list of token lists): ``branches[k]`` children per node of
     depth k, each decoding up to ``max_new_tokens[k]`` tokens (an int: every depth), stopping
     at ``eos_id``; internal nodes get ``reply_fn``'s reply appended (untrained; ``ReplyFn``:
     called with the index of the node's prompt, its path and its answer). ``sampling``
     (a ``Sampling``; None: its defaults), ``static_cache`` and ``num_loops`` as
     ``rl/rollout.py``'s ``generate`` (no CUDA graph). Rows of a level are ordered by parent,
-    as ``generate``'s rows by prompt."""
-    device = next(model.parameters()).device
+    as ``generate``'s rows by prompt. ``max_rows``: the most leaves decoded at once (whole
+    trees, in turn from one generator; None: every tree at once), which bounds the K/V cache.
+    """
     sampling = sampling or Sampling()
-    check_generator(sampling.generator, device)
     budgets = _check_tree_inputs(prompts, branches, max_new_tokens)
     _check_reply_fn(reply_fn)
+    leaves = math.prod(branches)
+    per_call = len(prompts) if max_rows is None else max_rows // leaves
+    if max_rows is not None and per_call < 1:
+        raise ValueError(f"max_rows {max_rows} holds no whole tree: each has {leaves} leaves "
+                         f"(branches {list(branches)})")
+    if len(prompts) <= per_call:
+        return _generate_trees(model, prompts, branches, budgets, eos_id, pad_id,
+                               sampling, static_cache, num_loops, reply_fn)
+    parts = [_generate_trees(model, prompts[i : i + per_call], branches, budgets,
+                             eos_id, pad_id, sampling, static_cache, num_loops,
+                             _offset(reply_fn, i))
+             for i in range(0, len(prompts), per_call)]
+    gated = parts[0].exit_logprobs is not None
+    return TreeRollout(*(None if name == "exit_logprobs" and not gated else
+                         [x for p in parts for x in getattr(p, name)]
+                         for name in ("prompts", "segments", "logprobs", "loop_logprobs",
+                                      "exit_logprobs", "leaves")))
+
+
+def _offset(reply_fn: Optional[ReplyFn], first: int) -> Optional[ReplyFn]:
+    """``reply_fn`` for the trees from prompt ``first`` on (it indexes the whole list)."""
+    if reply_fn is None or first == 0:
+        return reply_fn
+    return lambda prompt, path, answer: reply_fn(first + prompt, path, answer)
+
+
+def _generate_trees(model, prompts: list, branches, budgets: list, eos_id: int, pad_id: int,
+                    sampling: Sampling, static_cache, num_loops, reply_fn) -> TreeRollout:
+    """``generate_tree``'s one call: every tree of ``prompts`` at once (``budgets``: the
+    checked tokens per depth)."""
+    device = next(model.parameters()).device
+    check_generator(sampling.generator, device)
     grower = _TreeGrower(model, pad_id, eos_id, static_cache, num_loops, reply_fn)
     logits, exit_lp = grower.prefill_roots(prompts)
     check_exit_gate(sampling, exit_lp)

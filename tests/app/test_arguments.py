@@ -562,6 +562,7 @@ FROZEN_CLI_FLAGS = [
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--grpo-clamp-eps-lower",
     "--grpo-clamp-eps-upper", "--grpo-entropy-term-weight", "--grpo-group-size",
     "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step", "--help", "--hidden-size",
+    "--inference-max-requests",
     "--kv-channels", "--load", "--log-interval", "--looped-backprop-loops",
     "--looped-cascade-kernel", "--looped-exit-gate", "--looped-family", "--looped-initial-state",
     "--looped-initial-state-std", "--looped-injection", "--looped-learned-loop-weights",

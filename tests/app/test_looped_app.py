@@ -55,6 +55,22 @@ def test_use_checkpoint_args_takes_the_loop_layout(ouro_dir):
     assert m.max_position_embeddings == 64  # config.json's max_position_embeddings
 
 
+def test_more_positions_than_the_checkpoint_are_kept(ouro_dir):
+    """A run's ``--max-position-embeddings`` above the source's stays (Megatron-LM keeps a
+    given one; rotary positions have no table to match), named in the log; below it, the
+    source's."""
+    cfg = parse_args(["--pretrained-checkpoint", str(ouro_dir), "--use-checkpoint-args",
+                      "--max-position-embeddings", "96"])
+    notes = resolve_pretrained(cfg)
+    assert cfg.model.max_position_embeddings == 96
+    assert notes[-1].endswith("rl_exit_threshold 0.7; the run's max_position_embeddings 96 "
+                              "kept (the source's 64: longer rows are beyond its training)")
+    cfg = parse_args(["--pretrained-checkpoint", str(ouro_dir), "--use-checkpoint-args",
+                      "--max-position-embeddings", "48"])
+    resolve_pretrained(cfg)
+    assert cfg.model.max_position_embeddings == 64
+
+
 def test_app_model_is_the_public_function(ouro_dir):
     cfg, w = load_ouro(ouro_dir)
     tokens = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -286,11 +286,42 @@ def test_model_state_over_the_gpu_is_refused_by_name(capsys):
     err = capsys.readouterr().err
     assert code == 1, err
     assert re.fullmatch(r"error: the model state and rollout cache need [\d.]+ MiB per GPU, the "
-                        r"GPU has 0.00 MiB: lower --plan-prompt-length, --grpo-group-size or "
+                        r"GPU has 0.00 MiB: lower --inference-max-requests \(the samples "
+                        r"decoded at once\), --plan-prompt-length, --grpo-group-size or "
                         r"the prompts per GPU \(--global-batch-size\), or raise --world-size; "
-                        r"neither activation recompute nor a shorter prompt fits \(tensor "
-                        r"parallelism is not evaluated: the command plans TP 1\)\n",
-                        err), err
+                        r"neither fewer samples decoded at once, activation recompute nor a "
+                        r"shorter prompt fits \(tensor parallelism is not evaluated: the "
+                        r"command plans TP 1\)\n", err), err
+
+
+def test_a_rollout_cache_over_the_gpu_names_the_samples_decoded_at_once(capsys):
+    """Many long responses beside a short prompt (2 prompts x G 64 on each rank: the rollout
+    cache the larger part), on a GPU that holds the state and the cache of 40 samples at a
+    time beside the run's step, not of 41 nor of all 128: the command names
+    ``--inference-max-requests 40``, and the run with it fits (status 0), with 41 it does
+    not."""
+    flags = RUN[:-4] + ["--rl-max-response-length", "48", "--grpo-group-size", "64",
+                        "--global-batch-size", "256", "--micro-batch-size", "64",
+                        "--shared-prefix-wave-size", "1", "--world-size", "2",
+                        "--plan-prompt-length", "8"]
+    cfg, workload = parse(flags)
+    assert cfg.rl.rl_rollout == "prompt_once"
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+    per_token = report.rollout_cache // (2 * (8 + 64 * 48))  # 2 prompts' whole groups
+    assert report.rollout_cache == per_token * 2 * (8 + 64 * 48)
+    forty = per_token * (8 + 40 * 48)  # one prompt at a time, 40 of its samples
+    assert forty > report.run_memory.peak_bytes  # the cache, not the step, sets the GPU
+    gpu = report.state_bytes + forty + per_token * 24  # 41 samples: 48 tokens more
+    code = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.search(r"; the smallest change that fits: add --inference-max-requests 40 "
+                     r"\(waves of 1, prompt retained, [\d.]+ MiB per GPU\)\n$", err), err
+    for rows, code in ((40, 0), (41, 1)):
+        got = main(flags + ["--plan-gpu-memory-gib", repr(gpu / GIB),
+                            "--inference-max-requests", str(rows)])
+        assert got == code, (rows, capsys.readouterr())
 
 
 @pytest.mark.parametrize("flags, message", [

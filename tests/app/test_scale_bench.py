@@ -80,6 +80,7 @@ def test_full_size_rows_fit_a_large_gpu(mcore_single, monkeypatch):
         assert entries["one"]["rows"][i]["plan"] == "waves of 4, prompt retained"
         assert entries["tree"]["rows"][i]["plan"] == "waves of 2, 3/3 internal nodes retained"
     assert entries["one"]["plan_command"].endswith("fits")  # after any refusal of the flags
+    assert all(e["samples_at_once"] is None for e in entries.values())  # every sample at once
 
 
 def test_full_size_rows_that_do_not_fit_say_by_how_much(mcore_single, monkeypatch):

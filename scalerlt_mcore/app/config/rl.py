@@ -80,6 +80,13 @@ class RLArgs:
     each sample's cache once, then decoded as per row: one attention part per step, the CPU's
     choice, where a step is bound by host time per op); None: by device (``copied`` on CPU,
     ``shared`` elsewhere). The same samples up to rounding."""
+    inference_max_requests: Optional[int] = None
+    """Most samples a rank decodes at once (Megatron-LM's ``--inference-max-requests``),
+    which bounds the rollout's K/V cache: whole groups together where it holds one or more,
+    else each prompt's samples this many at a time (``prompt_once`` prefills the prompt once
+    per call); a tree rollout's whole trees, so at least ``grpo_group_size``. The samples are
+    drawn in turn from the step's generator (other draws than all at once, the same
+    distribution). None: every sample of the rank's prompts at once."""
     rl_rollout_source: Literal["decode", "engine"] = "decode"
     """``decode`` (the trainer decodes its rollouts itself) or ``engine``: RL steps take their
     rollouts from a serving engine in another process through ``rl_engine_dir``
@@ -258,11 +265,21 @@ def parse_tree_branches(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
-def rollout_positions(rl: RLArgs, prompt: int, reply: int = 0) -> int:
-    """K/V positions of one prompt's rollout at its longest (``prompt`` positions): ``per_row``
-    G rows of prompt and response, ``prompt_once`` the prompt once and G responses, ``tree``
-    every node once (answers of ``rl_max_response_length``, ``reply`` after each but the last
-    turn's)."""
+def rollout_positions(rl: RLArgs, prompt: int, reply: int = 0, prompts: int = 1) -> int:
+    """K/V positions a rank's rollout of ``prompts`` prompts (of ``prompt`` positions) holds
+    at once at its longest, ``inference_max_requests`` samples at a time: per prompt,
+    ``per_row`` G rows of prompt and response, ``prompt_once`` the prompt once and G
+    responses, ``tree`` every node once (answers of ``rl_max_response_length``, ``reply``
+    after each but the last turn's)."""
+    S, G, rows = rl.rl_max_response_length, rl.grpo_group_size, rl.inference_max_requests
+    if rows is not None and rows < G:  # one prompt's samples, ``rows`` at a time
+        return rows * (prompt + S) if rl.rl_rollout == "per_row" else prompt + rows * S
+    at_once = prompts if rows is None else min(prompts, rows // G)
+    return at_once * _group_positions(rl, prompt, reply)
+
+
+def _group_positions(rl: RLArgs, prompt: int, reply: int) -> int:
+    """K/V positions of one prompt's whole group (``rollout_positions``)."""
     S, G = rl.rl_max_response_length, rl.grpo_group_size
     if rl.rl_rollout == "per_row":
         return G * (prompt + S)
@@ -291,6 +308,12 @@ def _check_tree(rl: RLArgs) -> list[str]:
     if rl.rl_rollout == "tree" and rl.grpo_group_size != leaves:
         return [f"rl_tree_branches {rl.rl_tree_branches} gives {leaves} leaves per prompt: "
                 f"grpo_group_size must equal it, got {rl.grpo_group_size}"]
+    rows = rl.inference_max_requests
+    if rows is not None and rows < 1:
+        return [f"inference_max_requests must be >= 1 or null, got {rows}"]
+    if rows is not None and rl.rl_rollout == "tree" and rows < leaves:
+        return [f"inference_max_requests {rows} holds no whole tree: rl_rollout tree decodes "
+                f"whole trees of {leaves} leaves (rl_tree_branches {rl.rl_tree_branches})"]
     return []
 
 
