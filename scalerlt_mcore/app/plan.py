@@ -477,26 +477,67 @@ def with_recompute(cfg):
 
 
 def smallest_change(cfg, workload: Workload, model, twin) -> str:
-    """The smallest change of the run found to fit, in flags, evaluated on the meta models:
-    where the model state and rollout cache do not fit, the most samples decoded at once that
-    fit (``rows_that_fit``) first; then the run as it is, MCore's full recompute (where the run
-    has none and its own schedule then fits), else the longest prompt that fits (halving, then
-    a bisection); '' when none fits. Tensor parallelism is not evaluated (the command builds TP
-    1 in one process)."""
+    """The smallest change of the run found to fit, in flags, evaluated on meta models:
+    fewer samples decoded at once and MCore's full recompute (``_rows_or_recompute``), else
+    the most loops that fit with them (``most_loops``), else the longest prompt that fits
+    (halving, then a bisection); '' when none fits. Tensor parallelism is not evaluated (the
+    command builds TP 1 in one process)."""
+    change = _rows_or_recompute(cfg, workload, model, twin)
+    if change:
+        return change
+    change = most_loops(cfg, workload)
+    if change:
+        return change
     rows = rows_that_fit(cfg, workload, model)
     flags = "" if rows is None else f"--inference-max-requests {rows}"
-    if rows is not None:
-        cfg = copy.deepcopy(cfg)
-        cfg.rl.inference_max_requests = rows
-        if fits := _fitting(make_report(cfg, workload, model, twin), flags):
-            return fits
-    if cfg.model.recompute_granularity is None:
-        report = make_report(with_recompute(cfg), workload, twin, twin)
-        if fits := _fitting(report, f"{flags} {RECOMPUTE_FLAGS}".strip()):
-            return fits
-    P = longest_prompt(cfg, workload, model, twin)
+    P = longest_prompt(_with_rows(cfg, rows), workload, model, twin)
     return "" if P is None else (f"{flags} --plan-prompt-length {P} (the longest prompt that "
                                  f"fits)").strip()
+
+
+def _with_rows(cfg, rows: Optional[int]):
+    """``cfg``, or a copy decoding ``rows`` samples at a time."""
+    if rows is None:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.rl.inference_max_requests = rows
+    return cfg
+
+
+def _rows_or_recompute(cfg, workload: Workload, model, twin) -> str:
+    """'add FLAGS (plan, per GPU)' where the run fits with the most samples decoded at once
+    that fit (``rows_that_fit``, where the rollout cache is over) and, where the run has none
+    and it needs it, MCore's full recompute; else ''."""
+    rows = rows_that_fit(cfg, workload, model)
+    flags, cfg = ("" if rows is None else f"--inference-max-requests {rows}",
+                  _with_rows(cfg, rows))
+    if rows is not None and (fits := _fitting(make_report(cfg, workload, model, twin), flags)):
+        return fits
+    if cfg.model.recompute_granularity is not None:
+        return ""
+    report = make_report(with_recompute(cfg), workload, twin, twin)
+    return _fitting(report, f"{flags} {RECOMPUTE_FLAGS}".strip())
+
+
+def most_loops(cfg, workload: Workload) -> str:
+    """'add --looped-num-loops N ...': the most loops below the run's at which it fits as it
+    is, or with ``_rows_or_recompute``'s change (a bisection; each count's models built and
+    calibrated on meta); '' where one loop does not fit."""
+    def change(R: int) -> str:
+        c = copy.deepcopy(cfg)
+        c.model.looped_num_loops = R
+        model, twin = meta_model(c), meta_model(c, recompute=True)
+        flag = f"--looped-num-loops {R}"
+        found = _fitting(make_report(c, workload, model, twin), flag)
+        return found or _rows_or_recompute(c, workload, model, twin).replace(
+            "add ", f"add {flag} ", 1)
+
+    low, high, best = 1, cfg.model.looped_num_loops - 1, ""
+    while low <= high:  # the largest R whose change is found
+        mid = (low + high) // 2
+        found = change(mid)
+        low, high, best = (mid + 1, high, found) if found else (low, mid - 1, best)
+    return best
 
 
 def _fitting(report: Report, flags: str) -> str:
@@ -679,8 +720,8 @@ def _change_text(change: Optional[str]) -> str:
         return ""
     if change:
         return f"; the smallest change that fits: {change}"
-    return ("; neither fewer samples decoded at once, activation recompute nor a shorter "
-            "prompt fits (tensor parallelism is not evaluated: the command plans TP 1)")
+    return ("; neither fewer samples decoded at once, activation recompute, fewer loops nor a "
+            "shorter prompt fits (tensor parallelism is not evaluated: the command plans TP 1)")
 
 
 def main(argv=None) -> int:

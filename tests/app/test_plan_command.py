@@ -281,6 +281,35 @@ def test_shortfall_names_recompute_where_it_fits(capsys):
     assert main(TINY + budget + RECOMPUTE) == 0, capsys.readouterr()
 
 
+def _least_recompute_peak(flags: list) -> float:
+    """The smallest joint-replay plan's peak with recompute (on a GPU too small for any)."""
+    cfg, workload = parse(flags)
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+        tight = make_report(cfg, dataclasses.replace(
+            workload, gpu_bytes=report.state_bytes + 1))
+    assert tight.rows[3].plan is None
+    return tight.rows[3].memory.peak_bytes
+
+
+def test_shortfall_names_fewer_loops_where_they_fit(capsys):
+    """A run with recompute whose budget is below joint replay's smallest plan at its 3 loops
+    but above it at 2: the command names ``--looped-num-loops 2`` (the most loops that fit),
+    and the run with it fits (status 0)."""
+    flags = TINY + RECOMPUTE
+    least = {R: _least_recompute_peak(flags + ["--looped-num-loops", str(R)]) for R in (2, 3)}
+    assert least[2] < least[3], least
+    budget = ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
+              repr((least[2] + least[3]) / 2 / 2**20)]
+    code = main(flags + budget)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.fullmatch(r"error: the run's schedule finds no plan: .+; the smallest change that "
+                        r"fits: add --looped-num-loops 2 \(waves of \d+, prompt [\w ]+, "
+                        r"[\d.]+ MiB per GPU\)\n", err), err
+    assert main(flags + budget + ["--looped-num-loops", "2"]) == 0, capsys.readouterr()
+
+
 def test_model_state_over_the_gpu_is_refused_by_name(capsys):
     code = main(TINY + ["--plan-gpu-memory-gib", "1e-6"])
     err = capsys.readouterr().err
@@ -289,9 +318,9 @@ def test_model_state_over_the_gpu_is_refused_by_name(capsys):
                         r"GPU has 0.00 MiB: lower --inference-max-requests \(the samples "
                         r"decoded at once\), --plan-prompt-length, --grpo-group-size or "
                         r"the prompts per GPU \(--global-batch-size\), or raise --world-size; "
-                        r"neither fewer samples decoded at once, activation recompute nor a "
-                        r"shorter prompt fits \(tensor parallelism is not evaluated: the "
-                        r"command plans TP 1\)\n", err), err
+                        r"neither fewer samples decoded at once, activation recompute, fewer "
+                        r"loops nor a shorter prompt fits \(tensor parallelism is not "
+                        r"evaluated: the command plans TP 1\)\n", err), err
 
 
 def test_a_rollout_cache_over_the_gpu_names_the_samples_decoded_at_once(capsys):
