@@ -11,6 +11,8 @@
   (``rollout_positions``) counts the rows held at once.
 """
 
+import math
+
 import pytest
 import torch
 from helpers.decode import VOCAB, build
@@ -125,3 +127,29 @@ def test_the_rollout_cache_counts_the_rows_at_once(mode, rows, want):
                       "--rl-max-response-length", "6"])
     cfg.rl.inference_max_requests = rows
     assert rollout_positions(cfg.rl, 10, prompts=3) == want
+
+
+def test_the_trainer_decodes_at_most_inference_max_requests(mcore_single):
+    """The main job's RL step with ``--inference-max-requests 3`` (2 prompts x 4 samples on the
+    rank): every cache its rollouts and evaluation make holds at most 3 rows, the rollout has
+    every sample, and the step trains."""
+    from helpers.train_runs import SFT, _flags, _trainer
+
+    tr = _trainer(_flags(global_batch_size=8, eval_iters=1, eval_interval=0,
+                         inference_max_requests=3))
+    made, new_cache = [], tr.model.new_kv_cache
+
+    def counting(batch, *args, **kwargs):
+        made.append(batch)
+        return new_cache(batch, *args, **kwargs)
+
+    tr.model.new_kv_cache = counting
+    rollouts, rollout = [], tr.rollout
+    tr.rollout = lambda *args, **kwargs: rollouts.append(rollout(*args, **kwargs)) or (
+        rollouts[-1])
+    for step in range(SFT + 1):
+        metrics = tr.rl_step(step) if step >= SFT else tr.sft_step(step)
+    tr.evaluate()
+    assert made and max(made) <= 3, made
+    assert rollouts[0].responses.shape[:2] == (2, 4)
+    assert math.isfinite(metrics["loss"]) and metrics["tokens_per_s"] > 0
