@@ -1,12 +1,11 @@
 """Shared pytest fixtures."""
 
 import gc
-import os
 
 import pytest
 import torch
 
-from scalerlt_mcore.testing import model_parallel_context, releasing_models
+from scalerlt_mcore.testing import model_parallel_context, releasing_models, thread_count
 
 
 @pytest.fixture
@@ -31,12 +30,8 @@ def released_models():
     """Nothing a test builds outlives it (``releasing_models``): the main job run in-process
     sets up model parallelism itself, and every group its model kept would keep three gloo
     threads polling for the rest of the suite."""
-    threads = _threads()
+    threads = thread_count()
     with releasing_models():
         yield
-    if _threads() > threads:  # a model in a reference cycle: its groups go with it
+    if thread_count() > threads:  # a model in a reference cycle: its groups go with it
         gc.collect()
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0

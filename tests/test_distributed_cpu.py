@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scalerlt_mcore.testing import run_distributed
+from scalerlt_mcore.testing import run_distributed, thread_count
 
 WORLD = 2
 SEQ, VOCAB, MICRO_BATCH = 16, 64, 2
@@ -159,10 +159,6 @@ def test_two_ranks_match_one_rank(overlap_grad_reduce, per_token_loss):
     torch.testing.assert_close(two[0]["grad_norms"], one["grad_norms"], rtol=RTOL, atol=0)
 
 
-def _threads() -> int:
-    return len(os.listdir(f"/proc/{os.getpid()}/task"))
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_model_parallel_context_releases_its_process_groups():
     """A RoPE model built in one context must not keep that context's gloo groups (threads,
@@ -184,10 +180,10 @@ def test_model_parallel_context_releases_its_process_groups():
             assert RotaryEmbedding.forward.cache_info().currsize >= 1  # the cache was used
 
     build_and_run()
-    before = _threads()
+    before = thread_count()
     for _ in range(3):
         build_and_run()
-    assert _threads() <= before, f"threads grew from {before} to {_threads()}"
+    assert thread_count() <= before, f"threads grew from {before} to {thread_count()}"
 
 
 def _ddp_step():
@@ -229,11 +225,11 @@ def test_model_parallel_context_releases_a_ddp_model_and_its_process_groups():
     and autograd's C++ nodes, kept alive by the optimizer's parameter shards, hold the hooks."""
     _ddp_step()
     gc.collect()
-    before = _threads()
+    before = thread_count()
     refs = [tuple(map(weakref.ref, _ddp_step())) for _ in range(2)]
     gc.collect()
     assert [(ddp() is None, group() is None) for ddp, group in refs] == [(True, True)] * 2
-    assert _threads() <= before, f"threads grew from {before} to {_threads()}"
+    assert thread_count() <= before, f"threads grew from {before} to {thread_count()}"
 
 
 def test_a_ddp_model_after_its_context_refuses_a_backward_pass():
