@@ -196,8 +196,10 @@ class LoopedGPTModel(LanguageModule):
         cached = getattr(self, "_state_table", None)
         if cached is None or cached[0] != key:  # moved to the device once per draw
             c = self.config
-            table = initial_state_table(*draw, self.max_sequence_length, c.hidden_size,
-                                        c.looped_drawn_state_std, c.looped_embedding_scale)
+            shape = (self.max_sequence_length, c.hidden_size)
+            table = (torch.empty(shape, device=p.device, dtype=p.dtype)  # meta: no values
+                     if p.device.type == "meta" else initial_state_table(
+                         *draw, *shape, c.looped_drawn_state_std, c.looped_embedding_scale))
             self._state_table = cached = (key, table.to(p.device, p.dtype))
         return cached[1][positions].transpose(0, 1)  # [S, B, H]
 
