@@ -15,16 +15,14 @@ import math
 
 import pytest
 import torch
-from helpers.decode import VOCAB, build
+from helpers.decode import EOS, PAD, PROMPTS, build, check_segments, reply
 from helpers.reference_looped import reference_forward
-from test_tree_rollout import PROMPTS, check_segments, reply
 
 from scalerlt_mcore.app.config import ConfigError, parse_args, validate
 from scalerlt_mcore.app.config.rl import rollout_positions
 from scalerlt_mcore.rl.rollout import Sampling, generate
 from scalerlt_mcore.rl.tree_rollout import generate_tree
 
-EOS, PAD = VOCAB + 1, 0  # never drawn: every response runs its budget
 GREEDY = dict(eos_id=EOS, pad_id=PAD)
 
 

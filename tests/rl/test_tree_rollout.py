@@ -15,7 +15,7 @@
 
 import pytest
 import torch
-from helpers.decode import LOOPS, VOCAB, build
+from helpers.decode import EOS, LOOPS, PAD, PROMPTS, VOCAB, build, check_segments, reply
 from helpers.exit_gate import _gated
 from helpers.reference_looped import reference_forward
 
@@ -24,32 +24,6 @@ from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.rollout import Sampling, exit_loop_at, generate
 from scalerlt_mcore.rl.tokenizer import CharTokenizer
 from scalerlt_mcore.rl.tree_rollout import generate_tree
-
-PROMPTS = [[7, 3, 9], [4, 12, 30, 2, 8], [11]]
-EOS, PAD = VOCAB + 1, 0  # an eos the model never draws: every answer runs its budget
-
-
-def reply(prompt: int, path: list, answer: list) -> list:
-    """A deterministic environment: 1 to 3 tokens (ids 3 ... 39) depending on the prompt's
-    index, the path and the answer."""
-    return [(len(path) + a + 5 * prompt) % 37 + 3 for a in answer[: 1 + len(path) % 3]]
-
-
-def check_segments(rollout, n: int, reply_fn=None) -> None:
-    """Root first with a zero mask; every child starts at its parent's end; answers trained,
-    replies not; every row's path."""
-    segs = rollout.segments[n]
-    assert segs[0].parent is None and segs[0].tokens == PROMPTS[n] and not any(segs[0].loss_mask)
-    for i, s in enumerate(segs[1:], 1):
-        up = segs[s.parent]
-        assert s.parent < i and s.start == up.start + len(up.tokens)
-        assert len(s.loss_mask) == len(s.tokens) >= 1
-        trained = sum(s.loss_mask)
-        assert s.loss_mask == [1] * trained + [0] * (len(s.tokens) - trained)
-        if reply_fn is not None and i not in rollout.leaves[n]:
-            path = [t for j in rollout.path(n, s.parent) for t in segs[j].tokens]
-            answer = s.tokens[:trained]
-            assert s.tokens[trained:] == reply_fn(n, path, answer)
 
 
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
