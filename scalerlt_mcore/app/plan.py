@@ -275,12 +275,19 @@ def rollout_cache_bytes(cfg, model, workload: Workload, positions: Optional[int]
     width = next(model.parameters()).dtype.itemsize
     per_token = (c.looped_num_depths * 2 * (c.num_query_groups or c.num_attention_heads)
                  // c.tensor_model_parallel_size * c.kv_channels * width)
-    prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
     if positions is not None:
-        rows = prompts * rl.grpo_group_size
-        return per_token * min(rows, rl.inference_max_requests or rows) * positions
+        return per_token * _rows_at_once(cfg, workload) * positions
+    prompts = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
     return per_token * rollout_positions(rl, workload.prompt_length, workload.reply_length,
                                          prompts)
+
+
+def _rows_at_once(cfg, workload: Workload) -> int:
+    """The samples a rank's rollout decodes at once: its prompts' G each, at most
+    ``inference_max_requests``."""
+    rows = (prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size)
+            * cfg.rl.grpo_group_size)
+    return min(rows, cfg.rl.inference_max_requests or rows)
 
 
 # ---- the rows ---------------------------------------------------------------------------------
@@ -504,12 +511,13 @@ def _with_rows(cfg, rows: Optional[int]):
     return cfg
 
 
-def _rows_or_recompute(cfg, workload: Workload, model, twin) -> str:
+def _rows_or_recompute(cfg, workload: Workload, model, twin, given: str = "") -> str:
     """'add FLAGS (plan, per GPU)' where the run fits with the most samples decoded at once
     that fit (``rows_that_fit``, where the rollout cache is over) and, where the run has none
-    and it needs it, MCore's full recompute; else ''."""
+    and it needs it, MCore's full recompute; else ''. ``given``: flags ``cfg`` already
+    carries, named first."""
     rows = rows_that_fit(cfg, workload, model)
-    flags, cfg = ("" if rows is None else f"--inference-max-requests {rows}",
+    flags, cfg = (given if rows is None else f"{given} --inference-max-requests {rows}".strip(),
                   _with_rows(cfg, rows))
     if rows is not None and (fits := _fitting(make_report(cfg, workload, model, twin), flags)):
         return fits
@@ -528,9 +536,8 @@ def most_loops(cfg, workload: Workload) -> str:
         c.model.looped_num_loops = R
         model, twin = meta_model(c), meta_model(c, recompute=True)
         flag = f"--looped-num-loops {R}"
-        found = _fitting(make_report(c, workload, model, twin), flag)
-        return found or _rows_or_recompute(c, workload, model, twin).replace(
-            "add ", f"add {flag} ", 1)
+        return (_fitting(make_report(c, workload, model, twin), flag)
+                or _rows_or_recompute(c, workload, model, twin, given=flag))
 
     low, high, best = 1, cfg.model.looped_num_loops - 1, ""
     while low <= high:  # the largest R whose change is found
@@ -556,11 +563,8 @@ def rows_that_fit(cfg, workload: Workload, model) -> Optional[int]:
     if state + rollout_cache_bytes(cfg, model, workload) <= workload.gpu_bytes:
         return None
     rl, fewer = cfg.rl, copy.deepcopy(cfg)
-    rows = prompts_per_step(cfg) // data_parallel_size(cfg, workload.world_size) * (
-        rl.grpo_group_size)
-    now = min(rows, rl.inference_max_requests or rows)
     least = rl.grpo_group_size if rl.rl_rollout == "tree" else 1
-    for rows in range(now - 1, least - 1, -1):
+    for rows in range(_rows_at_once(cfg, workload) - 1, least - 1, -1):
         fewer.rl.inference_max_requests = rows
         if state + rollout_cache_bytes(fewer, model, workload) <= workload.gpu_bytes:
             return rows
