@@ -50,7 +50,7 @@ MCORE_CI_TESTS := \
 	tests/app/test_nanbeige_app.py tests/shared_prefix/test_recompute.py \
 	tests/shared_prefix/test_joint_replay_exact.py tests/shared_prefix/test_joint_replay_sft.py \
 	tests/shared_prefix/test_joint_replay_ddp.py tests/shared_prefix/test_looped_features_ddp.py \
-	tests/shared_prefix/test_tensor_parallel.py \
+	tests/shared_prefix/test_tensor_parallel.py tests/model/test_family_tp.py \
 	tests/app/test_megatron_train_step.py tests/app/test_train_e2e.py \
 	tests/app/test_train_signals.py
 MCORE_TESTS = $(if $(filter-out 0,$(MCORE_SUBSET)),$(MCORE_CI_TESTS))

@@ -170,9 +170,6 @@ def load_pretrained(cfg, model) -> str:
                               f"a looped model")
         check_tokenizer(path, tokenizer_from(cfg).identity())
         return f"pretrained weights from {load_model_weights(path, model)}"
-    if cfg.model.tensor_model_parallel_size > 1 and kind == "hf":
-        raise ConfigError("a Hugging Face import needs tensor_model_parallel_size 1 (convert to "
-                          "an MCore checkpoint for tensor parallelism)")
     if kind == "hf" and is_looped_source(path):
         return _load_looped(cfg, model, path)
     if kind == "hf":

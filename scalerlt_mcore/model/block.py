@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
-from .linear import ColumnParallelLinear
+from .linear import ReplicatedLinear
 from .recompute import checkpointed_layers, layer_chunks, recompute_active, run_layers
 
 
@@ -60,18 +60,17 @@ class LinearConcatInjection(MegatronModule):
 
 
 class ExitGate(MegatronModule):
-    """Gate logit g_r = w . norm(h_r) + b of every position (MCore linear, H -> 1, bias 0 at
-    init): lambda_r = sigmoid(g_r) is the probability of exiting at loop r given no exit before."""
+    """Gate logit g_r = w . norm(h_r) + b of every position (H -> 1, bias 0 at init):
+    lambda_r = sigmoid(g_r) is the probability of exiting at loop r given no exit before. Its
+    one output cannot be split over tensor-parallel ranks: whole on each (``ReplicatedLinear``),
+    as the normed state it reads is."""
 
     def __init__(self, config):
         super().__init__(config=config)
-        self.linear = ColumnParallelLinear(
-            config.hidden_size, 1, config=config, init_method=config.init_method, bias=True,
-            gather_output=True, skip_bias_add=False)
+        self.linear = ReplicatedLinear(config, config.hidden_size, 1)
 
     def forward(self, normed):
-        logits, _ = self.linear(normed)  # [s, b, 1]
-        return logits.squeeze(-1)  # [s, b]
+        return self.linear(normed).squeeze(-1)  # [s, b, 1] -> [s, b]
 
 
 class LearnedLoopWeights(MegatronModule):

@@ -206,10 +206,6 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
     if cfg.looped_family == "huginn" and cfg.looped_injection != "linear_concat":
         raise FieldError("looped_family", f"'huginn' needs looped_injection 'linear_concat' "
                          f"(its adapter), got {cfg.looped_injection!r}")
-    if cfg.looped_family != "gpt" and cfg.tensor_model_parallel_size > 1:
-        raise NotImplementedError(f"looped_family {cfg.looped_family!r} with "
-                                  f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: "
-                                  f"its layers are not supported under tensor parallelism yet")
     if cfg.pipeline_model_parallel_size != 1:
         raise NotImplementedError(
             f"pipeline_model_parallel_size must be 1 (the looped GPT has no pipeline "
@@ -222,12 +218,6 @@ def validate_looped_config(cfg: LoopedTransformerConfig) -> None:
                                   f"(--context-parallel-size): the looped GPT does not support "
                                   f"context parallelism")
     _check_recompute(cfg)
-    if cfg.looped_exit_gate and cfg.tensor_model_parallel_size > 1:
-        raise NotImplementedError(
-            f"looped_exit_gate (--looped-exit-gate) with tensor_model_parallel_size="
-            f"{cfg.tensor_model_parallel_size}: the exit gate is not supported under tensor "
-            f"parallelism yet")
-
 
 
 def _check_recompute(cfg: LoopedTransformerConfig) -> None:

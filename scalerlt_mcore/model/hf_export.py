@@ -36,6 +36,7 @@ from .looped_import import (
     looped_to_retrofitted,
 )
 from .nanbeige import NANBEIGE_ARCHITECTURE, looped_to_nanbeige, nanbeige_config_fields
+from .shards import whole_state_dict
 
 ARCHITECTURES = {"ouro": OURO_ARCHITECTURE, "huginn_raven": HUGINN_ARCHITECTURE,
                  "retrofitted": HUGINN_ARCHITECTURE, "llama": "LlamaForCausalLM",
@@ -135,10 +136,10 @@ def _check_layers(model) -> None:
 
 
 def hf_state_dict(model, kind: str) -> dict:
-    """The model's tensors under the names of format ``kind``; every tensor of the model is
-    used (one left over is refused, naming it)."""
-    sd = _ReadTracker({k: v for k, v in model.state_dict().items()
-                       if not k.endswith("._extra_state")})
+    """The model's tensors, whole at any tensor-parallel size (``whole_state_dict``: every rank
+    calls it), under the names of format ``kind``; every tensor of the model is used (one left
+    over is refused, naming it)."""
+    sd = _ReadTracker(whole_state_dict(model))
     arch = architecture_of(model)
     if kind == "ouro":
         out = looped_to_ouro(sd, arch)

@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
-from torch import Tensor
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor, nn
 
 
 def _direct(layer) -> bool:
@@ -77,3 +78,28 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
 DIRECT = {tensor_parallel.ColumnParallelLinear: ColumnParallelLinear,
           tensor_parallel.RowParallelLinear: RowParallelLinear}
 """MCore's linear -> its subclass here (what the layer specs swap in)."""
+
+
+class ReplicatedLinear(MegatronModule):
+    """[s, b, k] -> [s, b, n], weight [n, k] and bias [n] (zeros) whole on every
+    tensor-parallel rank: for an output too narrow to split (the exit gate's one logit) of an
+    input every rank holds whole. Computed as MCore's linears compute it (matmul, then the
+    bias); the weight drawn as MCore draws a ``ColumnParallelLinear``'s at TP 1 (the whole
+    weight by ``config.init_method``: on the host in fp32 with ``use_cpu_initialization``,
+    else from the device's default generator, which MCore seeds alike on every
+    tensor-parallel rank), so every rank holds the same numbers."""
+
+    def __init__(self, config, input_size: int, output_size: int):
+        super().__init__(config=config)
+        host = config.use_cpu_initialization
+        device = "cpu" if host else torch.cuda.current_device()
+        weight = torch.empty(output_size, input_size, device=device,
+                             dtype=torch.float32 if host else config.params_dtype)
+        if config.perform_initialization:
+            config.init_method(weight)
+        self.weight = nn.Parameter(weight.to(config.params_dtype))
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype,
+                                             device=device))
+
+    def forward(self, input_: Tensor) -> Tensor:
+        return _matmul(input_, self.weight, self.bias)  # [s, b, n]

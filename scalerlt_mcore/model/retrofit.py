@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .shards import local_shard
+
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 INJECTION_KEY = "decoder.injection.weight"
 
@@ -113,11 +115,15 @@ def identity_injection(hidden_size: int) -> torch.Tensor:
 
 
 def load_converted_state_dict(model, state_dict: dict) -> None:
-    """Copy converted weights into ``model`` (cast to its dtype); an injection the weights
-    lack is set to [I | 0]. Raises naming every missing, unexpected or misshapen tensor."""
+    """Copy converted weights (whole tensors) into ``model`` (cast to its dtype; under tensor
+    parallelism each rank its shard, ``local_shard``); an injection the weights lack is set to
+    [I | 0]. Raises naming every missing, unexpected or misshapen tensor."""
     state_dict = dict(state_dict)
     if INJECTION_KEY not in state_dict and getattr(model.decoder, "injection", None) is not None:
         state_dict[INJECTION_KEY] = identity_injection(model.config.hidden_size)
+    params = dict(model.named_parameters())
+    state_dict = {k: local_shard(k, params[k], v, model.config) if k in params else v
+                  for k, v in state_dict.items()}
     mine = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     problems = [f"{k}: missing from the pretrained weights" for k in mine if k not in state_dict]
     problems += [f"{k}: not in this model" for k in state_dict if k not in mine]

@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import sharded_state_dict_default
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from torch import nn
 
 from .attention import LoopedSelfAttention
@@ -90,14 +93,17 @@ class SandwichMLP(LoopedMLP):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
         """MCore's MLP sharded state dict (it asks every child for one, which a torch norm
-        lacks) with the output norm's tensors added as replicated, as MCore saves norms."""
+        lacks) with the output norm's tensors added as replicated, as MCore saves norms (one
+        main replica in the tensor-parallel group: without the group every rank claimed it)."""
         norm = self._modules.pop("post_layernorm")
         try:
             out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         finally:
             self._modules["post_layernorm"] = norm
+        tp_group = getattr(self, "tp_group", None) or (
+            parallel_state.get_tensor_model_parallel_group())  # one main replica per TP group
         out.update(sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets,
-                                              metadata))
+                                              metadata, tp_group=tp_group))
         return out
 
 
@@ -148,7 +154,8 @@ def _no_bias(output_with_bias, what: str):
 class QKBiasSelfAttention(LoopedSelfAttention):
     """``LoopedSelfAttention`` with a bias per query head and per key head (``qk_bias``
     [2, 1, heads, head_dim]: query, key), added before RoPE; no value bias. Needs as many K/V
-    heads as query heads (Huginn's layout)."""
+    heads as query heads (Huginn's layout). Under tensor parallelism a rank holds the biases
+    of its own heads (axis 2), as ``linear_qkv`` holds their projections."""
 
     def __init__(self, config, submodules, **kwargs):
         super().__init__(config=config, submodules=submodules, **kwargs)
@@ -157,10 +164,25 @@ class QKBiasSelfAttention(LoopedSelfAttention):
             raise ValueError(f"qk bias needs num_query_groups == num_attention_heads ({heads}), "
                              f"got {config.num_query_groups}")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        zeros = torch.zeros(2, 1, heads, config.kv_channels, dtype=config.params_dtype,
-                            device=device)
+        zeros = torch.zeros(2, 1, self.num_attention_heads_per_partition, config.kv_channels,
+                            dtype=config.params_dtype, device=device)
         self.qk_bias = nn.Parameter(zeros)
+        set_tensor_model_parallel_attributes(self.qk_bias, True, QK_BIAS_HEAD_AXIS, 1)
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
         query, key, value = super().get_query_key_value_tensors(hidden_states, *args, **kwargs)
         return query + self.qk_bias[0], key + self.qk_bias[1], value  # [s, b, n, hn]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """MCore's, with ``qk_bias`` sharded over the tensor-parallel ranks by head (MCore's
+        default saves a module's own parameter as replicated)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}qk_bias"
+        out[key] = make_tp_sharded_tensor_for_checkpoint(
+            self.qk_bias, key, tp_axis=QK_BIAS_HEAD_AXIS, prepend_offsets=sharded_offsets)
+        return out
+
+
+QK_BIAS_HEAD_AXIS = 2
+"""The head axis of ``qk_bias`` [2, 1, heads, head_dim]: the one tensor parallelism splits."""

@@ -75,9 +75,6 @@ def test_looped_config_errors_name_their_field(overrides, field, reason):
      r"sequence_parallel=True \(--sequence-parallel\).*does not support sequence parallelism"),
     (dict(context_parallel_size=2),
      r"context_parallel_size=2 \(--context-parallel-size\).*does not support context"),
-    (dict(looped_exit_gate=True, tensor_model_parallel_size=2),
-     r"looped_exit_gate \(--looped-exit-gate\) with tensor_model_parallel_size=2: the exit gate "
-     r"is not supported under tensor parallelism yet"),
 ])
 def test_sequence_and_context_parallelism_rejected(overrides, match):
     with pytest.raises(NotImplementedError, match=match):
