@@ -1,9 +1,9 @@
 """The public looped families under tensor parallelism, on 2 gloo ranks.
 
-Ouro (sandwich norms, SwiGLU, GQA, the exit gate) and Huginn (norms after the residual adds,
-per-head query/key biases, the injection, prelude and coda, a random initial state) imported
-from a tiny random Hugging Face checkpoint at TP = 2, each rank taking its shard of every
-whole tensor, in fp64:
+Ouro (sandwich norms, SwiGLU, GQA, the exit gate), Huginn (norms after the residual adds,
+per-head query/key biases, the injection, prelude and coda, a random initial state),
+Retrofitted Recurrence and Nanbeige, each imported from a tiny random Hugging Face checkpoint
+at TP = 2, each rank taking its shard of every whole tensor, in fp64:
 
 - every loop's log-probs of the labels and the exit gate's log-distribution equal the same
   import at TP = 1 in one process, and so do the gradients of a fixed mix of them, gathered
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.reference_huginn import write_huginn_checkpoint
+from helpers.reference_huginn import write_huginn_checkpoint, write_retrofit_checkpoint
+from helpers.reference_nanbeige import write_nanbeige_checkpoint
 from helpers.reference_ouro import write_ouro_checkpoint
 from safetensors.torch import load_file
 
@@ -31,7 +32,8 @@ from scalerlt_mcore.testing import model_parallel_context, run_distributed
 
 TP, B, S, SEED = 2, 2, 9, 5
 FP64_RTOL = 1e-12
-WRITERS = {"ouro": write_ouro_checkpoint, "huginn": write_huginn_checkpoint}
+WRITERS = {"ouro": write_ouro_checkpoint, "huginn": write_huginn_checkpoint,
+           "retrofitted": write_retrofit_checkpoint, "nanbeige": write_nanbeige_checkpoint}
 
 
 def _import(path: str, tp: int):
