@@ -13,9 +13,10 @@ Errors a user causes (flags, a missing or mismatched checkpoint, a bad config) p
 """
 
 import argparse
+import dataclasses
 import sys
 
-from scalerlt_mcore.app.checkpoint import load_checkpoint, read_meta
+from scalerlt_mcore.app.checkpoint import check_tokenizer, load_model_weights, read_meta
 from scalerlt_mcore.app.config import (
     ConfigError,
     RunConfig,
@@ -31,7 +32,6 @@ from scalerlt_mcore.app.runtime import (
     init_distributed,
     model_config,
     shutdown_distributed,
-    wrap_for_training,
 )
 from scalerlt_mcore.app.train import USER_ERRORS, exit_with_error, quiet_library_warnings
 
@@ -65,13 +65,26 @@ def parse(argv) -> argparse.Namespace:
 
 
 def run_config(args) -> RunConfig:
-    """The checkpoint's run config (or ``--config``'s)."""
+    """The checkpoint's run config (or ``--config``'s), for one process (``one_process``)."""
     if args.config:
-        return apply_overrides(RunConfig(), read_yaml(args.config), f"in {args.config}")
+        return one_process(apply_overrides(RunConfig(), read_yaml(args.config),
+                                           f"in {args.config}"))
     meta = read_meta(args.load)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {args.load} stores no run config; pass --config")
-    return apply_overrides(RunConfig(), meta["config"], f"in the config of {args.load}")
+    return one_process(apply_overrides(RunConfig(), meta["config"],
+                                       f"in the config of {args.load}"))
+
+
+def one_process(cfg: RunConfig) -> RunConfig:
+    """``cfg`` at tensor-parallel size 1, its vocabulary the size the run padded it to: these
+    commands run one process, and a checkpoint holds every tensor with its global shape, so a
+    run's at any tensor-parallel size loads there."""
+    m = cfg.model
+    if m.tensor_model_parallel_size != 1:
+        cfg.model = dataclasses.replace(m, vocab_size=run_vocab_size(cfg),
+                                        tensor_model_parallel_size=1)
+    return cfg
 
 
 def loops(choice: str, num_loops: int) -> list[int]:
@@ -86,13 +99,13 @@ def loops(choice: str, num_loops: int) -> list[int]:
 
 
 def load_model(cfg, load: str):
-    """The trained model on this process (one rank), loaded from ``load``."""
+    """The trained model on this process (one rank): the weights of checkpoint ``load`` (saved
+    with this run's tokenizer; its optimizer state is a training run's, at its parallel
+    layout, not read)."""
     device = init_distributed(cfg)
-    config = model_config(cfg, device)
-    tokenizer = tokenizer_from(cfg)
-    model = build_model(cfg, config, run_vocab_size(cfg), device)
-    _, optimizer, _ = wrap_for_training(cfg, config, model)
-    load_checkpoint(load, model, optimizer, None, tokenizer=tokenizer.identity())
+    check_tokenizer(load, tokenizer_from(cfg).identity())
+    model = build_model(cfg, model_config(cfg, device), run_vocab_size(cfg), device)
+    load_model_weights(load, model)
     return model.eval()
 
 

@@ -6,7 +6,8 @@
   and ``--context-parallel-size`` are accepted keys, any other value than the default refused
   with the reason (a real command).
 - ``scalerlt_mcore.generate`` errors are one line too (a real command for a missing
-  checkpoint).
+  checkpoint); generate and export, one process each, read a tensor-parallel run's config at
+  TP 1 with the vocabulary the run padded.
 - The reward plot says what it plots (sampled rollouts, held-out greedy) and marks the end of
   the supervised warm-up.
 - Weights & Biases in offline mode (no network): the run's scalars, by step, in a W&B run
@@ -150,3 +151,17 @@ def test_wandb_offline_run_logs_every_scalar(tmp_path, monkeypatch):
     assert {"train/reward_mean", "sft/loss", "eval/eval_reward"} <= set().union(
         *(d for _, d in logged))
     assert list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_one_process_commands_read_a_tensor_parallel_run_at_tp1():
+    """generate and export run one process: a TP=2 run's config becomes TP 1 with the
+    vocabulary the run padded (49 -> 256 at TP 2, not 128), so its checkpoint's tensors fit."""
+    from scalerlt_mcore.app.pretrained import run_vocab_size
+    from scalerlt_mcore.generate import one_process
+
+    cfg = parse_args(FAST[:2] + ["--tensor-model-parallel-size", "2",
+                                  "--make-vocab-size-divisible-by", "128"])
+    padded = run_vocab_size(cfg)
+    assert padded == 256
+    single = one_process(cfg)
+    assert (single.model.tensor_model_parallel_size, run_vocab_size(single)) == (1, padded)

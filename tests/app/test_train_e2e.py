@@ -528,7 +528,8 @@ TP_TIMEOUT = 600  # a hang guard: a shared 2-core host took 260 s for the job (4
 
 def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
     """``--tensor-model-parallel-size 2`` on 2 ranks (DP=1), vocabulary padded as Megatron's
-    default pads it (49 -> 256): 5 steps with checkpoints after steps 3 and 5; a second job
+    default pads it (49 -> 256): 5 steps with checkpoints after steps 3 and 5; ``python -m
+    scalerlt_mcore.generate`` samples from the checkpoint in one process; a second job
     resumed from the step-3 checkpoint logs bitwise the same steps 4-5 and final evaluation,
     and saves bitwise the same parameters."""
     common = _flags(train_iters=TP_ITERS, tensor_model_parallel_size=2,
@@ -538,6 +539,11 @@ def test_torchrun_tensor_parallel_runs_and_resumes(tmp_path):
         timeout=TP_TIMEOUT))
     assert "data-parallel ranks: 1, tensor-parallel ranks: 2" in full[0]
     assert FINAL_LINE.fullmatch(full[-1]), full[-1]
+    # one process samples from the TP=2 checkpoint (generate runs at TP 1 with the run's padded
+    # vocabulary and reads the weights only: the optimizer state is laid out for TP 2)
+    sampled = _ok(_run([sys.executable, "-m", "scalerlt_mcore.generate", "--load", "a_ckpt",
+                        "--prompt", "ab", "--num-samples", "2"], tmp_path, timeout=TP_TIMEOUT))
+    assert len([line for line in sampled if line.startswith("loop ")]) == 2, sampled
     cut = tmp_path / "b_ckpt"
     cut.mkdir()
     (tmp_path / "a_ckpt" / f"iter_{TP_CUT:07d}").rename(cut / f"iter_{TP_CUT:07d}")
