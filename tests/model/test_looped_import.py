@@ -401,6 +401,28 @@ def test_huginn_per_loop_logits(mcore_single, huginn_dir, R, state):
                f"huginn {state} R={R} logits") <= TOL
 
 
+def test_huginn_policy_and_reference_draw_one_table_per_step(mcore_single, huginn_dir,
+                                                             monkeypatch):
+    """Two models with the same (seed, step) draw (the policy and its frozen KL reference)
+    draw the host table once between them; the next step's draw is a new table."""
+    from scalerlt_mcore.model import looped_gpt
+
+    draws = []
+    normal = torch.nn.init.trunc_normal_
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_",
+                        lambda *a, **k: draws.append(1) or normal(*a, **k))
+    looped_gpt.initial_state_table.cache_clear()
+    policy, reference = (huginn_model(huginn_dir, 2, seed=811, step=s) for s in (1, 1))
+    positions = torch.arange(6)[None]
+    first = [m.initial_state(positions) for m in (policy, reference)]
+    assert len(draws) == 1 and torch.equal(first[0], first[1])
+    for m in (policy, reference):
+        m.set_initial_state_draw(811, 2)
+    second = [m.initial_state(positions) for m in (policy, reference)]
+    assert len(draws) == 2 and torch.equal(second[0], second[1])
+    assert not torch.equal(first[0], second[0])
+
+
 def test_huginn_config_fields_are_mapped(huginn_dir):
     src = read_looped_source(huginn_dir)
     assert (src.model_type, src.num_loops, src.core_layers, src.backprop_loops,
