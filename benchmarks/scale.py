@@ -312,29 +312,38 @@ def _naive_flops(m, wl, recompute: bool) -> float:
 
 
 def full_size(family: Family, workloads=WORKLOADS, log=print) -> list:
-    """Every workload of ``family`` planned at full size on meta: one entry per workload."""
-    from scalerlt_mcore.app.plan import meta_model
+    """Every workload of ``family`` planned at full size on meta: one entry per workload. The
+    models are built once, in a model-parallel context of the run's TP; what the plan command
+    says of each workload comes after that context (``smallest_change`` opens its own)."""
+    from scalerlt_mcore.app.plan import meta_model, tp_context
 
-    out = []
-    with tempfile.TemporaryDirectory() as d, _mcore():
+    out, says = [], []
+    with tempfile.TemporaryDirectory() as d:
         source = _source(Path(d), family.shape)
         cfg = _family_cfg(family, source)
-        start = time.perf_counter()
-        model, twin = meta_model(cfg, recompute=False), meta_model(cfg, recompute=True)
-        log(f"[scale] {family.name}: built on meta in {time.perf_counter() - start:.1f} s")
-        for wl in workloads:
+        with tp_context(cfg):
             start = time.perf_counter()
-            entry = plan_workload(family, source, cfg, model, twin, wl)
-            entry["seconds"] = time.perf_counter() - start
-            out.append(entry)
+            model, twin = meta_model(cfg, recompute=False), meta_model(cfg, recompute=True)
+            log(f"[scale] {family.name}: built on meta in {time.perf_counter() - start:.1f} s")
+            for wl in workloads:
+                start = time.perf_counter()
+                entry, said = plan_workload(family, source, cfg, model, twin, wl)
+                entry["seconds"] = time.perf_counter() - start
+                out.append(entry)
+                says.append(said)
+        for entry, said, wl in zip(out, says, workloads):
+            start = time.perf_counter()
+            entry["plan_command"] = said()
+            entry["seconds"] += time.perf_counter() - start
             log(f"[scale] {family.name} {wl.name}: {summary_line(entry)} "
                 f"({entry['seconds']:.1f} s)")
     return out
 
 
-def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWorkload) -> dict:
-    """``wl``'s rows at full size: the plan command's report, its run planned under the budget
-    the GPU leaves (a tree's naive rows: its rows as one-level sequences)."""
+def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWorkload) -> tuple:
+    """(``wl``'s rows at full size: the plan command's report, its run planned under the
+    budget the GPU leaves (a tree's naive rows: its rows as one-level sequences); what the
+    plan command says of it, a function to call outside the models' context)."""
     from scalerlt_mcore.app.plan import (
         Workload,
         make_report,
@@ -359,12 +368,16 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
     rows = [_row(r.name, r.plan, r.memory, r.flops, held, gpu, freed, tree)
             for r in report.rows]
     refused = " ".join(plan_command_says(plan_argv(family, source, wl)).split())
-    if shortfall(report):  # as the command prints it: with the smallest change that fits
-        report.change = smallest_change(cfg, work, model, twin)
-    says = shortfall(report) or "fits"
-    if samples is not None:
-        says = f"with --inference-max-requests {samples}: {says}"
-    says = f"refuses: {refused}; at the shape: {says}" if refused else says
+
+    def says() -> str:
+        """As the command prints it: with the smallest change that fits (its own contexts)."""
+        if shortfall(report):
+            report.change = smallest_change(cfg, work)
+        line = shortfall(report) or "fits"
+        if samples is not None:
+            line = f"with --inference-max-requests {samples}: {line}"
+        return f"refuses: {refused}; at the shape: {line}" if refused else line
+
     naive, naive_rc = ((None, None) if report.state_bytes + cache > gpu else
                        _best_naive(cfg, model, twin, wl, budget, R))
     m = _shape(model, R) if naive_rc is False else _shape(twin, R)
@@ -381,8 +394,8 @@ def plan_workload(family: Family, source: Path, cfg0, model, twin, wl: ScaleWork
             "gpu_bytes": gpu, "rows": rows, "naive_best": naive_best,
             "joint_best": None if joint_best is None else {
                 k: joint_best[k] for k in ("schedule", "plan", "flops")},
-            "naive_over_joint_flops": ratio, "plan_command": says,
-            "plans": {"joint": _plan_dict(report.rows[2].plan) if not wl.is_tree else None}}
+            "naive_over_joint_flops": ratio,
+            "plans": {"joint": _plan_dict(report.rows[2].plan) if not wl.is_tree else None}}, says
 
 
 def _shape(model, R: int):

@@ -1,15 +1,16 @@
 """Test harness: MCore model-parallel state on CPU/gloo, in-process or on spawned ranks.
 
-- `model_parallel_context()`: world size 1 in the calling process (unit tests).
+- `model_parallel_context()`: world size 1 in the calling process (unit tests); with a TP
+  degree t > 1, rank 0 of t on PyTorch's fake backend (models on ``meta`` only).
 - `run_distributed(fn, world_size)`: `world_size` spawned processes, one per rank; returns
   each rank's return value and re-raises a rank's exception with its traceback.
 
-Both enable the CPU backend, initialise model parallelism (PP=1; TP=1, or as given to
-`run_distributed`) and seed MCore's RNG tracker, and always destroy the model-parallel state
-and the process group afterwards. `model_parallel_context` also lets go of what its models
-would otherwise keep alive for the rest of the process (its process groups: each gloo group
-holds threads and sockets): MCore's caches (``_release_cached_models``) and the backward hooks
-of every MCore DDP built inside it (``_releasable_ddp_hooks``).
+Both enable the CPU backend, initialise model parallelism (PP=1, TP as given) and seed
+MCore's RNG tracker, and always destroy the model-parallel state and the process group
+afterwards. `model_parallel_context` also lets go of what its models would otherwise keep
+alive for the rest of the process (its process groups: each gloo group holds threads and
+sockets): MCore's caches (``_release_cached_models``) and the backward hooks of every MCore
+DDP built inside it (``_releasable_ddp_hooks``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from scalerlt_mcore.cpu_backend import enable_cpu_backend
 from scalerlt_mcore.mcore_compat import require_mcore
 
 
-def _init_mcore(seed: int, tensor_model_parallel_size: int = 1) -> None:
+def _init_mcore(seed: int, tensor_model_parallel_size: int = 1, gloo: bool = True) -> None:
     """Model parallelism (TP as given, PP=1) on the current process group, RNG tracker
-    seeded (MCore seeds each TP rank's tracker differently, as on GPUs)."""
+    seeded (MCore seeds each TP rank's tracker differently, as on GPUs). ``gloo`` False: no
+    gloo groups beside the default backend's (a fake group has no peers to meet)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size)
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        create_gloo_process_groups=gloo)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -154,19 +157,36 @@ def releasing_models():
 
 
 @contextmanager
-def model_parallel_context(seed: int = 1234):
-    """World size 1 gloo process group + MCore model-parallel state, destroyed on exit; the
-    models built inside it keep neither alive after it (module docstring)."""
+def model_parallel_context(seed: int = 1234, tensor_model_parallel_size: int = 1):
+    """MCore model-parallel state in this one process, destroyed on exit with its process
+    group; the models built inside it keep neither alive after it (module docstring).
+
+    TP 1: a world size 1 gloo group. TP t > 1: PyTorch's fake backend as rank 0 of t (its
+    collectives do nothing), for models on ``meta``: rank 0's shard shapes, no values (what
+    the plan command measures a TP degree by)."""
     if dist.is_initialized():
         raise RuntimeError("model_parallel_context: a process group is already initialised")
+    if tensor_model_parallel_size < 1:
+        raise ValueError(f"model_parallel_context: tensor_model_parallel_size must be >= 1, "
+                         f"got {tensor_model_parallel_size}")
     enable_cpu_backend()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _init_process_group(tensor_model_parallel_size)
     try:
         with _releasable_ddp_hooks():
-            _init_mcore(seed)
+            _init_mcore(seed, tensor_model_parallel_size, gloo=tensor_model_parallel_size == 1)
             yield
     finally:
         _destroy_mcore()
+
+
+def _init_process_group(world_size: int) -> None:
+    """This process as rank 0 of ``world_size``: gloo alone, else the fake backend."""
+    if world_size == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 def thread_count() -> int:

@@ -4,13 +4,17 @@
 and ``--grpo-group-size``; with ``--rl-rollout tree`` a group is the largest tree of
 ``--rl-tree-branches``: every answer S tokens, every reply between turns ``--plan-reply-length``).
 
-The run's model is built at full size on ``meta`` (no memory, no FLOPs) and the planner's
-memory model is calibrated there (``ModelShape.from_model``). Printed per GPU: the model state
+The run's model is built at full size on ``meta`` (no memory, no FLOPs), at the run's
+``--tensor-model-parallel-size`` as its rank 0 holds it (one process: ``model_parallel_context``
+on PyTorch's fake backend beyond TP 1), and the planner's memory model is calibrated there
+(``ModelShape.from_model``). Printed per GPU: the model state
 (parameters, fp32 gradient buffers, Adam shards, the KL reference), the rollout cache, and for
 naive micro-batch 1, naive with activation recompute, joint replay and joint replay with
 recompute: the peak of activations + prefix adjoints, the step's FLOPs and the plan chosen under
 the budget left beside the model state; then the plan the run itself would choose. Nothing
-that fits, or a run whose own plan does not fit: one line naming the shortfall, exit status 1.
+that fits, or a run whose own plan does not fit: one line naming the shortfall and the smallest
+change found that fits (``smallest_change``: fewer samples at once, recompute, a wider TP degree,
+fewer loops, a shorter prompt), exit status 1. Pipeline parallelism is refused.
 """
 
 import argparse
@@ -143,7 +147,8 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv) -> tuple:
-    """(the run's config, resolved and validated at the world size, the ``Workload``)."""
+    """(the run's config, resolved and validated at the world size and its TP degree, the
+    ``Workload``). Pipeline parallelism is refused: the model is built as one stage."""
     p = plan_parser()
     if "-h" in argv or "--help" in argv:
         p.print_help()
@@ -157,9 +162,10 @@ def parse(argv) -> tuple:
     cfg = parse_args(rest)
     resolve_pretrained(cfg)
     validate(cfg, args.world_size, gpu=True)  # a plan for GPUs, wherever it is made
-    if cfg.model.pipeline_model_parallel_size != 1 or cfg.model.tensor_model_parallel_size != 1:
-        raise ConfigError("the plan command builds the model in one process: it plans "
-                          "tensor_model_parallel_size 1 and pipeline_model_parallel_size 1")
+    if cfg.model.pipeline_model_parallel_size != 1:
+        raise ConfigError(f"the plan command builds the model as one pipeline stage: it plans "
+                          f"pipeline_model_parallel_size 1, got "
+                          f"{cfg.model.pipeline_model_parallel_size}")
     reply = _reply_length(cfg, args.plan_reply_length)
     path = _path_length(cfg, reply)
     T = args.plan_prompt_length + path
@@ -437,8 +443,9 @@ def run_choice(cfg, model, m: ModelShape, workload: Workload, budget: float) -> 
 def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
     """Plan ``workload`` for the run: its model on meta (``model``, or built here) and twins
     with and without recompute (``twin``: the one with recompute, or built here), each
-    calibrated. Inside an MCore model-parallel context (``plan_run``). A caller planning
-    several workloads on one model passes both, so that each is built and calibrated once."""
+    calibrated. Inside an MCore model-parallel context at ``cfg``'s TP degree (``tp_context``).
+    A caller planning several workloads on one model passes both, so that each is built and
+    calibrated once."""
     logging.getLogger("megatron.core.transformer.transformer_layer").setLevel(logging.ERROR)
     model = meta_model(cfg) if model is None else model
     own = cfg.model.recompute_granularity is not None
@@ -460,16 +467,22 @@ def make_report(cfg, workload: Workload, model=None, twin=None) -> Report:
     return report
 
 
+def tp_context(cfg):
+    """A model-parallel context of its own at ``cfg``'s TP degree, in this one process
+    (``model_parallel_context``: rank 0's shards on meta beyond TP 1); what is built inside it
+    is used only there."""
+    return model_parallel_context(seed=cfg.training.seed,
+                                  tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
+
+
 def plan_run(cfg, workload: Workload) -> Report:
-    """``make_report`` in a process of its own (a one-rank MCore model-parallel context); where
-    the run does not fit, with the smallest change that does."""
-    with model_parallel_context(seed=cfg.training.seed):
-        model = meta_model(cfg)
-        twin = meta_model(cfg, recompute=True)
-        report = make_report(cfg, workload, model, twin)
-        if shortfall(report):
-            report.change = smallest_change(cfg, workload, model, twin)
-        return report
+    """``make_report`` at the run's TP degree (``tp_context``); where the run does not fit,
+    with the smallest change that does (``smallest_change``, after that context)."""
+    with tp_context(cfg):
+        report = make_report(cfg, workload)
+    if shortfall(report):
+        report.change = smallest_change(cfg, workload)
+    return report
 
 
 RECOMPUTE_FLAGS = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -483,23 +496,85 @@ def with_recompute(cfg):
     return cfg
 
 
-def smallest_change(cfg, workload: Workload, model, twin) -> str:
-    """The smallest change of the run found to fit, in flags, evaluated on meta models:
-    fewer samples decoded at once and MCore's full recompute (``_rows_or_recompute``), else
-    the most loops that fit with them (``most_loops``), else the longest prompt that fits
-    (halving, then a bisection); '' when none fits. Tensor parallelism is not evaluated (the
-    command builds TP 1 in one process)."""
-    change = _rows_or_recompute(cfg, workload, model, twin)
+def smallest_change(cfg, workload: Workload) -> str:
+    """The smallest change of the run found to fit, in flags, evaluated on meta models, in
+    order: fewer samples decoded at once and MCore's full recompute (``_rows_or_recompute``),
+    a wider TP degree (``wider_tp``), the most loops that fit (``most_loops``), else the
+    longest prompt that fits (``shorter_prompt``); '' when none fits. Called outside any
+    process group: each TP degree's models are built and calibrated in that degree's own
+    ``tp_context``, and nothing built in one is used in another."""
+    with tp_context(cfg):
+        change = _rows_or_recompute(cfg, workload, meta_model(cfg),
+                                    meta_model(cfg, recompute=True))
+    change = change or wider_tp(cfg, workload)
     if change:
         return change
-    change = most_loops(cfg, workload)
-    if change:
-        return change
+    with tp_context(cfg):
+        return most_loops(cfg, workload) or shorter_prompt(cfg, workload)
+
+
+def shorter_prompt(cfg, workload: Workload) -> str:
+    """'[--inference-max-requests N] --plan-prompt-length P (...)': the longest prompt that
+    fits (``longest_prompt``), with the samples decoded at once that fit; '' where none does.
+    Inside ``tp_context(cfg)``."""
+    model, twin = meta_model(cfg), meta_model(cfg, recompute=True)
     rows = rows_that_fit(cfg, workload, model)
     flags = "" if rows is None else f"--inference-max-requests {rows}"
     P = longest_prompt(_with_rows(cfg, rows), workload, model, twin)
     return "" if P is None else (f"{flags} --plan-prompt-length {P} (the longest prompt that "
                                  f"fits)").strip()
+
+
+REFUSED = (ConfigError, NotImplementedError, ValueError)
+"""What a config the run's model or checks refuse raises (``validate``, the model build)."""
+
+
+def wider_tp(cfg, workload: Workload) -> str:
+    """'add --tensor-model-parallel-size t ...': the least TP degree above the run's
+    (``wider_degrees``) at which the run fits as it is or with ``_rows_or_recompute``'s change,
+    each degree's models built and calibrated in its own ``tp_context``; a degree whose config
+    or model is refused (a family or feature without tensor parallelism) is skipped."""
+    for t in wider_degrees(cfg.model.tensor_model_parallel_size, workload.world_size):
+        wide = at_degree(cfg, t, workload.world_size)
+        change = "" if wide is None else _change_at_degree(wide, workload)
+        if change:
+            return change
+    return ""
+
+
+def wider_degrees(tp: int, world_size: int) -> list:
+    """The TP degrees 2, 4, 8, ... above ``tp`` that divide ``world_size``."""
+    degrees, t = [], 2
+    while t <= world_size:
+        if t > tp and world_size % t == 0:
+            degrees.append(t)
+        t *= 2
+    return degrees
+
+
+def at_degree(cfg, t: int, world_size: int):
+    """A copy of ``cfg`` at TP ``t``, checked as ``parse`` checks the run's (``validate``);
+    None where refused."""
+    wide = copy.deepcopy(cfg)
+    wide.model = dataclasses.replace(wide.model, tensor_model_parallel_size=t)
+    try:
+        validate(wide, world_size, gpu=True)
+    except REFUSED:
+        return None
+    return wide
+
+
+def _change_at_degree(cfg, workload: Workload) -> str:
+    """``cfg``'s TP flag where the run fits at it, with ``_rows_or_recompute``'s flags where it
+    needs them; '' where it does not fit or its model refuses the degree."""
+    flag = f"--tensor-model-parallel-size {cfg.model.tensor_model_parallel_size}"
+    with tp_context(cfg):
+        try:
+            model, twin = meta_model(cfg), meta_model(cfg, recompute=True)
+        except REFUSED:
+            return ""
+        return (_fitting(make_report(cfg, workload, model, twin), flag)
+                or _rows_or_recompute(cfg, workload, model, twin, given=flag))
 
 
 def _with_rows(cfg, rows: Optional[int]):
@@ -627,10 +702,12 @@ def format_report(r: Report) -> str:
     cfg, w = r.cfg, r.workload
     dp = data_parallel_size(cfg, w.world_size)
     unit, size = _unit(r)
-    lines = [f"model: {_count(r.parameters)} parameters, {cfg.model.looped_num_loops} loops, "
+    tp = cfg.model.tensor_model_parallel_size
+    lines = [f"model: {_count(r.parameters)} parameters{' per GPU' if tp > 1 else ''}, "
+             f"{cfg.model.looped_num_loops} loops, "
              f"{'bf16' if cfg.model.bf16 else 'fp16' if cfg.model.fp16 else 'fp32'}; "
-             f"{w.world_size} GPUs of {w.gpu_bytes / GIB:g} GiB, TP "
-             f"{cfg.model.tensor_model_parallel_size}, DP {dp}; {_group_text(cfg, w)}; "
+             f"{w.world_size} GPUs of {w.gpu_bytes / GIB:g} GiB, TP {tp}, DP {dp}; "
+             f"{_group_text(cfg, w)}; "
              f"{_groups(cfg, w)} group(s) per GPU per step", "",
              f"per GPU {unit:>41}"]
     lines += [f"  {name:<38}{v / size:10.2f}" for name, v in r.state.items()]
@@ -724,8 +801,8 @@ def _change_text(change: Optional[str]) -> str:
         return ""
     if change:
         return f"; the smallest change that fits: {change}"
-    return ("; neither fewer samples decoded at once, activation recompute, fewer loops nor a "
-            "shorter prompt fits (tensor parallelism is not evaluated: the command plans TP 1)")
+    return ("; neither fewer samples decoded at once, activation recompute, a wider "
+            "tensor-parallel degree, fewer loops nor a shorter prompt fits")
 
 
 def main(argv=None) -> int:

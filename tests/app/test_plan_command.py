@@ -8,6 +8,9 @@
   sizes) are within 10% of ``SavedTensorProbe``'s peak of the run's own schedule training a
   group of that P, S, G on CPU.
 - A run that cannot fit ends with one line naming the numbers, status 1.
+- Tensor parallelism: at TP 2 the model is rank 0's shards (a real 2-rank TP run's saved bytes
+  within 10%, about half the parameters); a run that fits only at TP 2 is told so; a family
+  that refuses TP is not offered it.
 """
 
 import dataclasses
@@ -15,9 +18,11 @@ import re
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers.h20 import CONFIGS, REPO, checkpoint_dir
 from helpers.sp import make_group
 
@@ -25,13 +30,16 @@ from scalerlt_mcore.app.config import model_config, objective_from, parse_args, 
 from scalerlt_mcore.app.plan import (
     GIB,
     HEADROOM,
+    at_degree,
     format_report,
     main,
     make_report,
     meta_model,
     parse,
     shortfall,
+    tp_context,
     tree_segments,
+    wider_tp,
 )
 from scalerlt_mcore.app.pretrained import run_vocab_size
 from scalerlt_mcore.app.runtime import build_model
@@ -39,7 +47,7 @@ from scalerlt_mcore.rl.batch import RLGroup
 from scalerlt_mcore.rl.objective import rl_forward_step
 from scalerlt_mcore.shared_prefix import SavedTensorProbe
 from scalerlt_mcore.shared_prefix.planner import GroupPlan, Planner
-from scalerlt_mcore.testing import model_parallel_context
+from scalerlt_mcore.testing import model_parallel_context, run_distributed, thread_count
 
 RTOL = 0.10
 P, S, G = 24, 12, 8
@@ -85,21 +93,25 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 """The plan command's "recompute" rows' setting (``app.plan.RECOMPUTE``) as flags."""
 
 
-def _measured_peak(plan, recompute: bool = False) -> int:
-    """``SavedTensorProbe``'s peak of the run's schedule training one group by ``plan`` on CPU
-    (the tiny config's model with real weights; ``recompute``: with ``RECOMPUTE``)."""
+def _measured_peak(plan, recompute: bool = False, run: list = RUN,
+                   shape: tuple = (P, S, G)) -> int:
+    """``SavedTensorProbe``'s peak of the run's schedule training one group of ``shape`` (P,
+    S, G) by ``plan`` on CPU (the ``run`` flags' model as the run builds it, real weights;
+    ``recompute``: with ``RECOMPUTE``); inside the run's MCore model-parallel state."""
     extra = (["--shared-prefix-schedule", "naive", "--micro-batch-size", str(plan.wave_size)]
              if plan.naive else
              ["--shared-prefix-wave-size", str(plan.wave_size),
               "--shared-prefix-prompt", "retain" if plan.retain else "recompute"])
-    cfg = parse_args(RUN + extra + RECOMPUTE * recompute)
+    cfg = parse_args(run + extra + RECOMPUTE * recompute)
     model = build_model(cfg, model_config(cfg, "cpu"), run_vocab_size(cfg), "cpu")
     R = cfg.model.looped_num_loops
-    group = make_group(G, P, S, R, seed=0, dtype=torch.float32, vocab=model.vocab_size)
+    P_, S_, G_ = shape
+    group = make_group(G_, P_, S_, R, seed=0, dtype=torch.float32, vocab=model.vocab_size)
     with SavedTensorProbe(model) as probe:
         schedule_from(cfg, model)(
             forward_step_func=rl_forward_step(objective_from(cfg)), data_iterator=iter([group]),
-            model=model, num_microbatches=1, num_loops=R, seq_length=P + S, micro_batch_size=G)
+            model=model, num_microbatches=1, num_loops=R, seq_length=P_ + S_,
+            micro_batch_size=G_)
     return probe.peak_bytes
 
 
@@ -213,8 +225,10 @@ def _mib(text: str) -> float:
 def test_shortfall_names_the_numbers(capsys):
     """A GPU that holds the model state and the rollout cache (not beside a training step),
     but not the smallest step of any row beside the state (joint replay's in as many prompt
-    segments as prompt tokens): a long prompt, short responses (a small cache)."""
-    flags = TINY + ["--plan-prompt-length", "56", "--rl-max-response-length", "4"]
+    segments as prompt tokens): a long prompt, short responses (a small cache); one GPU of
+    one prompt per step, so that no wider TP degree is tried before the prompt."""
+    flags = TINY + ["--plan-prompt-length", "56", "--rl-max-response-length", "4",
+                    "--world-size", "1", "--global-batch-size", str(G)]
     cfg, workload = parse(flags)
     with model_parallel_context(seed=1):
         report = make_report(cfg, workload)
@@ -294,9 +308,10 @@ def _least_recompute_peak(flags: list) -> float:
 
 def test_shortfall_names_fewer_loops_where_they_fit(capsys):
     """A run with recompute whose budget is below joint replay's smallest plan at its 3 loops
-    but above it at 2: the command names ``--looped-num-loops 2`` (the most loops that fit),
-    and the run with it fits (status 0)."""
-    flags = TINY + RECOMPUTE
+    but above it at 2: on one GPU the command names ``--looped-num-loops 2`` (the most loops
+    that fit), and the run with it fits (status 0); on two it names TP 2 first (loops come
+    after it), and the run at TP 2 fits."""
+    flags = TINY + RECOMPUTE + ["--world-size", "1"]
     least = {R: _least_recompute_peak(flags + ["--looped-num-loops", str(R)]) for R in (2, 3)}
     assert least[2] < least[3], least
     budget = ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget",
@@ -308,6 +323,12 @@ def test_shortfall_names_fewer_loops_where_they_fit(capsys):
                         r"fits: add --looped-num-loops 2 \(waves of \d+, prompt [\w ]+, "
                         r"[\d.]+ MiB per GPU\)\n", err), err
     assert main(flags + budget + ["--looped-num-loops", "2"]) == 0, capsys.readouterr()
+    two = flags + budget + ["--world-size", "2"]
+    assert main(two) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"; the smallest change that fits: add --tensor-model-parallel-size 2 "
+                     r"\(waves of \d+, prompt [\w ]+, [\d.]+ MiB per GPU\)\n$", err), err
+    assert main(two + ["--tensor-model-parallel-size", "2"]) == 0, capsys.readouterr()
 
 
 def test_model_state_over_the_gpu_is_refused_by_name(capsys):
@@ -318,9 +339,9 @@ def test_model_state_over_the_gpu_is_refused_by_name(capsys):
                         r"GPU has 0.00 MiB: lower --inference-max-requests \(the samples "
                         r"decoded at once\), --plan-prompt-length, --grpo-group-size or "
                         r"the prompts per GPU \(--global-batch-size\), or raise --world-size; "
-                        r"neither fewer samples decoded at once, activation recompute, fewer "
-                        r"loops nor a shorter prompt fits \(tensor parallelism is not "
-                        r"evaluated: the command plans TP 1\)\n", err), err
+                        r"neither fewer samples decoded at once, activation recompute, a wider "
+                        r"tensor-parallel degree, fewer loops nor a shorter prompt fits\n",
+                        err), err
 
 
 def test_a_rollout_cache_over_the_gpu_names_the_samples_decoded_at_once(capsys):
@@ -362,3 +383,125 @@ def test_bad_plan_flags_are_refused_by_name(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(TINY + flags)
     assert e.value.code == 2 and capsys.readouterr().err == message
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------
+
+P2 = 12
+GPT = ["--config", str(REPO / "configs" / "cpu_tp2.yaml")]
+"""The tiny GPT config of TP 2 (fp32; 4 heads in 2 K/V groups; S 6, G 8 from the file)."""
+GPT_PLAN = GPT + ["--world-size", "2", "--plan-prompt-length", str(P2)]
+"""The plan command's flags: 2 GPUs, prompts of P2 (the file's TP 2: one data-parallel rank)."""
+
+
+def _tp_rank_peak(rank, world_size, plan) -> int:
+    """One rank of a 2-rank TP 2 run: ``_measured_peak`` of the GPT config's group by
+    ``plan``."""
+    return _measured_peak(plan, run=GPT, shape=(P2, 6, 8))
+
+
+def test_predictions_at_tp2_match_a_two_rank_run():
+    """At TP 2 the command plans rank 0's shards (its model on meta in a one-process TP 2
+    context): naive micro-batch 1's and joint replay's predicted saved bytes are within 10% of
+    ``SavedTensorProbe``'s peak on rank 0 of a real 2-rank gloo run at TP 2 training one group
+    of the same P, S, G by the same plan."""
+    cfg, workload = parse(GPT_PLAN)
+    assert cfg.model.tensor_model_parallel_size == 2
+    assert (cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size) == (6, 8)
+    with tp_context(cfg):
+        report = make_report(cfg, workload)
+    assert "TP 2, DP 1" in format_report(report)
+    for row in (report.rows[0], report.rows[2]):
+        got = run_distributed(_tp_rank_peak, 2, row.plan, tensor_model_parallel_size=2,
+                              mcore_seed=cfg.training.seed, timeout=400)[0]
+        err = abs(row.memory.saved_bytes / got - 1)
+        print(f"\n[plan] TP 2 {row.name} {row.plan}: predicted {row.memory.saved_bytes} B, "
+              f"measured {got} B on rank 0 ({err:.1%})")
+        assert err <= RTOL, (row.plan, row.memory.saved_bytes, got)
+
+
+def _report_at(flags: list, gpu: Optional[float] = None):
+    """The command's report for ``flags`` (a GPU of ``gpu`` bytes where given), built in a
+    context of the run's TP."""
+    cfg, workload = parse(flags)
+    if gpu is not None:
+        workload = dataclasses.replace(workload, gpu_bytes=gpu)
+    with tp_context(cfg):
+        return make_report(cfg, workload)
+
+
+def test_tp2_parameters_are_about_half_of_tp1():
+    """The per-GPU parameters at TP 2 are rank 0's: between half and 0.6 of TP 1's (what is
+    replicated over the TP ranks, about a tenth of this model, holds them above half: the
+    position table, the injection's linear, the norms and the row-parallel biases)."""
+    one, two = (_report_at(GPT_PLAN + ["--tensor-model-parallel-size", t]) for t in "12")
+    ratio = two.state["parameters"] / one.state["parameters"]
+    print(f"\n[plan] parameters per GPU: TP 1 {one.state['parameters']} B, TP 2 "
+          f"{two.state['parameters']} B ({ratio:.3f})")
+    assert 0.5 < ratio < 0.6, ratio
+    text = format_report(two)
+    assert re.search(rf"^  parameters +{two.state['parameters'] / 2**20:.2f}$", text, re.M)
+    assert "per GPU, 2 loops" in text and "TP 2, DP 1" in text
+
+
+def test_a_run_that_fits_only_at_tp2_is_told_to_add_it(capsys):
+    """The GPT config at TP 1 with recompute (not a change left) on a GPU between what TP 2
+    needs (the model state and the run's plan on a large GPU) and the least TP 1 needs (its
+    model state and the smallest step of any row): status 1, the change named is TP 2; the
+    same flags at TP 2: status 0."""
+    flags = GPT_PLAN + RECOMPUTE + ["--shared-prefix-wave-size", "auto"]
+    two = _report_at(flags + ["--tensor-model-parallel-size", "2"])
+    one = _report_at(flags + ["--tensor-model-parallel-size", "1"])
+    tight = _report_at(flags + ["--tensor-model-parallel-size", "1"], one.state_bytes + 1)
+    need_two = two.resident_bytes + two.run_memory.peak_bytes
+    least_one = one.state_bytes + min(row.memory.peak_bytes for row in tight.rows)
+    assert need_two < least_one, (need_two, least_one)
+    gpu = ["--plan-gpu-memory-gib", repr((need_two + least_one) / 2 / GIB)]
+    code = main(flags + gpu + ["--tensor-model-parallel-size", "1"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.search(r"; the smallest change that fits: add --tensor-model-parallel-size 2 "
+                     r"\(waves of \d+, prompt [\w ]+, [\d.]+ MiB per GPU\)\n$", err), err
+    assert main(flags + gpu + ["--tensor-model-parallel-size", "2"]) == 0, capsys.readouterr()
+
+
+def test_a_run_that_refuses_tp_is_not_offered_it():
+    """On a large GPU the GPT config at TP 1 is offered TP 2 (it fits there); with graphed
+    decoding, which runs without tensor parallelism (``validate`` refuses it at TP 2), it is
+    offered none."""
+    cfg, workload = parse(GPT_PLAN + ["--tensor-model-parallel-size", "1"])
+    assert re.fullmatch(r"add --tensor-model-parallel-size 2 \(waves of 4, prompt retained, "
+                        r"[\d.]+ MiB per GPU\)", wider_tp(cfg, workload))
+    cfg, workload = parse(GPT_PLAN + ["--tensor-model-parallel-size", "1",
+                                      "--rl-decode-cuda-graph"])
+    assert at_degree(cfg, 2, workload.world_size) is None
+    assert wider_tp(cfg, workload) == ""
+    assert not dist.is_initialized()
+
+
+def test_tp_degrees_the_world_size_refuses_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(GPT_PLAN + ["--world-size", "3"])
+    assert e.value.code == 2
+    assert "world size (3) must be divisible by tensor_model_parallel_size (2)" in \
+        capsys.readouterr().err
+
+
+def test_two_tp2_contexts_in_a_row_leak_nothing():
+    """The one-process TP 2 context (PyTorch's fake backend) twice in a row, a meta model
+    built in each: MCore sees TP 2, and after each no process group is left and the threads
+    do not grow."""
+    from megatron.core import parallel_state
+
+    cfg, _ = parse(GPT_PLAN)
+    before = thread_count()
+    for _ in range(2):
+        with model_parallel_context(tensor_model_parallel_size=2):
+            assert parallel_state.get_tensor_model_parallel_world_size() == 2
+            assert parallel_state.get_data_parallel_world_size() == 1
+            model = meta_model(cfg)
+            assert model.embedding.word_embeddings.weight.shape[0] == run_vocab_size(cfg) // 2
+        assert not dist.is_initialized()
+        assert not parallel_state.model_parallel_is_initialized()
+    del model
+    assert thread_count() <= before, (before, thread_count())

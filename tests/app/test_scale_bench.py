@@ -63,7 +63,7 @@ def _check_totals(e: dict) -> None:
         assert r["shortfall_bytes"] == max(r["total_bytes"] - e["gpu_bytes"], 0), r
 
 
-def test_full_size_rows_fit_a_large_gpu(mcore_single, monkeypatch):
+def test_full_size_rows_fit_a_large_gpu(monkeypatch):
     """90 GiB: every row fits, joint replay takes one wave of G with the prompt retained, and
     naive / joint FLOPs is the two plans' counts' ratio (above 1: the prompt once)."""
     entries = _entries(monkeypatch, 90.0)
@@ -83,7 +83,7 @@ def test_full_size_rows_fit_a_large_gpu(mcore_single, monkeypatch):
     assert all(e["samples_at_once"] is None for e in entries.values())  # every sample at once
 
 
-def test_full_size_rows_that_do_not_fit_say_by_how_much(mcore_single, monkeypatch):
+def test_full_size_rows_that_do_not_fit_say_by_how_much(monkeypatch):
     """A GPU of the model state and half the smallest naive step: nothing fits, each row names
     its shortfall, and no FLOP ratio is given."""
     big = _entries(monkeypatch, 90.0)["one"]
@@ -97,7 +97,7 @@ def test_full_size_rows_that_do_not_fit_say_by_how_much(mcore_single, monkeypatc
     assert "needs" in e["plan_command"] or e["plan_command"].startswith("refuses")
 
 
-def test_joint_replay_with_recompute_where_only_it_fits(mcore_single, monkeypatch):
+def test_joint_replay_with_recompute_where_only_it_fits(monkeypatch):
     """A GPU between the recompute row's one-wave total and joint replay's smallest: joint
     replay with recompute is the best joint plan, the planner's under the budget (its peak
     within it), and naive / joint FLOPs is taken against it."""
@@ -127,7 +127,7 @@ def test_scaled_down_prediction_within_10_percent(mcore_single, wl):
         assert r["measured"] > 0 and abs(r["error"]) <= scale.RTOL, r
 
 
-def test_the_results_and_their_tables(mcore_single, monkeypatch, tmp_path):
+def test_the_results_and_their_tables(monkeypatch, tmp_path):
     monkeypatch.setattr(scale, "GPU_GIB", 90.0)
     result = scale.run_scale((TINY_OURO,), (ONE,), factor=2, log=lambda *a: None)
     scale.write(str(tmp_path), result)
