@@ -100,10 +100,12 @@ class EngineClient:
         (self.root / "stop").touch()
 
 
-def rollout_of(records: list, prompts: list, group_size: int, pad_id: int) -> Rollout:
+def rollout_of(records: list, prompts: list, group_size: int, pad_id: int,
+               num_loops: int) -> Rollout:
     """A ``Rollout`` of the records of one step: their groups are the step's problems in
     order (each one's prompt ``prompts[n]``, ``group_size`` responses); the behaviour
-    log-probs are its ``logprobs`` and, as one loop, its ``loop_logprobs`` [1, N, G, S]."""
+    log-probs are its ``logprobs`` and, as one loop, its ``loop_logprobs`` [1, N, G, S]; its
+    ``exit_depths`` the records' where a token exited before ``num_loops`` (else None)."""
     groups = by_group(records)
     if len(groups) != len(prompts):
         raise RecordError(f"the engine returned {len(groups)} groups for {len(prompts)} "
@@ -114,6 +116,7 @@ def rollout_of(records: list, prompts: list, group_size: int, pad_id: int) -> Ro
     responses = torch.full((N, G, S), pad_id, dtype=torch.long, device=host)
     logprobs = torch.zeros(N, G, S, dtype=torch.float32, device=host)
     lengths = torch.zeros(N, G, dtype=torch.long, device=host)
+    depths = torch.zeros(N, G, S, dtype=torch.long, device=host)
     for n, (group, prompt) in enumerate(zip(groups, prompts)):
         if len(group) != G or any(r.prompt_ids != list(prompt) for r in group):
             raise RecordError(f"group {group[0].group}: {len(group)} responses to the prompt "
@@ -122,8 +125,11 @@ def rollout_of(records: list, prompts: list, group_size: int, pad_id: int) -> Ro
             L = len(r.response_ids)
             responses[n, g, :L] = torch.tensor(r.response_ids, device=host)
             logprobs[n, g, :L] = torch.tensor(r.logprobs, dtype=torch.float32, device=host)
+            depths[n, g, :L] = torch.tensor(r.exit_depths, dtype=torch.long, device=host)
             lengths[n, g] = L
-    return Rollout(prompts, responses, lengths, logprobs, logprobs[None])
+    early = bool((depths[depths > 0] < num_loops).any())
+    return Rollout(prompts, responses, lengths, logprobs, logprobs[None],
+                   exit_depths=depths if early else None)
 
 
 def usable(records: list, version: int, max_lag: int, policy: str, step: int) -> list:
@@ -150,7 +156,8 @@ def usable(records: list, version: int, max_lag: int, policy: str, step: int) ->
 
 def records_of(ro: Rollout, version: int, sampling: dict, num_loops: int) -> list:
     """One ``RolloutRecord`` per response of a rollout (each group's ``group`` its index),
-    decoded at full depth by ``version``."""
+    decoded by ``version``: its tokens' exit depths (``Rollout.exit_depths``), or
+    ``num_loops`` for every token decoded at full depth."""
     out = []
     N, G = ro.lengths.shape
     for n in range(N):
@@ -159,7 +166,9 @@ def records_of(ro: Rollout, version: int, sampling: dict, num_loops: int) -> lis
             out.append(RolloutRecord(
                 group=n, prompt_ids=[int(t) for t in ro.prompts[n]],
                 response_ids=ro.responses[n, g, :L].tolist(),
-                logprobs=ro.logprobs[n, g, :L].tolist(), exit_depths=[num_loops] * L,
+                logprobs=ro.logprobs[n, g, :L].tolist(),
+                exit_depths=([num_loops] * L if ro.exit_depths is None
+                             else ro.exit_depths[n, g, :L].tolist()),
                 weight_version=version, sampling_params=sampling))
     return out
 
@@ -205,7 +214,8 @@ class Engine:
         w.rank = request["rank"]  # the requesting rank's generator seeds
         loops = w.start_step(step)
         problems = w.task.sample(request["seed"], request["count"])
-        ro = w.rollout(step, problems, request["group_size"], num_loops=loops)
+        ro = w.rollout(step, problems, request["group_size"], num_loops=loops,
+                       exit_kv=self.cfg.rl.rl_rollout_exit == "threshold")
         sampling = {"seed": step_seed(self.cfg.training.seed, step, w.rank, 7),
                     "temperature": self.cfg.rl.rl_temperature, "top_p": self.cfg.rl.rl_top_p,
                     "max_tokens": self.cfg.rl.rl_max_response_length}
@@ -247,9 +257,12 @@ def check_engine_records(records: list, worker, version: int, num_loops: int) ->
     """``check_records`` at the trainer's vocabulary, loops, version and temperature."""
     check_records(records, worker.tok.vocab_size, num_loops, version,
                   worker.cfg.rl.rl_temperature)
-    if any(d != num_loops for r in records for d in r.exit_depths):
-        raise RecordError("records with exit depths below the loop count need exit-depth "
-                          "replay, which the trainer does not do yet: decode at full depth")
+    weights = worker.objective.loop_weights
+    early = next((r for r in records if any(d != num_loops for d in r.exit_depths)), None)
+    if early is not None and weights != "final":
+        raise RecordError(f"record of group {early.group}: exit depths below the loop count "
+                          f"({num_loops}) are replayed at each token's own loop: they need "
+                          f"rl_loop_weights final, got {weights!r}")
 
 
 def main(argv=None) -> int:

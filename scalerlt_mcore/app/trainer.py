@@ -28,6 +28,7 @@ from ..model.config import step_num_loops, step_seed
 from ..model.decode_graph import DecodeGraphs
 from ..rl.advantages import group_advantages, tree_advantages
 from ..rl.batch import (
+    attach_exit_depths,
     build_groups,
     build_tree_groups,
     first_answers,
@@ -230,10 +231,13 @@ class RLTrainer:
                              vocab_size=self.tok.vocab_size, **given)
 
     def rollout(self, step: int, problems, group_size: int, temperature=None, loop: int = -1,
-                num_loops=None):
+                num_loops=None, exit_kv: bool = False):
         """``group_size`` samples per problem with ``num_loops`` loops (None: the config's)
-        from readout ``loop`` at ``temperature`` (None: ``rl_temperature``; 0 greedy)."""
+        from readout ``loop`` at ``temperature`` (None: ``rl_temperature``; 0 greedy);
+        ``exit_kv``: as a serving engine keeps an early exit's K/V (``Sampling.exit_kv``:
+        the engine process's rollouts with ``rl_rollout_exit`` threshold)."""
         given = {} if temperature is None else {"temperature": temperature}
+        given.update({"exit_kv": True} if exit_kv else {})
         self.model.eval()
         out = generate(self.model, self._prompts([p.prompt for p in problems]), group_size,
                        self.cfg.rl.rl_max_response_length, eos_id=self.tok.eos_id,
@@ -394,7 +398,8 @@ class RLTrainer:
             "policy_lag": float(sum(version - r.weight_version for r in kept) / len(kept))}
         problems = [problems[g] for g in groups]
         prompts = self._prompts([p.prompt for p in problems])
-        return problems, rollout_of(kept, prompts, rl.grpo_group_size, self.tok.pad_id)
+        return problems, rollout_of(kept, prompts, rl.grpo_group_size, self.tok.pad_id,
+                                    num_loops)
 
     def _ask(self, step: int, min_version: int) -> None:
         self.engine.request(step, step_seed(self.cfg.training.seed, step, self.rank),
@@ -404,8 +409,9 @@ class RLTrainer:
         """(one-level groups of a rollout with their GRPO advantages, rewards [N, G])."""
         rewards = self.rewards(problems, ro, self.cfg.rl.rl_partial_credit)
         advantages = group_advantages(rewards, self.cfg.rl.rl_advantage)  # rejects NaN/inf
-        return build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
-                            self.device, advantages), rewards
+        groups = build_groups(ro.prompts, ro.responses, ro.lengths, self.tok.pad_id, step,
+                              self.device, advantages)
+        return attach_exit_depths(groups, ro.exit_depths), rewards
 
     def _tree_groups(self, step: int, problems, trees: list) -> tuple:
         """(tree groups of a tree rollout, each one GRPO group over its leaves, the rewards of

@@ -198,6 +198,7 @@ class LoopedSelfAttention(SelfAttention):
         return core
 
     def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
+        key, value = ctx.exit_kv(self.config, key, value)
         d = ctx.depth
         if ctx.record:
             ctx.recorded[d] = (key, value) if torch.is_grad_enabled() else (own(key), own(value))

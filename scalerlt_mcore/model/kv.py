@@ -145,6 +145,20 @@ def trained_depths(config) -> list:
     return [True] * config.looped_num_prelude_layers + loops
 
 
+def loop_of(config, depth: int) -> Optional[int]:
+    """The loop (0-based) of a virtual depth; None for a prelude depth."""
+    pre = config.looped_num_prelude_layers
+    return None if depth < pre else (depth - pre) // (config.num_layers
+                                                       + config.looped_num_coda_layers)
+
+
+def exit_read(config, depth: int) -> Optional[int]:
+    """The depth one loop earlier of the same layer, whose K/V a position that exited before
+    ``depth``'s loop keeps there (``LoopKV.exit_kv``); None in the prelude and the first loop."""
+    loop = loop_of(config, depth)
+    return depth - config.num_layers - config.looped_num_coda_layers if loop else None
+
+
 def own(t: Tensor) -> Tensor:
     """``t`` in a storage of its own size: a view into a larger one (a value, or an unrotated
     key, is a view of its depth's whole QKV output) is copied, so that keeping it does not keep
@@ -255,6 +269,27 @@ class DepthKVCache:
             rows = mine[:, :, :, :span].unflatten(1, (n, self.batch // n))  # [D, N, G, ng, P, hn]
             rows.copy_(theirs[:, :, None])
         self.lengths.copy_(prefix.lengths.repeat_interleave(self.batch // n))
+
+    def keep_exits(self, config, loops: Tensor) -> None:
+        """Each row's last written position keeps, at every depth of a loop after its exit
+        loop ``loops[b]`` (from 1), the same layer's K/V of that loop: a serving engine's
+        finalization of an early exit (vllm-rlt's ``last_exited``), read by every later
+        position (``LoopKV.exit_kv`` replays it). loops [B] on the cache's device."""
+        pre = config.looped_num_prelude_layers
+        per = config.num_layers + config.looped_num_coda_layers
+        D, B = self.keys.shape[:2]
+        depth = torch.arange(D, device=self.device)[:, None]  # [D, 1]
+        loop = (depth - pre).clamp(min=0) // per  # [D, 1]
+        exit_loop = (loops - 1)[None, :]  # [1, B], from 0
+        deeper = (depth >= pre) & (loop > exit_loop)  # [D, B]
+        source = torch.where(deeper, depth - (loop - exit_loop) * per, depth)  # [D, B]
+        rows = torch.arange(B, device=self.device)
+        slots = upload(self.lengths - 1, self.device)  # [B]: each row's last position
+        for cached in (self.keys, self.values):
+            at = cached.permute(1, 3, 0, 2, 4)  # [B, T, D, ng, hn] view
+            current = at[rows, slots]  # [B, D, ng, hn]
+            index = source.t()[:, :, None, None].expand_as(current)
+            at[rows, slots] = current.gather(1, index)
 
     def reserve(self, max_length: int) -> None:
         """Grow the cache to hold ``max_length`` positions per row (a copy of this cache
@@ -408,6 +443,28 @@ class LoopKV:
     prefix_attention: str = "cascade"
     depth: int = 0
     recorded: dict = field(default_factory=dict)
+    exits: Optional[Tensor] = None
+    """[s, b]: the loops each position ran (1..R; a serving engine's exit depths), None: all.
+    A position past its exit keeps its exit loop's K/V (``exit_kv``)."""
+    used: dict = field(default_factory=dict)
+    """With ``exits``: depth -> the (K, V) later positions read there, kept for the same
+    layer's depth in the next loop."""
+
+    def exit_kv(self, config, key: Tensor, value: Tensor) -> tuple:
+        """The K/V [s, b, ng, hn] later positions read at this ``depth``, as a serving engine
+        with vllm-rlt's ``last_exited`` layout keeps them: a position that exited after loop
+        e reads as loop e's K/V at every deeper loop (the same layer), so a query at loop d
+        reads loop min(d, e)'s. Prelude depths and the first loop are every position's own."""
+        d = self.depth
+        if self.exits is None or loop_of(config, d) is None:
+            return key, value
+        earlier = exit_read(config, d)
+        if earlier is not None:
+            ran = (self.exits > loop_of(config, d))[:, :, None, None]  # [s, b, 1, 1]
+            kept_key, kept_value = self.used.pop(earlier)
+            key, value = torch.where(ran, key, kept_key), torch.where(ran, value, kept_value)
+        self.used[d] = (key, value)
+        return key, value
 
     # Exactly what MCore 0.16.1's TransformerLayer asks of an inference context.
     MCORE_METHODS: ClassVar[tuple] = (

@@ -62,6 +62,21 @@ class LoopedOutput:
     prefix_state: Optional[PrefixState] = None
 
 
+def check_exit_depths(exits: Optional[Tensor], input_ids: Tensor, kv_cache, loops: int) -> None:
+    """Exit depths are integers in 1..R, one per input position, replayed in training and
+    scoring forwards only (decoding runs every loop)."""
+    if exits is None:
+        return
+    if kv_cache is not None:
+        raise ValueError("exit_depths are replayed by training and scoring forwards, not with a "
+                         "kv_cache")
+    if exits.shape != input_ids.shape or exits.is_floating_point():
+        raise ValueError(f"exit_depths must be integers of input_ids' shape "
+                         f"{tuple(input_ids.shape)}, got {exits.dtype} {tuple(exits.shape)}")
+    if exits.numel() and not bool(((exits >= 1) & (exits <= loops)).all()):
+        raise ValueError(f"exit_depths must lie in 1..{loops} (the loops of this forward)")
+
+
 class LoopedGPTModel(LanguageModule):
     """GPT with a looped core. With R=1, no prelude/coda and no injection it is the same
     function as MCore's ``GPTModel`` with the same weights (same parameter names).
@@ -147,17 +162,21 @@ class LoopedGPTModel(LanguageModule):
                 attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
                 prefix_state: Optional[PrefixState] = None,
                 kv_cache: Optional[DepthKVCache] = None, return_prefix_state: bool = False,
-                readout: bool = True, num_loops: Optional[int] = None) -> LoopedOutput:
+                readout: bool = True, num_loops: Optional[int] = None,
+                exit_depths: Optional[Tensor] = None) -> LoopedOutput:
         """input_ids [B, S]. ``prefix_state``: attend to a prompt computed separately (positions
         continue after it). ``kv_cache``: decoding. ``attention_mask`` follows MCore (True =
         masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts.
         ``num_loops``: R of this call (None: the config's ``looped_num_loops``); a prefix state
-        or cache must come from a call with the same R."""
+        or cache must come from a call with the same R. ``exit_depths`` [B, S]: the loops each
+        position ran in a serving engine that exits early (1..R), whose K/V later positions
+        read as the engine keeps it (``LoopKV.exit_kv``); None: every position runs R."""
         config = self.config.with_loops(num_loops)
         self.check_inputs(input_ids, labels, prefix_state, kv_cache, config)
+        check_exit_depths(exit_depths, input_ids, kv_cache, config.looped_num_loops)
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
                                         kv_cache, return_prefix_state,
-                                        num_loops=config.looped_num_loops)
+                                        num_loops=config.looped_num_loops, exits=exit_depths)
         out = LoopedOutput()
         if return_prefix_state:
             out.prefix_state = self._collect_prefix_state(ctx, states, config)
@@ -167,16 +186,18 @@ class LoopedGPTModel(LanguageModule):
 
     def _loop_states(self, input_ids, position_ids, attention_mask, prefix_state, kv_cache,
                      record: bool, step: Optional[CacheStep] = None,
-                     num_loops: Optional[int] = None) -> tuple:
+                     num_loops: Optional[int] = None, exits: Optional[Tensor] = None) -> tuple:
         """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
-        or None). ``step``: the cache's reads and writes (default: planned from its lengths)."""
+        or None). ``step``: the cache's reads and writes (default: planned from its lengths);
+        ``exits`` [B, S]: the positions' exit depths (``forward``'s ``exit_depths``)."""
         if step is None and kv_cache is not None:
             step = kv_cache.plan(input_ids.shape[1])
         positions, span = self._positions(input_ids, position_ids, prefix_state, step)  # [B, S]
         ctx = None
-        if prefix_state is not None or kv_cache is not None or record:
+        if prefix_state is not None or kv_cache is not None or record or exits is not None:
             ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions, step=step,
-                         record=record, prefix_attention=self.config.looped_prefix_attention)
+                         record=record, prefix_attention=self.config.looped_prefix_attention,
+                         exits=None if exits is None else exits.t())  # [S, B]
         hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
         if self.config.looped_embedding_scale != 1.0:
             hidden = hidden * self.config.looped_embedding_scale  # Huginn's sqrt(H)
@@ -322,27 +343,30 @@ class LoopedGPTModel(LanguageModule):
         return torch.cat([head[0], tail[0]], dim=1), gate
 
     def suffix_logprobs(self, prefix_state: PrefixState, tokens: Tensor,
-                        labels: Optional[Tensor] = None,
-                        num_loops: Optional[int] = None) -> Tensor:
+                        labels: Optional[Tensor] = None, num_loops: Optional[int] = None,
+                        exit_depths: Optional[Tensor] = None) -> Tensor:
         """Per-loop log-probs [R, B, S] of ``labels`` [B, S] continuing the prompt of
         ``prefix_state``: label 0 from the prompt's boundary readout, label j >= 1 from a
         forward over ``tokens[:, :j]`` (the suffix's inputs, [B, >= S - 1]) against the prefix
         K/V. Default ``labels``: ``tokens`` (the log-probs of the suffix itself). R =
         ``num_loops`` (None: the config's): the count the state was computed with."""
-        return self.suffix_readouts(prefix_state, tokens, labels, num_loops).logprobs
+        return self.suffix_readouts(prefix_state, tokens, labels, num_loops,
+                                    exit_depths).logprobs
 
     def suffix_readouts(self, prefix_state: PrefixState, tokens: Tensor,
-                        labels: Optional[Tensor] = None,
-                        num_loops: Optional[int] = None) -> LoopedOutput:
+                        labels: Optional[Tensor] = None, num_loops: Optional[int] = None,
+                        exit_depths: Optional[Tensor] = None) -> LoopedOutput:
         """``suffix_logprobs`` as ``logprobs`` [R, B, S], and with the exit gate the exit
-        distribution of the same positions as ``exit_logprobs`` [R, B, S]."""
+        distribution of the same positions as ``exit_logprobs`` [R, B, S]. ``exit_depths``
+        [B, >= S - 1]: those of the suffix's input positions (``forward``)."""
         labels = tokens if labels is None else labels
         first = self.boundary_readouts(prefix_state, labels[:, 0], num_loops)  # [R, B, 1]
         S = labels.shape[1]
         if S == 1:
             return first
         rest = self.forward(tokens[:, : S - 1], labels=labels[:, 1:], prefix_state=prefix_state,
-                            num_loops=num_loops)
+                            num_loops=num_loops,
+                            exit_depths=None if exit_depths is None else exit_depths[:, : S - 1])
         out = LoopedOutput(logprobs=torch.cat([first.logprobs, rest.logprobs], dim=2))
         if first.exit_logprobs is not None:
             out.exit_logprobs = torch.cat([first.exit_logprobs, rest.exit_logprobs], dim=2)

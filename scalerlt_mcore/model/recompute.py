@@ -21,7 +21,7 @@ import torch
 from megatron.core import tensor_parallel
 from torch import Tensor
 
-from .kv import PrefixState
+from .kv import PrefixState, exit_read, loop_of
 
 
 def recompute_active(module) -> bool:
@@ -63,32 +63,48 @@ def run_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask, rotary_
 def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask,
                         rotary_pos_emb, config) -> Tensor:
     """``run_layers`` as one checkpointed chunk: the prefix K/V of its depths enter as inputs,
-    the K/V it records (``ctx.record``) leave as outputs and are stored in ``ctx.recorded``."""
+    the K/V it records (``ctx.record``) leave as outputs and are stored in ``ctx.recorded``;
+    with exit depths (``ctx.exits``) the exit K/V its depths read one loop earlier enter and
+    those of its depths leave (``LoopKV.used``)."""
     depths = list(range(first_depth, first_depth + len(layers)))
     prefix = _prefix_kv(ctx, depths)
     record = ctx is not None and ctx.record
+    exits = ctx is not None and ctx.exits is not None
+    reads = [r for r in (exit_read(config, d) for d in depths) if r is not None] if exits else []
+    looped = [d for d in depths if loop_of(config, d) is not None] if exits else []
+    kept = [t for r in reads for t in ctx.used.pop(r)]  # the exit K/V the chunk reads
     # the checkpoint's node keeps ``forward`` for its backward: a closure over ``ctx`` itself
     # would reach, through ``ctx.recorded``, tensors whose graph holds that node, a cycle
     # through autograd's C++ that no collection frees (every step's K/V, the model)
-    template = None if ctx is None else dataclasses.replace(ctx, recorded={})
+    template = None if ctx is None else dataclasses.replace(ctx, recorded={}, used={})
 
-    def forward(x, attention_mask, rotary_pos_emb, *prefix_kv):
-        inner = _chunk_context(template, depths, prefix_kv)
+    def forward(x, attention_mask, rotary_pos_emb, *inputs):
+        inner = _chunk_context(template, depths, inputs[: len(prefix)])
+        if exits:
+            pairs = inputs[len(prefix):]
+            inner.used = {r: tuple(pairs[2 * i: 2 * i + 2]) for i, r in enumerate(reads)}
         x = run_layers(layers, x, first_depth, inner, attention_mask, rotary_pos_emb)
-        if not record:
-            return x
-        return (x, *(inner.recorded[d][0] for d in depths),
-                *(inner.recorded[d][1] for d in depths))
+        out = [x]
+        if record:
+            out += [inner.recorded[d][i] for i in (0, 1) for d in depths]
+        if exits:
+            out += [t for d in looped for t in inner.used[d]]
+        return out[0] if len(out) == 1 else tuple(out)
 
     # MCore's reentrant checkpoint passes gradients only if an input requires grad
     x = x if x.requires_grad else x.detach().requires_grad_(True)
     out = tensor_parallel.checkpoint(forward, config.distribute_saved_activations, x,
-                                     attention_mask, rotary_pos_emb, *prefix)
-    if not record:
+                                     attention_mask, rotary_pos_emb, *prefix, *kept)
+    if not (record or looped):
         return out
     n = len(depths)
-    for i, d in enumerate(depths):
-        ctx.recorded[d] = (out[1 + i], out[1 + n + i])
+    if record:
+        for i, d in enumerate(depths):
+            ctx.recorded[d] = (out[1 + i], out[1 + n + i])
+    if looped:
+        used = out[1 + 2 * n * record:]
+        for i, d in enumerate(looped):
+            ctx.used[d] = (used[2 * i], used[2 * i + 1])
     return out[0]
 
 

@@ -31,9 +31,15 @@ class RLGroup(SharedPrefixGroup):
     """[R, G, T] per-loop log-probs of labels as the rollout engine computed them (the
     inference importance-sampling correction)."""
 
+    exit_depths: Optional[Tensor] = None
+    """[G, T] long: the loop each label was sampled at by a serving engine that exits early
+    (its recorded exit depths, 1..R; 0 off the responses), None: every token at R. The replay
+    runs each response position to its label's loop (``SharedPrefixGroup.exit_runs``) and the
+    loss reads each token there (``RLObjective.loss``'s ``reads``)."""
+
     EXTRAS: ClassVar[dict] = {"advantages": ("G",), "old_logprobs": ("R", "G", "T"),
                               "ref_logprobs": ("R", "G", "T"),
-                              "inference_logprobs": ("R", "G", "T")}
+                              "inference_logprobs": ("R", "G", "T"), "exit_depths": ("G", "T")}
 
 
 def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, device=None,
@@ -44,6 +50,17 @@ def build_groups(prompts: list, responses, lengths, pad_id: int, step: int, devi
         prompt, responses[n], lengths[n], pad_id, device=device, group_id=step * 100_000 + n,
         advantages=None if advantages is None else advantages[n])
         for n, prompt in enumerate(prompts)]
+
+
+def attach_exit_depths(groups: list, exit_depths: Optional[torch.Tensor]) -> list:
+    """``groups`` (one per prompt of a rollout) holding a serving engine's recorded exit
+    depths [N, G, S] (``Rollout.exit_depths``) in their layout [G, T] (0 off the responses);
+    as they are without."""
+    if exit_depths is not None:
+        for n, g in enumerate(groups):
+            depths = exit_depths[n, :, : g.response_length].to(g.tokens.device)
+            g.exit_depths = g.to_layout(depths)
+    return groups
 
 
 def rollout_old_logprobs(group: RLGroup, loop_logprobs: torch.Tensor) -> torch.Tensor:
@@ -104,23 +121,36 @@ def tree_old_logprobs(group: RLGroup, node_logprobs: list) -> torch.Tensor:
     return out.to(group.tokens.device)
 
 
+def sampled_loop(group: RLGroup, per_loop: torch.Tensor) -> torch.Tensor:
+    """[G, T] of per-loop values [R, G, T]: each token's at the loop it was sampled at (the
+    last, or with recorded exit depths its own)."""
+    if group.exit_depths is None:
+        return per_loop[-1]
+    R = per_loop.shape[0]
+    reads = torch.where(group.exit_depths == 0, R, group.exit_depths).to(per_loop.device)
+    return per_loop.gather(0, (reads - 1)[None])[0]
+
+
 def trained_drift(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
-    """max |training - rollout| final-loop log-prob over the group's trained positions, with
-    ``rollout_layout`` [R, G, T] in the group layout (``rollout_old_logprobs``,
-    ``tree_old_logprobs``; 0-dim, on the group's device)."""
-    diff = (group.old_logprobs[-1].float() - rollout_layout[-1].to(group.tokens.device)).abs()
+    """max |training - rollout| log-prob at the sampled loop (``sampled_loop``) over the
+    group's trained positions, with ``rollout_layout`` [R, G, T] in the group layout
+    (``rollout_old_logprobs``, ``tree_old_logprobs``; an engine's [1, G, T]; 0-dim, on the
+    group's device)."""
+    rollout = rollout_layout[-1].to(group.tokens.device)
+    diff = (sampled_loop(group, group.old_logprobs).float() - rollout).abs()
     return torch.where(group.loss_mask != 0, diff, 0.0).max()
 
 
 def inference_layout(group: RLGroup, rollout_layout: torch.Tensor) -> torch.Tensor:
     """The group's ``inference_logprobs`` [R, G, T] from a rollout's log-probs in its layout:
     per loop [R, G, T] as they are; an engine's one behaviour log-prob per token [1, G, T]
-    (its last loop's) as old - old[R-1] + behaviour, so that every loop's importance weight is
-    the token's exp(old[R-1] - behaviour). Needs the group's old log-probs."""
+    (its sampled loop's: the last, or its recorded exit depth) as old - old[e] + behaviour,
+    so that every loop's importance weight is the token's exp(old[e] - behaviour). Needs the
+    group's old log-probs."""
     rollout = rollout_layout.to(group.old_logprobs)
     if rollout.shape[0] == group.old_logprobs.shape[0]:
         return rollout
-    return group.old_logprobs - group.old_logprobs[-1:] + rollout
+    return group.old_logprobs - sampled_loop(group, group.old_logprobs)[None] + rollout
 
 
 def recording_drift(forward_step, drift: list):

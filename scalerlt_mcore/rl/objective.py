@@ -176,9 +176,11 @@ class RLObjective:
         return torch.where(c != 0, c * per_position, 0).sum()
 
     def loss(self, logprobs: Tensor, old: Tensor, advantages: Tensor, weights: Tensor,
-             ref=None, exit_logprobs=None, learned=None, inference=None) -> tuple:
+             ref=None, exit_logprobs=None, learned=None, inference=None,
+             reads=None) -> tuple:
         """logprobs/old/ref/exit_logprobs/inference [R, B, T'], advantages [B], weights
-        [B, T'], learned [R] -> (loss, stats).
+        [B, T'], learned [R], reads [B, T'] (recorded exit depths: each token's loss at the
+        loop it was sampled at, instead of ``loop_weights`` final's last loop) -> (loss, stats).
 
         ``stats`` holds detached sums over this batch: clipped tokens, k3 KL, weighted tokens,
         with an exit distribution the mean exit loop sum_r r p_r and its entropy summed over
@@ -199,7 +201,9 @@ class RLObjective:
             per_token = per_token + self.kl_coef * kl
         if self.entropy_weight > 0:
             per_token = per_token - self.entropy_weight * entropy_term(logprobs) * mask
-        coef = self.loop_coef(R, exit_logprobs, learned, logprobs) * weights.to(acc)[None]
+        credit = (self.loop_coef(R, exit_logprobs, learned, logprobs) if reads is None
+                  else read_loops(reads, R, acc))
+        coef = credit * weights.to(acc)[None]
         stats = {"clipped": clipped[-1].sum().detach(), "kl": kl[-1].sum().detach(),
                  "tokens": mask[-1].sum().to(acc).detach(), **extra}
         total = (coef * per_token).sum()
@@ -236,6 +240,15 @@ class RLObjective:
         if self.kl_coef > 0 and group.ref_logprobs is None:
             raise ValueError(f"group {group.group_id}: kl_coef = {self.kl_coef} > 0 needs "
                              f"ref_logprobs (reference log-probs), got None")
+        if getattr(group, "exit_depths", None) is not None:
+            if self.loop_weights != "final":
+                raise ValueError(f"{tag}: recorded exit depths (exit_depths) read each token at "
+                                 f"the loop it was sampled at: they need loop_weights final, "
+                                 f"got {self.loop_weights!r}")
+            if group.tree is not None and group.tree.depth > 1:
+                raise ValueError(f"{tag}: recorded exit depths are replayed for one-level "
+                                 f"groups (a serving engine's records), not trees of depth "
+                                 f"{group.tree.depth}")
         if self.inference_is_correction and getattr(group, "inference_logprobs", None) is None:
             raise ValueError(f"{tag}: inference_is_correction needs inference_logprobs (the "
                              f"rollout engine's log-probs), got None")
@@ -256,14 +269,23 @@ class RLObjective:
         weights = wave.positions(wave.rows(self.token_weights(g.loss_mask)))  # [W, T']
         old, ref, inference = (wave.positions(wave.rows(t, 1)) for t in (
             g.old_logprobs, g.ref_logprobs, getattr(g, "inference_logprobs", None)))
+        reads = wave.positions(wave.rows(getattr(g, "exit_depths", None)))  # [W, T'] or None
         loss, stats = self.loss(logprobs, old, wave.rows(g.advantages), weights, ref,
                                 exit_logprobs=out.get("exit_logprobs"),
-                                learned=out.get("loop_weights"), inference=inference)
+                                learned=out.get("loop_weights"), inference=inference,
+                                reads=reads)
         if self.normalization == "step_token_mean":
             num_tokens = (weights != 0).sum().to(torch.int)
             pair = torch.stack([loss.detach(), num_tokens.to(loss.dtype)])
             return loss, num_tokens, {"loss": pair, **stats}
         return loss, {"loss": loss.detach(), **stats}
+
+
+def read_loops(reads: Tensor, R: int, dtype: torch.dtype) -> Tensor:
+    """[R, B, T'] weights of recorded exit depths ``reads`` [B, T'] (1..R; 0 off the
+    responses, read as R): 1 at each token's own loop."""
+    reads = torch.where(reads == 0, R, reads)
+    return torch.nn.functional.one_hot(reads - 1, R).permute(2, 0, 1).to(dtype)
 
 
 def rl_forward_step(objective: RLObjective):

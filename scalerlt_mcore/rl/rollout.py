@@ -67,6 +67,10 @@ class Rollout:
                position (exit gate on; 0 on padding), else None.
     exit_loops: [N, G, S] the loop (from 1) whose readout sampled each token with
                ``exit_mode`` threshold (0 on padding), else None.
+    exit_depths: [N, G, S] a serving engine's recorded exit depths (1..R, 0 on padding):
+               each token was sampled at that loop of the position before it, whose K/V
+               stopped there (the training replays both: ``RLGroup.exit_depths``); None:
+               every token at full depth.
     """
 
     prompts: list
@@ -76,6 +80,7 @@ class Rollout:
     loop_logprobs: Optional[Tensor] = None
     exit_logprobs: Optional[Tensor] = None
     exit_loops: Optional[Tensor] = None
+    exit_depths: Optional[Tensor] = None
 
 
 ExitMode = Literal["none", "mixture", "threshold"]
@@ -224,6 +229,11 @@ class Sampling:
     exit_mode: ExitMode = "none"
     exit_threshold: float = 0.5
     stop_check_interval: Optional[int] = None
+    exit_kv: bool = False
+    """With ``exit_mode`` threshold: the position that sampled a token at loop e keeps loop
+    e's K/V at every deeper loop (``DepthKVCache.keep_exits``), as a serving engine that
+    exits early keeps it (vllm-rlt's ``last_exited``): the K/V its records' exit depths
+    replay (``Rollout.exit_depths``). False: every position's K/V of every loop."""
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -234,6 +244,8 @@ class Sampling:
             raise FieldError("exit_mode", f"must be one of {EXIT_MODES}, got {self.exit_mode!r}")
         if not 0 < self.exit_threshold <= 1:
             raise FieldError("exit_threshold", f"must be in (0, 1], got {self.exit_threshold}")
+        if self.exit_kv and self.exit_mode != "threshold":
+            raise FieldError("exit_kv", f"needs exit_mode threshold, got {self.exit_mode!r}")
         if self.stop_check_interval is not None and self.stop_check_interval < 1:
             raise FieldError("stop_check_interval",
                              f"must be >= 1 or None, got {self.stop_check_interval}")
@@ -303,7 +315,8 @@ def join_rollouts(parts: list, group_axis: bool = False) -> Rollout:
 
     return Rollout(parts[0].prompts if group_axis else [q for p in parts for q in p.prompts],
                    cat("responses"), cat("lengths"), cat("logprobs"),
-                   cat("loop_logprobs", True), cat("exit_logprobs", True), cat("exit_loops"))
+                   cat("loop_logprobs", True), cat("exit_logprobs", True), cat("exit_loops"),
+                   cat("exit_depths"))
 
 
 def _generate(model, prompts: list, group_size: int, max_new_tokens: int, eos_id: int,
@@ -334,9 +347,10 @@ def _generate(model, prompts: list, group_size: int, max_new_tokens: int, eos_id
             else partial(model.decode_step, cache, with_exit=True, num_loops=num_loops))
     rec = DecodeRecord(logits.shape[0], logits.shape[1], max_new_tokens, pad_id, eos_id, device,
                   exit_lp is not None)
+    keep = partial(cache.keep_exits, model.config) if sampling.exit_kv else None
     decode_tokens(step, logits, exit_lp, rec, max_new_tokens,
-                  sampling.on(logits.shape[-1], device))
-    return rec.rollout(prompts, group_size, sampling.exit_mode)
+                  sampling.on(logits.shape[-1], device), keep)
+    return rec.rollout(prompts, group_size, sampling.exit_mode, sampling.exit_kv)
 
 
 def _cache_route(model, prompts: list, graphs: Optional[DecodeGraphs], static_cache,
@@ -363,16 +377,20 @@ def check_exit_gate(sampling: Sampling, exit_lp: Optional[Tensor]) -> None:
 
 
 def decode_tokens(step, logits: Tensor, exit_lp: Optional[Tensor], rec: "DecodeRecord",
-                  steps: int, sampling: Sampling) -> int:
+                  steps: int, sampling: Sampling, keep=None) -> int:
     """Sample up to ``steps`` tokens per row into ``rec`` from the first token's logits
     [R, B, V] (and exit distribution [R, B] or None), feeding each sampled token but the
     last through ``step(tokens) -> (logits, exit_lp)``; stops early once every row is done,
     asked every ``stop_check_interval`` tokens (``sampling``: ``Sampling.on`` the logits'
-    device). -> the number of tokens fed (each row's cache grew by it)."""
+    device). ``keep(loops)``: called with each decoded position's exit loops [B] (from 1)
+    before the next step reads it (``Sampling.exit_kv``; the prompt runs every loop). -> the
+    number of tokens fed (each row's cache grew by it)."""
     s, every = sampling, sampling.stop_check_interval
     rows_index = torch.arange(logits.shape[1], device=logits.device)
     for t in range(steps):
         chosen = None if s.exit_mode != "threshold" else exit_loop_at(exit_lp, s.exit_threshold)
+        if keep is not None and t > 0:
+            keep(chosen + 1)
         if s.exit_mode == "mixture":
             nxt = sample_mixture(logits, exit_lp, s.temperature, s.top_p, s.generator, s.banned)
         else:
@@ -423,7 +441,8 @@ class DecodeRecord:
         self.out[:, t] = nxt
         self.done |= nxt == self.eos_id
 
-    def rollout(self, prompts: list, group_size: int, exit_mode: str) -> Rollout:
+    def rollout(self, prompts: list, group_size: int, exit_mode: str,
+                exit_kv: bool = False) -> Rollout:
         n, R = len(prompts), self.loops.shape[0]
         resp_len = (self.out != self.pad_id).sum(-1)  # pad is never sampled (banned)
         exits = None if self.exits is None else self.exits.view(R, n, group_size, -1).cpu()
@@ -432,7 +451,8 @@ class DecodeRecord:
         return Rollout(prompts, self.out.view(n, group_size, -1).cpu(),
                        resp_len.view(n, group_size).cpu(),
                        self.sampled.view(n, group_size, -1).cpu(),
-                       self.loops.view(R, n, group_size, -1).cpu(), exits, exit_loops)
+                       self.loops.view(R, n, group_size, -1).cpu(), exits, exit_loops,
+                       exit_loops if exit_kv else None)
 
 
 def prefill_prompt_once(model, prompts: list, group_size: int, max_new_tokens: int,

@@ -148,6 +148,9 @@ def generate_tree(model, prompts: list, branches: Sequence[int],
     trees, in turn from one generator; None: every tree at once), which bounds the K/V cache.
     """
     sampling = sampling or Sampling()
+    if sampling.exit_kv:
+        raise ValueError("exit_kv (a serving engine's exit K/V) is for one-level rollouts, not "
+                         "trees")
     budgets = _check_tree_inputs(prompts, branches, max_new_tokens)
     _check_reply_fn(reply_fn)
     leaves = math.prod(branches)

@@ -151,6 +151,17 @@ class SharedPrefixGroup:
         return torch.cat([tail.new_zeros(*lead, self.prompt_length - 1), tail,
                           tail.new_zeros(*lead, 1)], dim=-1)
 
+    def exit_runs(self, num_loops: int) -> Optional[Tensor]:
+        """[G, T] the loops each position ran in the engine that sampled the responses: R on
+        the prompt and off the responses, on a response position its label's recorded exit
+        depth (the loop the token was read at: ``exit_depths``, a loss's field, 0 off the
+        responses); None without recorded depths."""
+        reads = getattr(self, "exit_depths", None)
+        if reads is None:
+            return None
+        prompt = torch.arange(reads.shape[1], device=reads.device) < self.prompt_length
+        return torch.where(prompt | (reads == 0), num_loops, reads)
+
     def as_tree(self) -> PrefixTree:
         """The group's ``tree``; a one-level group's is its depth-1 tree: the prompt (node 0)
         and one leaf per row, each leaf the row's positions P .. T-1 (padding included)."""

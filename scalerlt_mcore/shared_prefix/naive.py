@@ -29,8 +29,10 @@ class FullSequenceModel:
         """As ``WaveModel.readouts``: ``logprobs`` [R, W, T], ``exit_logprobs`` [R, W, T] with
         the exit gate, ``loop_weights`` [R] with learned loop credit."""
         g = wave.group
+        runs = g.exit_runs(self.num_loops or unwrap_model(self.model).config.looped_num_loops)
+        exits = {} if runs is None else {"exit_depths": wave.rows(runs)}
         out = self.model(wave.rows(g.tokens), labels=wave.rows(g.labels),
-                         num_loops=self.num_loops)
+                         num_loops=self.num_loops, **exits)
         return readout_dict(unwrap_model(self.model), out.logprobs.shape[0], out.logprobs,
                             out.exit_logprobs)
 

@@ -35,8 +35,14 @@ class WaveModel:
         [R, W, T] (log p(exit at loop r) of the same positions, 0 off the response); with
         learned loop credit ``loop_weights`` [R] (``naive.readout_dict``)."""
         tokens, labels = wave.suffix()  # [W, S]
+        runs = wave.group.exit_runs(self.state.num_loops)  # [G, T] or None
+        if runs is not None and not wave.whole:
+            raise ValueError(f"group {wave.group.group_id}: recorded exit depths are replayed "
+                             f"for one-level groups (a serving engine's records), not trees")
+        exits = None if runs is None else wave.rows(runs)[:, wave.group.prompt_length:]
         out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
-                                         num_loops=self.num_loops)  # [R, W, S]
+                                         num_loops=self.num_loops,
+                                         exit_depths=exits)  # [R, W, S]
         layout = wave.group.to_layout if wave.whole else (lambda t: t)
         exits = None if out.exit_logprobs is None else layout(out.exit_logprobs)
         return readout_dict(self.inner, self.state.num_loops, layout(out.logprobs), exits)

@@ -6,6 +6,8 @@ contract) and the rollout records (``rl/records.py``).
   run with the same flags, and so are its logged losses and rewards.
 - Lag 1: the engine decodes the next step's rollouts while the trainer trains, with the
   weights one version behind (``policy_lag`` 1 after the first RL step).
+- Exit depths: with ``--rl-rollout-exit threshold`` the engine's records carry each token's
+  exit depth and the trainer replays them (its scored log-probs are the engine's).
 - Records are checked on read, one line naming the record and field; stale records are
   refused or dropped with their group; the IS correction's weights from one behaviour
   log-prob per token; bad settings refused by name.
@@ -15,14 +17,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers.train_runs import TINY_YAML
 
 from scalerlt_mcore.app.config import ConfigError, parse_args, validate
-from scalerlt_mcore.app.engine import rollout_of, usable
-from scalerlt_mcore.rl.batch import RLGroup, inference_layout
+from scalerlt_mcore.app.engine import check_engine_records, rollout_of, usable
+from scalerlt_mcore.rl.batch import RLGroup, attach_exit_depths, build_groups, inference_layout
 from scalerlt_mcore.rl.publish import read_version
 from scalerlt_mcore.rl.records import (
     RecordError,
@@ -77,6 +80,26 @@ def test_lag_1_decodes_the_next_step_with_the_current_weights(tmp_path):
     assert lags == [0.0, 1.0, 1.0]
 
 
+def test_exit_depths_from_the_engine_are_replayed(tmp_path):
+    """``--rl-rollout-exit threshold`` from the engine at lag 0: the engine keeps each exited
+    position's K/V as vllm-rlt does and records the exit depths (some below R); the trainer
+    scores every token at its own depth against those K/V, so the old log-probs it scores
+    equal the engine's behaviour log-probs to fp32 rounding (``rollout_logprob_max_diff``,
+    measured 4.8e-7 to 7.2e-7; a replay at full depth of the same records: 6.1e-2 and 8.4e-2
+    at the steps where tokens exited early)."""
+    gate = ["--looped-exit-gate", "true", "--rl-exit-gate-coef", "0.1",
+            "--rl-rollout-exit", "threshold", "--rl-exit-threshold", "0.75",
+            "--rl-loop-weights", "final"]
+    metrics = _train(tmp_path, "exits", *gate, engine_lag=0)
+    depths = [d for f in (tmp_path / "exits" / "engine" / "records").glob("*.jsonl")
+              for r in read_records(f) for d in r.exit_depths]
+    loops = parse_args(["--config", str(TINY_YAML)]).model.looped_num_loops
+    assert min(depths) < loops and set(depths) <= set(range(1, loops + 1)), sorted(set(depths))
+    diffs = [r["rollout_logprob_max_diff"] for r in metrics if r["kind"] == "train"]
+    print(f"\n[engine exits] depths {sorted(set(depths))}, max diffs {diffs}")
+    assert len(diffs) == 3 and max(diffs) <= 1e-5, diffs
+
+
 def _record(**kw) -> RolloutRecord:
     base = dict(group=0, prompt_ids=[1, 2], response_ids=[3, 4, 5], logprobs=[-1.0, -0.5, -2.0],
                 exit_depths=[2, 2, 2], weight_version=3, sampling_params={"seed": 1})
@@ -125,11 +148,42 @@ def test_the_records_make_the_steps_rollout():
                                          exit_depths=[2]), _record(group=1, prompt_ids=[7])]
     with pytest.raises(RecordError, match="group 1: 1 responses to the prompt of problem 1 "
                                           "expected 2"):
-        rollout_of(records, [[1, 2], [7]], 2, pad_id=0)
-    ro = rollout_of(records[:2], [[1, 2]], 2, pad_id=0)
+        rollout_of(records, [[1, 2], [7]], 2, pad_id=0, num_loops=2)
+    ro = rollout_of(records[:2], [[1, 2]], 2, pad_id=0, num_loops=2)
     assert ro.responses.tolist() == [[[3, 4, 5], [6, 0, 0]]] and ro.lengths.tolist() == [[3, 1]]
     assert ro.loop_logprobs.shape == (1, 1, 2, 3)
     assert ro.logprobs[0, 1, 0].item() == pytest.approx(-0.1)
+    assert ro.exit_depths is None  # every token at full depth: nothing to replay
+    early = [records[0], _record(response_ids=[6], logprobs=[-0.1], exit_depths=[1])]
+    ro = rollout_of(early, [[1, 2]], 2, pad_id=0, num_loops=2)
+    assert ro.exit_depths.tolist() == [[[2, 2, 2], [1, 0, 0]]]
+
+
+def test_recorded_exit_depths_reach_the_groups_and_need_final_loop_weights():
+    """A step's rollout with exit depths below R: each group holds them at its label
+    positions (0 off the responses), its IS weights compare the behaviour log-prob with the
+    old one at each token's own loop; with other loop weights than final the records are
+    refused, naming the group."""
+    records = [_record(), _record(response_ids=[6], logprobs=[-0.1], exit_depths=[1])]
+    ro = rollout_of(records, [[1, 2]], 2, pad_id=0, num_loops=2)
+    group = attach_exit_depths(build_groups(ro.prompts, ro.responses, ro.lengths, 0, 0),
+                               ro.exit_depths)[0]
+    assert group.exit_depths.tolist() == [[0, 2, 2, 2, 0], [0, 1, 0, 0, 0]]
+    group.old_logprobs = torch.randn(2, 2, 5, dtype=torch.float64)
+    behaviour = torch.randn(1, 2, 5, dtype=torch.float64)
+    weights = (group.old_logprobs - inference_layout(group, behaviour)).exp()
+    own = torch.where(group.exit_depths == 1, group.old_logprobs[0], group.old_logprobs[1])
+    want = (own - behaviour[0]).exp()
+    assert all(torch.allclose(weights[r], want, rtol=1e-14) for r in range(2))
+    worker = SimpleNamespace(tok=SimpleNamespace(vocab_size=50),
+                             cfg=SimpleNamespace(rl=SimpleNamespace(rl_temperature=1.0)),
+                             objective=SimpleNamespace(loop_weights="uniform"))
+    with pytest.raises(RecordError, match=r"^record of group 0: exit depths below the loop "
+                                          r"count \(2\) .* need rl_loop_weights final, got "
+                                          r"'uniform'$"):
+        check_engine_records(records, worker, 3, 2)
+    worker.objective.loop_weights = "final"
+    check_engine_records(records, worker, 3, 2)
 
 
 def test_one_behaviour_logprob_weighs_every_loop_alike():

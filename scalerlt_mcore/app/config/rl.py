@@ -195,18 +195,23 @@ def check_rl(cfg: "RunConfig") -> list[str]:
 
 
 def _check_engine(rl: RLArgs) -> list[str]:
-    """What engine rollouts need: their directory, full-depth one-level rollouts sampled from
-    the last loop (records hold one log-prob per token: the old log-probs are scored)."""
+    """What engine rollouts need: their directory, one-level rollouts sampled from the last
+    loop or at the exit gate's threshold (records hold one log-prob per token and its exit
+    depth: the old log-probs are scored, each token at its own loop)."""
     if rl.rl_rollout_source != "engine":
         return ["rl_engine_dir is read only with rl_rollout_source engine"] if (
             rl.rl_engine_dir) else []
     errors = [] if rl.rl_engine_dir else ["rl_rollout_source engine needs rl_engine_dir"]
     for key, value, need in (("rl_rollout", rl.rl_rollout, ("prompt_once", "per_row")),
-                             ("rl_rollout_exit", rl.rl_rollout_exit, ("none",)),
+                             ("rl_rollout_exit", rl.rl_rollout_exit, ("none", "threshold")),
                              ("rl_old_logprobs", rl.rl_old_logprobs, ("score",))):
         if value not in need:
             errors.append(f"rl_rollout_source engine needs {key} {' or '.join(need)}, got "
                           f"{value!r}")
+    if rl.rl_rollout_exit == "threshold" and rl.rl_loop_weights != "final":
+        errors.append(f"rl_rollout_source engine with rl_rollout_exit threshold replays each "
+                      f"token at its exit depth: it needs rl_loop_weights final, got "
+                      f"{rl.rl_loop_weights!r}")
     if rl.rl_publish_dir:
         errors.append("rl_rollout_source engine publishes to rl_engine_dir/weights: leave "
                       "rl_publish_dir unset")
