@@ -789,10 +789,17 @@ def shortfall(r: Report) -> str:
     elif held + r.run_memory.peak_bytes > gpu:
         return (f"the run's plan ({plan_text(r.run_plan)}) needs "
                 f"{_size(held + r.run_memory.peak_bytes)} per GPU, {have}: set "
-                f"--shared-prefix-memory-budget {int(r.budget / 2**20)} (MiB) or lower")
+                f"--shared-prefix-memory-budget {_mib(r.budget)} (MiB) or lower")
     else:
         return ""
     return short + _change_text(r.change)
+
+
+def _mib(n: float) -> str:
+    """Bytes as the MiB a flag takes: whole MiB, three significant digits below 10 MiB (a
+    tiny model's budget is not 0)."""
+    mib = n / 2**20
+    return f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}"
 
 
 def _change_text(change: Optional[str]) -> str:

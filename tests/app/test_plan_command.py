@@ -295,6 +295,29 @@ def test_shortfall_names_recompute_where_it_fits(capsys):
     assert main(TINY + budget + RECOMPUTE) == 0, capsys.readouterr()
 
 
+def test_a_run_plan_over_the_gpu_names_a_budget_that_fits(capsys):
+    """The run's own budget (1000 MiB) picks one wave of G, over a GPU that holds a smaller
+    plan: the line names what the GPU leaves beside the model state as the
+    --shared-prefix-memory-budget in MiB, to three digits (a tiny model's 2.46 MiB, not the
+    whole MiB 2), with which the run fits (status 0)."""
+    flags = TINY + ["--shared-prefix-wave-size", "auto", "--shared-prefix-memory-budget", "1000"]
+    cfg, workload = parse(flags)
+    with model_parallel_context(seed=1):
+        report = make_report(cfg, workload)
+    least = min(row.memory.peak_bytes for row in report.rows)
+    gib = (report.state_bytes + (least + report.run_memory.peak_bytes) / 2) / GIB
+    code = main(flags + ["--plan-gpu-memory-gib", repr(gib)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    budget = re.fullmatch(r"error: the run's plan \(.+\) needs [\d.]+ MiB per GPU, the GPU has "
+                          r"[\d.]+ MiB: set --shared-prefix-memory-budget ([\d.]+) \(MiB\) or "
+                          r"lower\n", err)
+    left = (gib * GIB - report.resident_bytes) / 2**20
+    assert budget and float(budget[1]) == pytest.approx(left, rel=5e-3), (err, left)
+    budgeted = flags[:-1] + [budget[1], "--plan-gpu-memory-gib", repr(gib)]
+    assert main(budgeted) == 0, capsys.readouterr()
+
+
 def _least_recompute_peak(flags: list) -> float:
     """The smallest joint-replay plan's peak with recompute (on a GPU too small for any)."""
     cfg, workload = parse(flags)

@@ -5,9 +5,10 @@ per-head query/key biases, the injection, prelude and coda, a random initial sta
 Retrofitted Recurrence and Nanbeige, each imported from a tiny random Hugging Face checkpoint
 at TP = 2, each rank taking its shard of every whole tensor, in fp64:
 
-- every loop's log-probs of the labels and the exit gate's log-distribution equal the same
-  import at TP = 1 in one process, and so do the gradients of a fixed mix of them, gathered
-  over the tensor-parallel group (fp64 <= 1e-12 relative to each tensor's largest entry);
+- every loop's log-probs of the labels (at full depth and replaying a serving engine's exit
+  depths) and the exit gate's log-distribution equal the same import at TP = 1 in one
+  process, and so do the gradients of a fixed mix of them, gathered over the
+  tensor-parallel group (fp64 <= 1e-12 relative to each tensor's largest entry);
 - the export of the TP = 2 model (whole tensors gathered from the shards, under the
   checkpoint's own names) gives back every tensor of the checkpoint bitwise;
 - the model saved with MCore's distributed checkpointing at TP = 2 loads at TP = 1 into the
@@ -52,18 +53,22 @@ def _inputs(vocab: int) -> tuple:
 
 
 def _step(model, vocab: int) -> tuple:
-    """(per-loop log-probs [R, B, S], exit log-distribution or None, {name: whole grad})."""
+    """(per-loop log-probs [R, B, S] of a forward at full depth and of one replaying exit
+    depths, exit log-distribution or None, {name: whole grad of a mix of them})."""
     tokens, labels, gen = _inputs(vocab)
-    out = model(tokens, labels=labels)
+    R = model.config.looped_num_loops
+    exits = torch.randint(1, R + 1, tokens.shape, generator=gen)  # a serving engine's
+    out, early = model(tokens, labels=labels), model(tokens, labels=labels, exit_depths=exits)
     mix = torch.randn(out.logprobs.shape, generator=gen, dtype=torch.float64)
-    loss = (mix * out.logprobs).sum()
+    loss = (mix * out.logprobs).sum() + (mix.roll(1, dims=2) * early.logprobs).sum()
     if out.exit_logprobs is not None:
         loss = loss + (mix.flip(0) * out.exit_logprobs).sum()
     loss.backward()
     grads = {n: whole_tensor(n, p, p.grad, model.config).clone()
              for n, p in model.named_parameters() if p.grad is not None}
     gate = None if out.exit_logprobs is None else out.exit_logprobs.detach().clone()
-    return out.logprobs.detach().clone(), gate, grads
+    logprobs = torch.stack([out.logprobs, early.logprobs]).detach().clone()
+    return logprobs, gate, grads
 
 
 def _tp_rank(rank, world_size, path: str, vocab: int, save_dir: str) -> tuple:
