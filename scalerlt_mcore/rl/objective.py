@@ -245,10 +245,7 @@ class RLObjective:
                 raise ValueError(f"{tag}: recorded exit depths (exit_depths) read each token at "
                                  f"the loop it was sampled at: they need loop_weights final, "
                                  f"got {self.loop_weights!r}")
-            if group.tree is not None and group.tree.depth > 1:
-                raise ValueError(f"{tag}: recorded exit depths are replayed for one-level "
-                                 f"groups (a serving engine's records), not trees of depth "
-                                 f"{group.tree.depth}")
+            _check_shared_exits(group, tag)
         if self.inference_is_correction and getattr(group, "inference_logprobs", None) is None:
             raise ValueError(f"{tag}: inference_is_correction needs inference_logprobs (the "
                              f"rollout engine's log-probs), got None")
@@ -279,6 +276,22 @@ class RLObjective:
             pair = torch.stack([loss.detach(), num_tokens.to(loss.dtype)])
             return loss, num_tokens, {"loss": pair, **stats}
         return loss, {"loss": loss.detach(), **stats}
+
+
+def _check_shared_exits(group, tag: str) -> None:
+    """A tree's node is decoded once: the loops each of its positions ran (``exit_runs``; a
+    sampled last position's are its children's first tokens' depth) are the same in every
+    row below it (the replay runs the node once)."""
+    tree = group.tree
+    if tree is None or tree.depth == 1:
+        return
+    runs = group.exit_runs(0)  # positions that ran every loop: 0 here, whatever R
+    for n in range(1, tree.num_nodes):
+        rows = torch.as_tensor(tree.rows_below(n), device=runs.device)
+        span = runs[rows][:, tree.starts[n] : tree.ends[n]]
+        if bool((span != span[:1]).any()):
+            raise ValueError(f"{tag}: node {n}'s recorded exit depths differ between the rows "
+                             f"below it (a node is decoded once)")
 
 
 def read_loops(reads: Tensor, R: int, dtype: torch.dtype) -> Tensor:

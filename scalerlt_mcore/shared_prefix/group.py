@@ -152,15 +152,17 @@ class SharedPrefixGroup:
                           tail.new_zeros(*lead, 1)], dim=-1)
 
     def exit_runs(self, num_loops: int) -> Optional[Tensor]:
-        """[G, T] the loops each position ran in the engine that sampled the responses: R on
-        the prompt and off the responses, on a response position its label's recorded exit
-        depth (the loop the token was read at: ``exit_depths``, a loss's field, 0 off the
-        responses); None without recorded depths."""
+        """[G, T] the loops each position ran in the engine that sampled the responses, from
+        the recorded exit depth of each label (``exit_depths``, a loss's field: the loop the
+        token was sampled at, 0 for a token not sampled): a position whose own token was
+        sampled ran to its label's depth; one whose token was prefilled (the prompt, an
+        environment's reply) or whose label was not sampled ran all R. None without them."""
         reads = getattr(self, "exit_depths", None)
         if reads is None:
             return None
-        prompt = torch.arange(reads.shape[1], device=reads.device) < self.prompt_length
-        return torch.where(prompt | (reads == 0), num_loops, reads)
+        sampled = torch.zeros_like(reads, dtype=torch.bool)
+        sampled[:, 1:] = reads[:, :-1] > 0  # token p is label p - 1
+        return torch.where(sampled & (reads > 0), reads, num_loops)
 
     def as_tree(self) -> PrefixTree:
         """The group's ``tree``; a one-level group's is its depth-1 tree: the prompt (node 0)

@@ -21,7 +21,8 @@ class WaveModel:
     per-loop log-probs [R, W, T] of ``wave.group.labels`` for the wave's rows, in the group's
     layout (positions P-1 .. T-2, the response labels; zero on the prompt and at T-1), computed
     against the prompt's prefix state instead of re-running the prompt. A wave of a tree's
-    leaves: [R, W, span] of its ``span``, against the state of the leaves' path."""
+    leaves: [R, W, span] of its ``span``, against the state of the leaves' path. With recorded
+    exit depths each position runs its loops (``SharedPrefixGroup.exit_runs``)."""
 
     def __init__(self, inner, state: PrefixState, num_loops: Optional[int] = None):
         self.inner, self.state, self.num_loops = inner, state, num_loops
@@ -36,10 +37,8 @@ class WaveModel:
         learned loop credit ``loop_weights`` [R] (``naive.readout_dict``)."""
         tokens, labels = wave.suffix()  # [W, S]
         runs = wave.group.exit_runs(self.state.num_loops)  # [G, T] or None
-        if runs is not None and not wave.whole:
-            raise ValueError(f"group {wave.group.group_id}: recorded exit depths are replayed "
-                             f"for one-level groups (a serving engine's records), not trees")
-        exits = None if runs is None else wave.rows(runs)[:, wave.group.prompt_length:]
+        span = wave.group.response_positions if wave.whole else wave.span
+        exits = None if runs is None else wave.rows(runs)[:, span.start + 1 : span.stop + 1]
         out = self.inner.suffix_readouts(self.state, tokens, labels=labels,
                                          num_loops=self.num_loops,
                                          exit_depths=exits)  # [R, W, S]

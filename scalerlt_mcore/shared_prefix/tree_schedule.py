@@ -281,9 +281,11 @@ class TreeReplay:
         start, end = tree.starts[n], tree.ends[n]
         tokens = g.tokens[row : row + 1, start:end]  # [1, L]
         labels = g.labels[row : row + 1, start:end] if readout else None  # [1, L]: L-1 unused
+        runs = g.exit_runs(run.num_loops)  # recorded exit depths: the same in every row below
         prefix = as_prefix(prefix, run.state_dtype)
         out = run.inner(tokens, labels=labels, prefix_state=prefix, return_prefix_state=True,
-                        readout=readout, num_loops=run.num_loops)
+                        readout=readout, num_loops=run.num_loops,
+                        exit_depths=None if runs is None else runs[row : row + 1, start:end])
         if run.state_dtype is None:
             run.state_dtype = out.prefix_state.boundary.dtype
         return tokens, prefix, out

@@ -18,7 +18,10 @@ planes per loop, exit-loop K/V copied into the deeper planes):
   exited position's K/V as the engine does: the replay of its rollout's exit depths scores
   every sampled token as it was sampled, per row and prompt once (to the fp32 rounding of the
   recorded log-probs, ``FP32_LOGPROB``; without ``exit_kv`` it does not);
-- bad exit depths, other loop weights than final and a deeper tree are refused by name.
+- a depth-2 tree (each node replayed once) trains as naive training of its rows and as the
+  reference of each row (<= 1e-12, with and without recompute); rows that disagree on a
+  node's depths are refused;
+- bad exit depths and other loop weights than final are refused by name.
 """
 
 import dataclasses
@@ -179,15 +182,67 @@ def test_recorded_exit_depths_need_final_loop_weights():
             joint_step(model, [_recorded_group()], spec, wave_size=2)
 
 
-def test_a_deeper_tree_with_recorded_exit_depths_is_refused():
-    """A serving engine's records are one-level: a depth-2 tree's internal nodes would train
-    at full depth, so the group is refused before any compute."""
+def _tree_depths(g, seed: int) -> torch.Tensor:
+    """Recorded exit depths [G, T] of a tree group's rows: every token after the prompt
+    sampled, the depth of each drawn once per (node, offset) of the position that sampled it,
+    so every row below a node agrees (the node was decoded once)."""
+    tree, gen = g.tree, torch.Generator().manual_seed(seed)
+    table, depths = {}, torch.zeros_like(g.tokens)
+    for row, leaf in enumerate(tree.leaf_of_row):
+        path = [leaf]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        for node in path:
+            for p in range(max(tree.starts[node], P_TREE - 1), tree.ends[node]):
+                if p < tree.ends[leaf] - 1:  # the position's label is a token of the row
+                    key = (node, p - tree.starts[node])
+                    if key not in table:
+                        table[key] = int(torch.randint(1, LOOPS + 1, (1,), generator=gen))
+                    depths[row, p] = table[key]
+    return depths
+
+
+P_TREE = 6  # DEPTH2's root
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_tree_replays_recorded_exit_depths(recompute):
+    """A depth-2 tree whose every answer token was sampled at a recorded depth: the tree
+    replay (each node once) trains as naive training of its rows (every gradient <= 1e-12) and
+    as the engine reference of each row (loss and the four gradients <= 1e-12)."""
+    with model_parallel_context(seed=1):
+        model, ref, weights = build("rope")
+        if recompute:
+            model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
+            model.config.recompute_num_layers = 1
+        g = tree_group(DEPTH2, LOOPS, seed=2, masks="leaves")
+        g.exit_depths = _tree_depths(g, seed=3)
+        assert len(set(g.exit_depths[g.exit_depths > 0].tolist())) == LOOPS
+        want_loss, want = _reference_step(weights, ref, g)
+        out = joint_step(model, [g], SPEC, wave_size=2, prompt="retain")
+        loss = float(out[0]["loss"])
+        assert abs(loss - float(want_loss)) <= TOL * abs(float(want_loss)), (loss, want_loss)
+        got = grads(model)
+        for name, w in want.items():
+            assert _rel(got[name], w) <= TOL, (name, _rel(got[name], w))
+        model.zero_grad(set_to_none=True)
+        joint_step(model, [g], SPEC, wave_size=2, schedule="naive", naive_micro_batch_size=2)
+        for name, tensor in grads(model).items():
+            assert _rel(got[name], tensor) <= TOL, name
+
+
+def test_a_tree_node_with_two_depths_is_refused():
+    """A node is decoded once: rows below it that disagree on its positions' depths are
+    refused before any compute."""
     with model_parallel_context(seed=1):
         model, _, _ = build("rope")
-        g = tree_group(DEPTH2, LOOPS, seed=2)
-        g.exit_depths = torch.where(g.loss_mask != 0, 1, 0)
-        with pytest.raises(ValueError, match="recorded exit depths are replayed for one-level "
-                                             "groups .* not trees of depth 2"):
+        g = tree_group(DEPTH2, LOOPS, seed=2, masks="leaves")
+        g.exit_depths = _tree_depths(g, seed=3)
+        first = g.tree.rows_below(1)[0]
+        g.exit_depths[first, g.tree.starts[1]] = LOOPS + 1 - g.exit_depths[first,
+                                                                           g.tree.starts[1]]
+        with pytest.raises(ValueError, match="node 1's recorded exit depths differ between "
+                                             "the rows below it"):
             joint_step(model, [g], SPEC, wave_size=2)
 
 
