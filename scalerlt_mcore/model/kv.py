@@ -456,12 +456,12 @@ class LoopKV:
         e reads as loop e's K/V at every deeper loop (the same layer), so a query at loop d
         reads loop min(d, e)'s. Prelude depths and the first loop are every position's own."""
         d = self.depth
-        if self.exits is None or loop_of(config, d) is None:
+        loop = None if self.exits is None else loop_of(config, d)
+        if loop is None:
             return key, value
-        earlier = exit_read(config, d)
-        if earlier is not None:
-            ran = (self.exits > loop_of(config, d))[:, :, None, None]  # [s, b, 1, 1]
-            kept_key, kept_value = self.used.pop(earlier)
+        if loop > 0:
+            ran = (self.exits > loop)[:, :, None, None]  # [s, b, 1, 1]
+            kept_key, kept_value = self.used.pop(exit_read(config, d))
             key, value = torch.where(ran, key, kept_key), torch.where(ran, value, kept_value)
         self.used[d] = (key, value)
         return key, value

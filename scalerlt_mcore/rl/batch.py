@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..shared_prefix import SharedPrefixGroup
+from .objective import read_depths
 
 
 @dataclass
@@ -126,8 +127,7 @@ def sampled_loop(group: RLGroup, per_loop: torch.Tensor) -> torch.Tensor:
     last, or with recorded exit depths its own)."""
     if group.exit_depths is None:
         return per_loop[-1]
-    R = per_loop.shape[0]
-    reads = torch.where(group.exit_depths == 0, R, group.exit_depths).to(per_loop.device)
+    reads = read_depths(group.exit_depths, per_loop.shape[0]).to(per_loop.device)
     return per_loop.gather(0, (reads - 1)[None])[0]
 
 

@@ -294,11 +294,16 @@ def _check_shared_exits(group, tag: str) -> None:
                              f"below it (a node is decoded once)")
 
 
+def read_depths(exit_depths: Tensor, R: int) -> Tensor:
+    """The loop (1..R) each label is read at from recorded exit depths [..., T'] (1..R; 0 off
+    the responses, read as R)."""
+    return torch.where(exit_depths == 0, R, exit_depths)
+
+
 def read_loops(reads: Tensor, R: int, dtype: torch.dtype) -> Tensor:
-    """[R, B, T'] weights of recorded exit depths ``reads`` [B, T'] (1..R; 0 off the
-    responses, read as R): 1 at each token's own loop."""
-    reads = torch.where(reads == 0, R, reads)
-    return torch.nn.functional.one_hot(reads - 1, R).permute(2, 0, 1).to(dtype)
+    """[R, B, T'] weights of recorded exit depths ``reads`` [B, T'] (``read_depths``): 1 at
+    each token's own loop."""
+    return torch.nn.functional.one_hot(read_depths(reads, R) - 1, R).permute(2, 0, 1).to(dtype)
 
 
 def rl_forward_step(objective: RLObjective):
