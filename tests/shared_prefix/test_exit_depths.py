@@ -63,6 +63,16 @@ def _case(seed: int = 0) -> tuple:
     return tokens, labels, reads, runs
 
 
+def _build(recompute: bool) -> tuple:
+    """``helpers.decode.build``'s model (and its reference weights), with MCore's full
+    recompute of every layer application where ``recompute``."""
+    model, ref, weights = build("rope")
+    if recompute:
+        model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
+        model.config.recompute_num_layers = 1
+    return model, ref, weights
+
+
 def _reference(weights, ref, tokens, labels, reads, runs) -> torch.Tensor:
     return torch.stack([engine_logprobs(weights, ref, tokens[g].tolist(), labels[g].tolist(),
                                         runs[g].tolist(), reads[g].tolist())
@@ -77,10 +87,7 @@ def _at(per_loop: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("recompute", [False, True])
 def test_forward_reads_the_engine_layout(recompute):
     with model_parallel_context(seed=1):
-        model, ref, weights = build("rope")
-        if recompute:
-            model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
-            model.config.recompute_num_layers = 1
+        model, ref, weights = _build(recompute)
         tokens, labels, reads, runs = _case()
         want = _reference(weights, ref, tokens, labels, reads, runs)
         got = _at(model(tokens, labels=labels, exit_depths=runs).logprobs, reads)
@@ -149,28 +156,30 @@ def _reference_step(weights, ref, g):
     return loss.detach(), {name: leaves[k].grad for name, k in CHECKED.items()}
 
 
+def _trains_as_reference_and_naive(model, ref, weights, g, prompt: str) -> None:
+    """Joint replay of ``g`` (waves of 2, the prompt as ``prompt`` says): its loss and the
+    reference weights' gradients equal the engine reference's, and its loss and every
+    gradient equal naive training's (<= 1e-12)."""
+    want_loss, want = _reference_step(weights, ref, g)
+    out = joint_step(model, [g], SPEC, wave_size=2, prompt=prompt)
+    loss = float(out[0]["loss"])
+    assert abs(loss - float(want_loss)) <= TOL * abs(float(want_loss)), (loss, want_loss)
+    got = grads(model)
+    for name, w in want.items():
+        assert _rel(got[name], w) <= TOL, (name, _rel(got[name], w))
+    model.zero_grad(set_to_none=True)
+    naive = joint_step(model, [g], SPEC, wave_size=2, schedule="naive", naive_micro_batch_size=2)
+    assert abs(float(naive[0]["loss"]) - loss) <= TOL * abs(loss)
+    for name, tensor in grads(model).items():
+        assert _rel(got[name], tensor) <= TOL, name
+
+
 @pytest.mark.parametrize("prompt", ["retain", "recompute"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_joint_replay_trains_recorded_exit_depths(prompt, recompute):
     with model_parallel_context(seed=1):
-        model, ref, weights = build("rope")
-        if recompute:
-            model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
-            model.config.recompute_num_layers = 1
-        g = _recorded_group()
-        want_loss, want = _reference_step(weights, ref, g)
-        out = joint_step(model, [g], SPEC, wave_size=2, prompt=prompt)
-        loss = float(out[0]["loss"])
-        assert abs(loss - float(want_loss)) <= TOL * abs(float(want_loss)), (loss, want_loss)
-        got = grads(model)
-        for name, w in want.items():
-            assert _rel(got[name], w) <= TOL, (name, _rel(got[name], w))
-        model.zero_grad(set_to_none=True)
-        naive = joint_step(model, [g], SPEC, wave_size=2, schedule="naive",
-                           naive_micro_batch_size=2)
-        assert abs(float(naive[0]["loss"]) - loss) <= TOL * abs(loss)
-        for name, tensor in grads(model).items():
-            assert _rel(got[name], tensor) <= TOL, name
+        model, ref, weights = _build(recompute)
+        _trains_as_reference_and_naive(model, ref, weights, _recorded_group(), prompt)
 
 
 def test_recorded_exit_depths_need_final_loop_weights():
@@ -193,7 +202,7 @@ def _tree_depths(g, seed: int) -> torch.Tensor:
         while tree.parents[path[-1]] >= 0:
             path.append(tree.parents[path[-1]])
         for node in path:
-            for p in range(max(tree.starts[node], P_TREE - 1), tree.ends[node]):
+            for p in range(max(tree.starts[node], g.prompt_length - 1), tree.ends[node]):
                 if p < tree.ends[leaf] - 1:  # the position's label is a token of the row
                     key = (node, p - tree.starts[node])
                     if key not in table:
@@ -202,33 +211,17 @@ def _tree_depths(g, seed: int) -> torch.Tensor:
     return depths
 
 
-P_TREE = 6  # DEPTH2's root
-
-
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_tree_replays_recorded_exit_depths(recompute):
     """A depth-2 tree whose every answer token was sampled at a recorded depth: the tree
     replay (each node once) trains as naive training of its rows (every gradient <= 1e-12) and
     as the engine reference of each row (loss and the four gradients <= 1e-12)."""
     with model_parallel_context(seed=1):
-        model, ref, weights = build("rope")
-        if recompute:
-            model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
-            model.config.recompute_num_layers = 1
+        model, ref, weights = _build(recompute)
         g = tree_group(DEPTH2, LOOPS, seed=2, masks="leaves")
         g.exit_depths = _tree_depths(g, seed=3)
         assert len(set(g.exit_depths[g.exit_depths > 0].tolist())) == LOOPS
-        want_loss, want = _reference_step(weights, ref, g)
-        out = joint_step(model, [g], SPEC, wave_size=2, prompt="retain")
-        loss = float(out[0]["loss"])
-        assert abs(loss - float(want_loss)) <= TOL * abs(float(want_loss)), (loss, want_loss)
-        got = grads(model)
-        for name, w in want.items():
-            assert _rel(got[name], w) <= TOL, (name, _rel(got[name], w))
-        model.zero_grad(set_to_none=True)
-        joint_step(model, [g], SPEC, wave_size=2, schedule="naive", naive_micro_batch_size=2)
-        for name, tensor in grads(model).items():
-            assert _rel(got[name], tensor) <= TOL, name
+        _trains_as_reference_and_naive(model, ref, weights, g, "retain")
 
 
 def test_a_tree_node_with_two_depths_is_refused():
