@@ -11,6 +11,7 @@ naive micro-batch 1's, and the wall time of a step (median of ``REPS`` after a w
 round-robin). Schedules: naive micro-batch 1; joint replay at the workload's wave size with
 the prompt recomputed (one segment: the whole prompt's graph and the last wave's in one
 backward); the same with the prompt replayed in 4 segments; waves of 1 in 4 and 8 segments;
+the 4- and 8-segment ones with prefix states of layer inputs (``GroupPlan.state_kind``);
 and ``planned``: the plan the planner picks itself for a budget of naive micro-batch 1's
 measured peak (or, where none fits, the planner's refusal naming its smallest plan's need).
 Every schedule's loss and gradients agree with naive micro-batch 1's (1e-5).
@@ -44,7 +45,10 @@ def plans(wl) -> dict:
     return {"naive_mb1": None, f"joint W{W}": GroupPlan(W),
             f"joint W{W}, 4 segments": GroupPlan(W, prompt_segments=4),
             "joint W1, 4 segments": GroupPlan(1, prompt_segments=4),
-            "joint W1, 8 segments": GroupPlan(1, prompt_segments=8), "planned": "planned"}
+            "joint W1, 8 segments": GroupPlan(1, prompt_segments=8),
+            f"joint W{W}, 4 segments, inputs": GroupPlan(W, prompt_segments=4, state_kind="inputs"),
+            "joint W1, 8 segments, inputs": GroupPlan(1, prompt_segments=8, state_kind="inputs"),
+            "planned": "planned"}
 
 
 def _step(model, group, obj, plan):
@@ -66,7 +70,12 @@ def _step(model, group, obj, plan):
 
 def run_setting(wl, setting: str, seed: int = 0, reps: int = REPS) -> dict:
     """One workload at one recompute setting: every schedule's peak, ratio and wall."""
-    from scalerlt_mcore.shared_prefix.planner import ModelShape, Planner, plan_memory
+    from scalerlt_mcore.shared_prefix.planner import (
+        ModelShape,
+        Planner,
+        adjoint_bytes,
+        plan_memory,
+    )
 
     torch.manual_seed(seed)
     model = build_model(wl, **SETTINGS[setting])
@@ -91,10 +100,9 @@ def run_setting(wl, setting: str, seed: int = 0, reps: int = REPS) -> dict:
     rows = {}
     for name, plan in chosen.items():
         saved = peak_saved_bytes(steps[name], model)
-        memory = None if plan is None else plan_memory(m, P, S, G, plan, False,
-                                                       obj.saved_per_position)
-        adjoints = 0 if memory is None else memory.adjoint_bytes
-        predicted = None if memory is None else memory.saved_bytes
+        predicted = None if plan is None else plan_memory(m, P, S, G, plan, False,
+                                                          obj.saved_per_position).saved_bytes
+        adjoints = 0 if plan is None else adjoint_bytes(replace(m, state_kind=plan.state_kind), P)
         rows[name] = {"plan": None if plan is None else asdict(plan), "saved_bytes": saved,
                       "adjoint_bytes": adjoints, "peak_bytes": saved + adjoints,
                       "predicted_saved_bytes": predicted, "wall_s": median(walls[name]),
@@ -112,8 +120,9 @@ def markdown(results: dict) -> str:
         for setting, r in per_setting.items():
             for sched, row in r["rows"].items():
                 plan = row["plan"]
-                words = "-" if plan is None else (f"W{plan['wave_size']}, "
-                                                  f"{plan['prompt_segments']} seg.")
+                words = "-" if plan is None else (
+                    f"W{plan['wave_size']}, {plan['prompt_segments']} seg."
+                    + (", inputs" if plan["state_kind"] == "inputs" else ""))
                 lines.append(f"| {name} | {setting} | {sched} | {words} | "
                              f"{row['saved_bytes'] / 2**20:.1f} | "
                              f"{row['adjoint_bytes'] / 2**20:.1f} | "

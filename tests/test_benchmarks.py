@@ -217,7 +217,7 @@ def test_retain_and_auto_rows(mcore_single):
     assert set(result["recompute_over_retain"]) >= {"flops", "saved_bytes", "wall"}
     assert result["recompute_over_retain"]["flops"] > 1  # the retained prompt runs once
     assert result["auto_over_fastest_wall"] > 0 and set(result["auto_plan"]) == {
-        "wave_size", "retain", "naive", "retain_nodes", "prompt_segments"}
+        "wave_size", "retain", "naive", "retain_nodes", "prompt_segments", "state_kind"}
     assert "| A |" in retain_table({"A": result})
 
 

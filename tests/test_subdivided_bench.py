@@ -36,6 +36,9 @@ def test_main_writes_rows_at_both_settings(tmp_path, monkeypatch):
             if name != "naive_mb1":
                 assert row["adjoint_bytes"] > 0 and row["predicted_saved_bytes"] > 0
         assert rows["joint W1, 8 segments"]["plan"]["prompt_segments"] == 8
+        # a state of layer inputs: half the adjoints of K/V (MHA), besides the boundary's
+        inputs, kv = (rows[f"joint W1, 8 segments{k}"]["adjoint_bytes"] for k in (", inputs", ""))
+        assert inputs < kv < 2 * inputs + 1, (inputs, kv)
         # four segments hold less than the whole prompt at the same wave size
         assert (rows["joint W2, 4 segments"]["saved_bytes"]
                 < rows["joint W2"]["saved_bytes"]), rows

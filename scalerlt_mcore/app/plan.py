@@ -686,6 +686,12 @@ def plan_text(plan: Optional[GroupPlan], tree=None) -> str:
         return "none fits"
     if plan.naive:
         return f"naive, micro-batch {plan.wave_size}"
+    if plan.state_kind == "inputs":
+        return _joint_text(plan, tree) + ", prefix state of layer inputs"
+    return _joint_text(plan, tree)
+
+
+def _joint_text(plan: GroupPlan, tree=None) -> str:
     if plan.retain_nodes is not None and tree is not None:
         internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
         kept = sum(plan.retain_nodes[n] for n in internal)

@@ -158,8 +158,21 @@ class LoopedSelfAttention(SelfAttention):
         if ctx is None:
             out = self._core(query, key, value, attention_mask)
         else:
-            out = self._attend_routed(ctx, query, key, value, attention_mask)
+            out = self._attend_routed(ctx, hidden_states, query, key, value, attention_mask)
         return self.linear_proj(out)
+
+    def prefix_kv(self, ctx: LoopKV, dtype: torch.dtype) -> tuple:
+        """The K/V [P, Bp, ng, hn] of ``ctx.prefix`` at ``ctx.depth``: stored, or derived from
+        the stored attention input (a state of kind ``inputs``) as the prompt derived them:
+        this layer's projection (in ``dtype``, the forward's), its RoPE at the prefix's
+        positions."""
+        prefix, d = ctx.prefix, ctx.depth
+        if prefix.inputs is None:
+            return prefix.keys[d], prefix.values[d]
+        _, key, value = self.get_query_key_value_tensors(prefix.inputs[d].to(dtype))
+        if ctx.prefix_rope is not None:
+            key = self._rotate(key, ctx.prefix_rope)
+        return key, value
 
     def _rotate(self, t: Tensor, rope) -> Tensor:
         """RoPE of t [s, b, n, hn]: ``rope`` a ``RotaryAngles`` (its cos/sin, where the config
@@ -197,11 +210,12 @@ class LoopedSelfAttention(SelfAttention):
                 f"LoopedCoreAttention); this layer's is {type(core).__name__}")
         return core
 
-    def _attend_routed(self, ctx: LoopKV, query, key, value, attention_mask):
+    def _attend_routed(self, ctx: LoopKV, hidden_states, query, key, value, attention_mask):
         key, value = ctx.exit_kv(self.config, key, value)
         d = ctx.depth
         if ctx.record:
-            ctx.recorded[d] = (key, value) if torch.is_grad_enabled() else (own(key), own(value))
+            kept = (hidden_states,) if ctx.record_inputs else (key, value)
+            ctx.recorded[d] = kept if torch.is_grad_enabled() else tuple(map(own, kept))
         if ctx.cache is not None:
             return self._attend_cache(ctx, query, key, value)
         if ctx.prefix is not None:
@@ -212,8 +226,8 @@ class LoopedSelfAttention(SelfAttention):
                 with core.attending_to(PrefixKV(prefix_keys, prefix_values, kind)):
                     return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
 
-            return self._maybe_checkpointed(attend, query, key, value, ctx.prefix.keys[d],
-                                            ctx.prefix.values[d])
+            return self._maybe_checkpointed(attend, query, key, value,
+                                            *self.prefix_kv(ctx, hidden_states.dtype))
         return self._core(query, key, value, attention_mask)
 
     def _attend_cache(self, ctx: LoopKV, query, key, value):

@@ -58,24 +58,35 @@ class PrefixState:
     """A prompt's state at every K/V boundary, for suffixes computed separately.
 
     keys/values: one per virtual depth, each [P, Bp, ng, hn] (post-RoPE keys; ng: this
-                 tensor-parallel rank's K/V groups).
+                 tensor-parallel rank's K/V groups); empty when ``inputs`` holds the state.
     boundary:    [R, Bp, H], the readout input (pre-final-norm; with ``looped_normed_state``,
                  Ouro, the normed state) at the last prompt position for every loop: it
                  predicts the first suffix token.
+    inputs:      None, or one per virtual depth [P, Bp, H]: the attention's input there, from
+                 which a suffix's attention derives the prefix K/V again (the same projection,
+                 norms and RoPE as the prompt's). Half the storage of K and V with MHA, and so
+                 of their adjoints; each suffix pays the projection (``kind`` ``inputs``).
     """
 
     keys: list
     values: list
     boundary: Tensor
     signature: tuple
+    inputs: Optional[list] = None
+
+    @property
+    def kind(self) -> str:
+        """``kv`` or ``inputs``: what the state keeps per depth (``LoopedGPTModel.forward``'s
+        ``state_kind``)."""
+        return "kv" if self.inputs is None else "inputs"
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[0]
+        return self.tensors()[0].shape[0]
 
     @property
     def batch(self) -> int:
-        return self.keys[0].shape[1]
+        return self.tensors()[0].shape[1]
 
     @property
     def num_loops(self) -> int:
@@ -83,8 +94,35 @@ class PrefixState:
         return self.signature[LOOPS]
 
     def tensors(self) -> list:
-        """All state tensors in a fixed order: keys, values, boundary."""
-        return [*self.keys, *self.values, self.boundary]
+        """All state tensors in a fixed order: keys, values (or the inputs), boundary."""
+        per_depth = [*self.keys, *self.values] if self.inputs is None else self.inputs
+        return [*per_depth, self.boundary]
+
+    def at(self, depth: int) -> list:
+        """The state tensors of one depth: [key, value] or [input]."""
+        return [self.keys[depth], self.values[depth]] if self.inputs is None else [
+            self.inputs[depth]]
+
+    def like(self, tensors: list) -> "PrefixState":
+        """A state of this one's kind and signature from ``tensors`` in ``tensors()``'s order."""
+        if self.inputs is not None:
+            return PrefixState([], [], tensors[-1], self.signature, list(tensors[:-1]))
+        return PrefixState.from_tensors(tensors, self.signature)
+
+    def with_depths(self, depths: list, tensors: list) -> "PrefixState":
+        """This state with the tensors of ``depths`` replaced by ``tensors`` (``at``'s order,
+        depth by depth)."""
+        per = len(self.at(0))
+        mine = [list(self.keys), list(self.values)] if self.inputs is None else [
+            list(self.inputs)]
+        for i, d in enumerate(depths):
+            for j in range(per):
+                mine[j][d] = tensors[per * i + j]
+        return self.like([*(t for part in mine for t in part), self.boundary])
+
+    def depth_flags(self, trained: list) -> list:
+        """``trained`` (one bool per depth) per state tensor but the boundary."""
+        return [*trained, *trained] if self.inputs is None else list(trained)
 
     @classmethod
     def from_tensors(cls, tensors: list, signature: tuple) -> "PrefixState":
@@ -98,10 +136,12 @@ class PrefixState:
         bf16 state, so that the adjoints they collect are accumulated in fp32). ``trained``
         (one bool per depth, ``trained_depths``): a depth marked False is detached as it is,
         not a leaf and not promoted: nothing backpropagates into it, so it has no adjoint."""
-        flags = [*trained, *trained] if trained is not None else [True] * 2 * len(self.keys)
+        tensors = self.tensors()
+        flags = (self.depth_flags(trained) if trained is not None
+                 else [True] * (len(tensors) - 1))
         leaves = [_promoted(t.detach(), dtype).requires_grad_(True) if grad else t.detach()
-                  for t, grad in zip(self.tensors(), [*flags, True])]
-        return PrefixState.from_tensors(leaves, self.signature)
+                  for t, grad in zip(tensors, [*flags, True])]
+        return self.like(leaves)
 
     def check_compatible(self, config) -> None:
         """Raise if this state was not produced by a model of ``config``'s structure."""
@@ -115,7 +155,9 @@ class PrefixState:
                 f"model; signature ({', '.join(names)}) = {self.signature}, model has {expected})"
             )
         depths = config.looped_num_depths
-        if len(self.keys) != depths or len(self.values) != depths:
+        if self.inputs is not None:
+            self._check_inputs(config)
+        elif len(self.keys) != depths or len(self.values) != depths:
             raise ValueError(
                 f"prefix state has {len(self.keys)} key / {len(self.values)} value depths, "
                 f"model needs {depths} (loops={config.looped_num_loops})"
@@ -133,6 +175,16 @@ class PrefixState:
                 f"prefix state boundary has shape {tuple(self.boundary.shape)}, "
                 f"expected {b_shape} [loops, batch, hidden]"
             )
+
+    def _check_inputs(self, config) -> None:
+        depths, shape = config.looped_num_depths, (self.length, self.batch, config.hidden_size)
+        if len(self.inputs) != depths:
+            raise ValueError(f"prefix state has {len(self.inputs)} input depths, model needs "
+                             f"{depths} (loops={config.looped_num_loops})")
+        for d, x in enumerate(self.inputs):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"prefix state depth {d}: input {tuple(x.shape)}, expected "
+                                 f"{shape} [P, batch, hidden]")
 
 
 def trained_depths(config) -> list:
@@ -440,6 +492,12 @@ class LoopKV:
     positions: Optional[Tensor] = None  # [B, s] absolute positions (cache mode)
     step: Optional[CacheStep] = None  # the cache's reads and writes (cache mode)
     record: bool = False
+    record_inputs: bool = False
+    """With ``record``: record each depth's attention input instead of its K/V (a state of
+    kind ``inputs``)."""
+    prefix_rope: object = None
+    """With a prefix state of kind ``inputs``: the RoPE of its positions (as the forward's
+    ``rotary_pos_emb``), which its derived keys are rotated by; None without RoPE."""
     prefix_attention: str = "cascade"
     depth: int = 0
     recorded: dict = field(default_factory=dict)

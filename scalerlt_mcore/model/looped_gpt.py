@@ -77,6 +77,16 @@ def check_exit_depths(exits: Optional[Tensor], input_ids: Tensor, kv_cache, loop
         raise ValueError(f"exit_depths must lie in 1..{loops} (the loops of this forward)")
 
 
+def check_state_kind(kind: str, exits: Optional[Tensor]) -> None:
+    """A prefix state keeps ``kv`` or ``inputs``; an ``inputs`` state is recorded without exit
+    depths (the K/V a position keeps past its exit are not its own input's)."""
+    if kind not in ("kv", "inputs"):
+        raise ValueError(f"state_kind must be 'kv' or 'inputs', got {kind!r}")
+    if kind == "inputs" and exits is not None:
+        raise ValueError("a prefix state of kind 'inputs' cannot be recorded with exit_depths "
+                         "(record kind 'kv')")
+
+
 class LoopedGPTModel(LanguageModule):
     """GPT with a looped core. With R=1, no prelude/coda and no injection it is the same
     function as MCore's ``GPTModel`` with the same weights (same parameter names).
@@ -163,20 +173,24 @@ class LoopedGPTModel(LanguageModule):
                 prefix_state: Optional[PrefixState] = None,
                 kv_cache: Optional[DepthKVCache] = None, return_prefix_state: bool = False,
                 readout: bool = True, num_loops: Optional[int] = None,
-                exit_depths: Optional[Tensor] = None) -> LoopedOutput:
+                exit_depths: Optional[Tensor] = None, state_kind: str = "kv") -> LoopedOutput:
         """input_ids [B, S]. ``prefix_state``: attend to a prompt computed separately (positions
         continue after it). ``kv_cache``: decoding. ``attention_mask`` follows MCore (True =
         masked, [B or 1, 1, S, S]); default causal. ``readout=False`` skips the readouts.
         ``num_loops``: R of this call (None: the config's ``looped_num_loops``); a prefix state
         or cache must come from a call with the same R. ``exit_depths`` [B, S]: the loops each
         position ran in a serving engine that exits early (1..R), whose K/V later positions
-        read as the engine keeps it (``LoopKV.exit_kv``); None: every position runs R."""
+        read as the engine keeps it (``LoopKV.exit_kv``); None: every position runs R.
+        ``state_kind`` (with ``return_prefix_state``): what the returned state keeps per depth,
+        ``kv`` or ``inputs`` (``PrefixState.inputs``)."""
         config = self.config.with_loops(num_loops)
         self.check_inputs(input_ids, labels, prefix_state, kv_cache, config)
         check_exit_depths(exit_depths, input_ids, kv_cache, config.looped_num_loops)
+        check_state_kind(state_kind, exit_depths)
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
                                         kv_cache, return_prefix_state,
-                                        num_loops=config.looped_num_loops, exits=exit_depths)
+                                        num_loops=config.looped_num_loops, exits=exit_depths,
+                                        record_inputs=state_kind == "inputs")
         out = LoopedOutput()
         if return_prefix_state:
             out.prefix_state = self._collect_prefix_state(ctx, states, config)
@@ -186,18 +200,24 @@ class LoopedGPTModel(LanguageModule):
 
     def _loop_states(self, input_ids, position_ids, attention_mask, prefix_state, kv_cache,
                      record: bool, step: Optional[CacheStep] = None,
-                     num_loops: Optional[int] = None, exits: Optional[Tensor] = None) -> tuple:
+                     num_loops: Optional[int] = None, exits: Optional[Tensor] = None,
+                     record_inputs: bool = False) -> tuple:
         """Embedding and the looped block -> (R readout inputs [S, B, H], the LoopKV context
         or None). ``step``: the cache's reads and writes (default: planned from its lengths);
-        ``exits`` [B, S]: the positions' exit depths (``forward``'s ``exit_depths``)."""
+        ``exits`` [B, S]: the positions' exit depths (``forward``'s ``exit_depths``);
+        ``record_inputs``: record a state of kind ``inputs``."""
         if step is None and kv_cache is not None:
             step = kv_cache.plan(input_ids.shape[1])
         positions, span = self._positions(input_ids, position_ids, prefix_state, step)  # [B, S]
         ctx = None
         if prefix_state is not None or kv_cache is not None or record or exits is not None:
             ctx = LoopKV(prefix=prefix_state, cache=kv_cache, positions=positions, step=step,
-                         record=record, prefix_attention=self.config.looped_prefix_attention,
+                         record=record, record_inputs=record_inputs,
+                         prefix_attention=self.config.looped_prefix_attention,
                          exits=None if exits is None else exits.t())  # [S, B]
+            if prefix_state is not None and prefix_state.inputs is not None:
+                P = prefix_state.length
+                ctx.prefix_rope = self._rope(torch.arange(P, device=input_ids.device)[None], P)
         hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
         if self.config.looped_embedding_scale != 1.0:
             hidden = hidden * self.config.looped_embedding_scale  # Huginn's sqrt(H)
@@ -512,11 +532,12 @@ class LoopedGPTModel(LanguageModule):
         return freqs if graph else RotaryAngles.of(freqs)
 
     def _collect_prefix_state(self, ctx: LoopKV, states: list, config) -> PrefixState:
-        depths = config.looped_num_depths
-        keys = [ctx.recorded[d][0] for d in range(depths)]
-        values = [ctx.recorded[d][1] for d in range(depths)]
+        recorded = [ctx.recorded[d] for d in range(config.looped_num_depths)]
         boundary = torch.stack([h[-1] for h in states])  # [R, B, H]
-        return PrefixState(keys, values, boundary, state_signature(config))
+        if ctx.record_inputs:
+            return PrefixState([], [], boundary, state_signature(config), [x for x, in recorded])
+        return PrefixState([k for k, _ in recorded], [v for _, v in recorded], boundary,
+                           state_signature(config))
 
     def check_inputs(self, input_ids, labels, prefix_state, kv_cache, config) -> None:
         """The inputs of a call whose config (``with_loops``) is ``config``."""

@@ -21,7 +21,7 @@ import torch
 from megatron.core import tensor_parallel
 from torch import Tensor
 
-from .kv import PrefixState, exit_read, loop_of
+from .kv import exit_read, loop_of
 
 
 def recompute_active(module) -> bool:
@@ -86,7 +86,7 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
         x = run_layers(layers, x, first_depth, inner, attention_mask, rotary_pos_emb)
         out = [x]
         if record:
-            out += [inner.recorded[d][i] for i in (0, 1) for d in depths]
+            out += [t for d in depths for t in inner.recorded[d]]
         if exits:
             out += [t for d in looped for t in inner.used[d]]
         return out[0] if len(out) == 1 else tuple(out)
@@ -97,34 +97,31 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
                                      attention_mask, rotary_pos_emb, *prefix, *kept)
     if not (record or looped):
         return out
-    n = len(depths)
+    per = 1 if ctx.record_inputs else 2  # tensors recorded per depth
     if record:
         for i, d in enumerate(depths):
-            ctx.recorded[d] = (out[1 + i], out[1 + n + i])
+            ctx.recorded[d] = tuple(out[1 + per * i: 1 + per * (i + 1)])
     if looped:
-        used = out[1 + 2 * n * record:]
+        used = out[1 + per * len(depths) * record:]
         for i, d in enumerate(looped):
             ctx.used[d] = (used[2 * i], used[2 * i + 1])
     return out[0]
 
 
 def _prefix_kv(ctx, depths: list) -> list:
-    """The prefix keys then values of ``depths`` (none without a prefix state)."""
+    """The prefix state tensors of ``depths``, depth by depth (none without a prefix state)."""
     if ctx is None or ctx.prefix is None:
         return []
-    return [*(ctx.prefix.keys[d] for d in depths), *(ctx.prefix.values[d] for d in depths)]
+    return [t for d in depths for t in ctx.prefix.at(d)]
 
 
 def _chunk_context(ctx, depths: list, prefix_kv: tuple):
-    """A copy of ``ctx`` for one checkpointed chunk: its own ``recorded``, and the prefix K/V of
-    its depths replaced by the checkpoint's inputs."""
+    """A copy of ``ctx`` for one checkpointed chunk: its own ``recorded``, and the prefix state
+    tensors of its depths replaced by the checkpoint's inputs."""
     if ctx is None:
         return None
     prefix = ctx.prefix
     if prefix is not None:
-        keys, values, n = list(prefix.keys), list(prefix.values), len(depths)
-        for i, d in enumerate(depths):
-            keys[d], values[d] = prefix_kv[i], prefix_kv[n + i]
-        prefix = PrefixState(keys, values, prefix.boundary, prefix.signature)
+        prefix = prefix.with_depths(depths, list(prefix_kv))
     return dataclasses.replace(ctx, prefix=prefix, recorded={})
 

@@ -33,7 +33,7 @@ def _plans(out: list) -> dict:
     if not out or "wave_size" not in out[0]:
         return {}
     return {f"plan_{k}": sum(float(o[k]) for o in out) / len(out)
-            for k in ("wave_size", "retain", "naive", "prompt_segments")}
+            for k in ("wave_size", "retain", "naive", "prompt_segments", "state_inputs")}
 
 
 def rollout_metrics(rewards, ro) -> dict:

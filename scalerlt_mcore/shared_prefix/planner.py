@@ -56,6 +56,9 @@ DEFAULT_PROMPT = "auto"
 SCHEDULES = ("joint_replay", "naive", "auto")
 DEFAULT_SEGMENTS = "auto"
 """Prompt segments when none are given: one unless only more fit the memory budget."""
+STATE_KINDS = ("kv", "inputs", "auto")
+DEFAULT_STATE = "auto"
+"""What prefix states keep when not given: K/V unless only inputs fit the memory budget."""
 INT64 = 8
 
 
@@ -82,6 +85,11 @@ class GroupPlan:
     """Joint replay: the prompt (a tree's root) replayed in this many query segments, each in a
     backward of its own (``replay.replay_segments``); > 1 needs the prompt recomputed."""
 
+    state_kind: str = "kv"
+    """Joint replay: what the prefix states keep per depth, ``kv`` (K and V) or ``inputs`` (the
+    attention's input, ``PrefixState.inputs``: half the state and adjoints with MHA; every
+    wave projects the prefix's K/V again, its FLOPs, ``derive_flops``)."""
+
     def __post_init__(self):
         if not isinstance(self.wave_size, int) or self.wave_size < 1:
             raise ValueError(f"GroupPlan.wave_size must be an integer >= 1, got "
@@ -95,6 +103,9 @@ class GroupPlan:
                                   or not all(isinstance(r, bool) for r in nodes)):
             raise ValueError(f"GroupPlan.retain_nodes must be a tuple of bools (one per tree "
                              f"node) or None, got {nodes!r}")
+        if self.state_kind not in ("kv", "inputs"):
+            raise ValueError(f"GroupPlan.state_kind must be 'kv' or 'inputs', got "
+                             f"{self.state_kind!r}")
         if segments > 1 and (self.retain or self.naive or (nodes and nodes[0])):
             raise ValueError(f"GroupPlan.prompt_segments {segments} replays a recomputed "
                              f"prompt: it cannot go with retain, naive or a retained root")
@@ -156,6 +167,9 @@ class ModelShape:
     mlp_bytes: float = 0.0
     """Under ``selective`` recompute of ``mlp``: measured bytes per token an MLP saves beyond
     its input (what its backward rebuilds)."""
+    state_kind: str = "kv"
+    """What the prefix states keep per depth (``GroupPlan.state_kind``): set by the whole-step
+    predictions from the plan."""
 
     @classmethod
     def from_model(cls, model, num_loops: Optional[int] = None) -> "ModelShape":
@@ -201,6 +215,19 @@ class ModelShape:
     @property
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_groups) * self.kv_channels
+
+    @property
+    def state_width(self) -> int:
+        """Prefix-state elements per position and depth: K and V, or the attention's input."""
+        return 2 * self.kv_groups * self.kv_channels if self.state_kind == "kv" else self.hidden
+
+    @property
+    def leaf_read_bytes(self) -> int:
+        """Bytes per element of what a forward saves of the state's (>= fp32) leaves: the
+        leaves themselves, but of input leaves wider than the activations nothing (their
+        copies in the activations' dtype are ``derived_kv_bytes``)."""
+        wide = self.acc_bytes != self.dtype_bytes
+        return 0 if self.state_kind == "inputs" and wide else self.acc_bytes
 
 
 @dataclass(frozen=True)
@@ -254,10 +281,11 @@ def _core_attention(model) -> type:
 # ---- saved bytes of one forward, calibrated on the live model ---------------------------------
 
 
-def _attention_calls(m: ModelShape) -> int:
+def _attention_calls(m: ModelShape, core: bool = True) -> int:
     """Attention applications of one forward whose kernel saves for backward: the trained
-    layer applications outside checkpointed chunks (none where ``core_attn`` is recomputed)."""
-    if "core_attn" in m.recompute_modules:
+    layer applications outside checkpointed chunks (none where ``core_attn`` is recomputed,
+    unless ``core`` is False: the applications themselves)."""
+    if core and "core_attn" in m.recompute_modules:
         return 0
     plain = [sum(end - start for start, end, ck in chunks if not ck) for chunks in m.chunks]
     return plain[0] + m.trained_loops * (plain[1] + plain[2])
@@ -273,7 +301,25 @@ def block_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0,
     k = m.trained_loops
     per_token = prelude + k * loop + readout * (k * read - max(k - 1, 0) * shared)
     attention = m.core_attention.saved_bytes(m, rows, s, kind, prefix)
-    return round(rows * s * per_token) + _attention_calls(m) * attention
+    derived = derived_kv_bytes(m, prefix) if kind != "causal" else 0
+    return (round(rows * s * per_token) + _attention_calls(m) * attention
+            + _attention_calls(m, core=False) * derived)
+
+
+def derived_kv_bytes(m: ModelShape, P: int) -> int:
+    """What a layer application saves of deriving the K/V of P prefix positions from a state
+    of kind ``inputs``: the projection's input in the activations' dtype (a copy of wider
+    leaves; narrower ones are the state's storage), the RoPE cos and sin, and the K/V the
+    core attention keeps (the projection's output, which the values view, and the rotated
+    keys) where it keeps them: cascade attention, or a checkpointed one (``core_attn``) whose
+    checkpoint takes them."""
+    if m.state_kind == "kv":
+        return 0
+    wide = m.acc_bytes != m.dtype_bytes
+    kernel = m.prefix_attention == "cascade" or "core_attn" in m.recompute_modules
+    rotated = m.kv_groups * m.kv_channels * bool(m.rope_dim)
+    kept = m.hidden * wide + 2 * m.rope_dim + (m.qkv_width + rotated) * kernel
+    return P * kept * m.dtype_bytes
 
 
 def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0) -> int:
@@ -286,7 +332,9 @@ def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0
     if m.recompute == "selective":
         return max(attention * ("core_attn" in m.recompute_modules),
                    round(m.mlp_bytes * n) * ("mlp" in m.recompute_modules))
-    layer, chunk_input = round(m.layer_bytes * n) + attention, n * m.hidden * m.dtype_bytes
+    derived = derived_kv_bytes(m, prefix) if kind != "causal" else 0
+    layer, chunk_input = (round(m.layer_bytes * n) + attention + derived,
+                          n * m.hidden * m.dtype_bytes)
     worst = 0
     for lists in ((2, 1), (0,)) if m.trained_loops else ((0,),):
         freed = 0  # what the backward has freed of the lists after the chunk (last loop)
@@ -440,7 +488,7 @@ def _flash_on_meta(device):
 def prefix_bytes(m: ModelShape, P: int) -> int:
     """Storage of the prefix-state K/V recorded without a graph (K and V of every depth in
     storage of their own, ``kv.own``)."""
-    return m.depths * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+    return m.depths * P * m.state_width * m.dtype_bytes
 
 
 def graph_free_prefix_bytes(m: ModelShape, P: int) -> int:
@@ -494,12 +542,12 @@ def _recomputed_kv_bytes(m: ModelShape, P: int, width: int) -> int:
     its checkpoints beyond an attention's own saves: ``full`` chunks take the K/V of their
     depths; a ``selective`` core attention those of every depth (concat, whose own
     concatenation is then not saved)."""
-    per_depth = 2 * P * m.kv_groups * m.kv_channels * width
+    per_depth = P * m.state_width * width
     if m.recompute == "full":
         ck = [sum(end - start for start, end, c in chunks if c) for chunks in m.chunks]
         return (ck[0] + m.trained_loops * (ck[1] + ck[2])) * per_depth
     if "core_attn" in m.recompute_modules and m.prefix_attention == "concat":
-        return m.trained_depths * per_depth
+        return m.trained_depths * per_depth * (m.state_kind == "kv")  # inputs: derived
     return 0
 
 
@@ -512,7 +560,7 @@ def _loss_bytes(m: ModelShape, rows: int, T: int, per_position: Optional[float])
 
 def _kv_numel(m: ModelShape, P: int) -> int:
     """Elements of the prefix K/V that are grad leaves (the trained depths')."""
-    return m.trained_depths * 2 * P * m.kv_groups * m.kv_channels
+    return m.trained_depths * P * m.state_width
 
 
 def adjoint_bytes(m: ModelShape, P: int) -> int:
@@ -545,7 +593,8 @@ def _leaf_read_bytes(m: ModelShape, P: int) -> int:
     """What a forward against a subdivided prompt's K/V leaves saves of them: their storage
     at the trained depths under cascade attention (graph-free loops read theirs without
     saving), at least what recomputing checkpoints take."""
-    trained = _kv_numel(m, P) * m.acc_bytes if m.prefix_attention == "cascade" else 0
+    reads = m.prefix_attention == "cascade" or m.state_kind == "inputs"
+    trained = _kv_numel(m, P) * m.leaf_read_bytes if reads else 0
     return max(trained, _recomputed_kv_bytes(m, P, m.acc_bytes))
 
 
@@ -637,16 +686,16 @@ def _read_prefix_bytes(m: ModelShape, tree, n: int, via_chain: bool,
     via_chain = via_chain and not segmented
     leaves = not via_chain if root else not via_chain or _chain_top(tree, n) != 0
     inputs = _recomputed_kv_bytes(m, P, m.acc_bytes if leaves and wide else m.dtype_bytes)
-    if m.prefix_attention != "cascade":
+    if m.prefix_attention != "cascade" and m.state_kind == "kv":
         return inputs
     if root:
         if via_chain:
             return inputs
         if wide:
-            return _path_kv_bytes(m, P, m.acc_bytes)
+            return max(_path_kv_bytes(m, P, m.leaf_read_bytes), inputs)
         cascade = 0 if root_retained else prefix_bytes(m, P) - graph_free_prefix_bytes(m, P)
         return max(cascade, inputs)
-    return max(_path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes), inputs)
+    return max(_path_kv_bytes(m, P, m.leaf_read_bytes if leaves else m.dtype_bytes), inputs)
 
 
 def tree_node_bytes(m: ModelShape, tree, n: int, has_loss: bool, root_retained: bool,
@@ -697,7 +746,7 @@ def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
     """What a checkpointed wave against node n's path saves: its inputs, the whole path state
     (every depth; a graph holding the root's trained depths already has them)."""
     P = tree.ends[n]
-    free = (m.depths - m.trained_depths) * 2 * P * m.kv_groups * m.kv_channels * m.dtype_bytes
+    free = (m.depths - m.trained_depths) * P * m.state_width * m.dtype_bytes
     last = last and not segmented
     if segmented and tree.parents[n] < 0:
         return _path_kv_bytes(m, P, m.acc_bytes) + free
@@ -730,7 +779,8 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
     reuse the bytes of each node and wave (a planner's search)."""
     retained = plan.node_retained(tree.num_nodes)
     W, root, split = plan.wave_size, retained[0], plan.prompt_segments > 1
-    cache = {} if cache is None else cache
+    m = replace(m, state_kind=plan.state_kind)
+    cache = {} if cache is None else cache.setdefault(plan.state_kind, {})
 
     def memo(key, compute) -> int:
         if key not in cache:
@@ -836,6 +886,8 @@ class CostModel:
         wave_passes = 4 if checkpoint_waves else 3
         flops = (prompt_passes * pass_flops(m, 1, P, 0)
                  + wave_passes * pass_flops(m, G, S, P, readout=True))
+        if plan.state_kind == "inputs":  # every wave and later segment derives the K/V
+            flops += (n * wave_passes + 2 * (k - 1)) * derive_flops(m, P)
         prompt_calls = 3 * k if k > 1 else 2 + recomputed  # per segment: forward twice, backward
         calls = (n * 2 + prompt_calls) * m.depths
         calls += n * m.depths * checkpoint_waves
@@ -886,6 +938,12 @@ def shared_cost_model(model) -> CostModel:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(values, src=0)
     return CostModel(call_s=float(values[0]), flop_s=float(values[1]))
+
+
+def derive_flops(m: ModelShape, P: int) -> float:
+    """Forward FLOPs of projecting P prefix positions' K/V (and queries: the layer's own
+    projection) from a state of kind ``inputs`` at every depth."""
+    return m.depths * 2 * P * m.hidden * m.qkv_width
 
 
 def pass_flops(m: ModelShape, rows: int, s: int, prefix: int, readout: bool = False) -> float:
@@ -966,14 +1024,20 @@ class Planner:
         segments (> 1: the prompt recomputed); "auto": one, or where no plan fits the budget
         otherwise the fewest segments (a power of two) with which one does, at the largest
         wave that fits with them (a tree: its nodes below the root retained as they fit).
+    state_kind: what prefix states keep (``GroupPlan.state_kind``), "kv", "inputs", or
+        "auto": the whole search with K/V, and where nothing fits the budget, again with
+        inputs (not for a group with recorded exit depths: an inputs state cannot hold them).
     """
 
     def __init__(self, wave_size, prompt: str = DEFAULT_PROMPT,
                  memory_budget: Optional[float] = None, schedule: str = "joint_replay",
                  cost_model: Optional[CostModel] = None, checkpoint_waves: bool = False,
                  naive_micro_batch_size: Optional[int] = None,
-                 loss_per_position: Optional[float] = None, prompt_segments=DEFAULT_SEGMENTS):
+                 loss_per_position: Optional[float] = None, prompt_segments=DEFAULT_SEGMENTS,
+                 state_kind: str = DEFAULT_STATE):
         _check_wave_size(wave_size)
+        if state_kind not in STATE_KINDS:
+            raise FieldError("state_kind", f"must be one of {STATE_KINDS}, got {state_kind!r}")
         _check_segments(prompt_segments, prompt)
         if prompt not in PROMPT_MODES + ("auto",):
             raise FieldError("prompt", f"must be one of {PROMPT_MODES + ('auto',)}, got {prompt!r}")
@@ -994,11 +1058,37 @@ class Planner:
         self.naive_micro_batch_size = naive_micro_batch_size
         self.loss_per_position = loss_per_position
         self.prompt_segments = prompt_segments
+        self.state_kind = state_kind
+        self._kind = None  # during a search: the state kind its plans are priced with
 
     def __call__(self, group, model, num_loops: Optional[int] = None) -> GroupPlan:
-        """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's)."""
-        P, S, G = group.prompt_length, group.response_length, group.group_size
+        """The plan of ``group`` on ``model`` running ``num_loops`` loops (None: the config's):
+        the search under each state kind it may choose, K/V first (``_kinds``)."""
         self._check_recompute(model)
+        error = None
+        for kind in self._kinds(group):
+            self._kind = kind
+            try:
+                plan = self._plan(group, model, num_loops)
+            except ValueError as e:
+                error = e  # the last kind's: the leanest plans
+                continue
+            finally:
+                self._kind = None
+            return plan if plan.naive else replace(plan, state_kind=kind)
+        raise error
+
+    def _kinds(self, group) -> tuple:
+        exits = getattr(group, "exit_depths", None) is not None
+        if self.state_kind == "inputs" and exits:
+            raise ValueError(f"group {group.group_id}: a prefix state of kind 'inputs' cannot "
+                             f"replay recorded exit depths (state_kind 'kv' or 'auto')")
+        if self.state_kind == "auto":
+            return ("kv",) if exits or self.budget is None else ("kv", "inputs")
+        return (self.state_kind,)
+
+    def _plan(self, group, model, num_loops) -> GroupPlan:
+        P, S, G = group.prompt_length, group.response_length, group.group_size
         tree = getattr(group, "tree", None)
         if tree is not None and tree.depth > 1 and self.schedule != "naive":
             return self._tree(group, model, num_loops)
@@ -1010,7 +1100,7 @@ class Planner:
             self.cost_model = self.cost_model(model)  # calibrated at the first plan
         if self.schedule == "naive":
             return self._naive_or_raise(m, P, S, G, group.group_id)
-        joint = self._joint(m, P, S, G, group.group_id)
+        joint = replace(self._joint(m, P, S, G, group.group_id), state_kind=self._kind)
         if self.schedule != "auto":
             return joint
         naive = self._naive(m, P, S, G)
@@ -1090,8 +1180,8 @@ class Planner:
         cache = {}
 
         def peak(flags) -> int:
-            return tree_memory(m, tree, plan(flags), has_loss, self.loss_per_position,
-                               self.checkpoint_waves, cache).peak_bytes
+            return tree_memory(m, tree, replace(plan(flags), state_kind=self._kind), has_loss,
+                               self.loss_per_position, self.checkpoint_waves, cache).peak_bytes
 
         current = peak(retained)
         if current > self.budget:
@@ -1121,6 +1211,9 @@ class Planner:
             retained[n] = True
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
+        """``plan_memory`` of ``plan`` (during a search: of the kind searched, ``_kind``)."""
+        if self._kind is not None and not plan.naive:
+            plan = replace(plan, state_kind=self._kind)
         return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)
 
     def group_memory(self, m: ModelShape, group, plan: GroupPlan) -> MemoryEstimate:
@@ -1163,7 +1256,7 @@ class Planner:
             plan = self._subdivided(m, P, S, G, range(G, 0, -1))
             if plan is not None:
                 return plan
-        smallest = self.smallest_plan(P)
+        smallest = replace(self.smallest_plan(P), state_kind=self._kind or "kv")
         need = self.memory(m, P, S, G, smallest).peak_bytes
         raise ValueError(
             f"group {group_id} (P={P}, S={S}, G={G}): no joint-replay plan fits the memory "

@@ -82,8 +82,13 @@ class GroupRun:
         g = self.group
         end = g.prompt_length if end is None else end
         return self.inner(g.tokens[:1, start:end], prefix_state=as_prefix(prefix, self.state_dtype),
-                          return_prefix_state=True, readout=False,
-                          num_loops=self.num_loops).prefix_state
+                          return_prefix_state=True, readout=False, num_loops=self.num_loops,
+                          state_kind=self.state_kind).prefix_state
+
+    @property
+    def state_kind(self) -> str:
+        """What the group's prefix states keep per depth (``GroupPlan.state_kind``)."""
+        return "kv" if self.plan is None else self.plan.state_kind
 
     def wave_loss(self, wave: WaveBatch, state: Optional[PrefixState], wave_no: int,
                   model=None) -> Tensor:
@@ -94,8 +99,8 @@ class GroupRun:
             return self.scaled(self.objective(wave, None, wave_no, model))
 
         def fn(*state_tensors):
-            return self.objective(wave, as_prefix(PrefixState.from_tensors(
-                list(state_tensors), state.signature), self.state_dtype), wave_no)
+            return self.objective(wave, as_prefix(state.like(list(state_tensors)),
+                                                  self.state_dtype), wave_no)
 
         if self.checkpoint_waves:
             return self.scaled(checkpoint(fn, *state.tensors(), use_reentrant=False))
@@ -190,7 +195,7 @@ def segmented_state(run: GroupRun, bounds: list) -> PrefixState:
     """The prompt's state computed segment by segment under no_grad, each against the earlier
     positions of the state built so far (trained depths promoted to >= fp32, as the leaves)."""
     trained = trained_depths(run.inner.config.with_loops(run.num_loops))
-    flags, full = [*trained, *trained], None
+    full = None
     with torch.no_grad():
         for s, e in bounds:
             own = run.prompt_state(s, e, None if full is None else _first(full, s))
@@ -198,8 +203,8 @@ def segmented_state(run: GroupRun, bounds: list) -> PrefixState:
                 run.state_dtype = own.boundary.dtype
                 full = [t.new_empty((bounds[-1][1], *t.shape[1:]),
                                     dtype=_wide(t.dtype) if grad else t.dtype)
-                        for t, grad in zip(own.tensors()[:-1], flags)]  # [P, 1, ng, hn] each
-                full = PrefixState.from_tensors([*full, own.boundary], own.signature)
+                        for t, grad in zip(own.tensors()[:-1], own.depth_flags(trained))]
+                full = own.like([*full, own.boundary])  # [P, 1, ...] each
             for buf, t in zip(full.tensors()[:-1], own.tensors()[:-1]):
                 buf[s:e] = t
             full.boundary = own.boundary
@@ -234,7 +239,7 @@ def _replay_segment(run: GroupRun, leaves: PrefixState, bounds: tuple,
     s, e = bounds
     own = run.prompt_state(s, e, _first(leaves, s) if s else None)
     roots, grads = ([extra], [None]) if extra is not None else ([], [])
-    for t, leaf in zip(own.tensors()[:-1], leaves.tensors()[:-1]):  # keys, values
+    for t, leaf in zip(own.tensors()[:-1], leaves.tensors()[:-1]):  # per depth
         if t.requires_grad and leaf.requires_grad and leaf.grad is not None:
             roots.append(t)
             grads.append(leaf.grad[s:e].to(t.dtype, copy=True))  # not a view the backward adds to
@@ -254,8 +259,7 @@ def zero_touch(module) -> Tensor:
 
 def _first(state: PrefixState, n: int) -> PrefixState:
     """The state's first n positions (views; the boundary as it is)."""
-    return PrefixState([k[:n] for k in state.keys], [v[:n] for v in state.values],
-                       state.boundary, state.signature)
+    return state.like([*(t[:n] for t in state.tensors()[:-1]), state.boundary])
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -263,12 +267,12 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def as_prefix(state: Optional[PrefixState], dtype) -> Optional[PrefixState]:
-    """A state as a forward's prefix: K/V as they are (wider adjoint leaves, fp32 in a bf16
-    model, let the attention's prefix backward return wide gradients); the boundary in the
-    model's ``dtype``, as the readout's norm runs in it."""
+    """A state as a forward's prefix: K/V (or inputs) as they are (wider adjoint leaves, fp32
+    in a bf16 model, let the attention's prefix backward return wide gradients); the boundary
+    in the model's ``dtype``, as the readout's norm runs in it."""
     if state is None or dtype is None or state.boundary.dtype == dtype:
         return state
-    return PrefixState(state.keys, state.values, state.boundary.to(dtype), state.signature)
+    return state.like([*state.tensors()[:-1], state.boundary.to(dtype)])
 
 
 def merge(per_wave: dict, per_token: bool = False, **extra) -> object:

@@ -57,7 +57,8 @@ Each group is trained by its plan (``planner.GroupPlan``: wave size and prompt m
 full sequences in microbatches, the last one sync-enabled), chosen per group by the schedule's
 ``Planner`` (fixed, ``wave_size="auto"`` within a memory budget, ``schedule="naive"``, or
 ``"auto"`` by a cost model) or by a caller's ``chooser``. Each group's result dict carries its
-plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``, ``prompt_segments``.
+plan as tensors: ``num_waves``, ``wave_size``, ``retain``, ``naive``, ``prompt_segments``,
+``state_inputs`` (1: prefix states of kind ``inputs``).
 """
 
 import contextlib
@@ -248,7 +249,8 @@ class SharedPrefixSchedule:
                      else TreeReplay(run).train(waves_context))
         return merge(run.results, run.per_token, num_waves=num_waves, wave_size=plan.wave_size,
                      retain=int(plan.retain and not plan.naive), naive=int(plan.naive),
-                     prompt_segments=plan.prompt_segments)
+                     prompt_segments=plan.prompt_segments,
+                     state_inputs=int(plan.state_kind == "inputs" and not plan.naive))
 
     def score_group(self, run: GroupRun):
         """forward_only, no graph: the group's loss calls as its training makes them, each

@@ -284,7 +284,7 @@ class TreeReplay:
         runs = g.exit_runs(run.num_loops)  # recorded exit depths: the same in every row below
         prefix = as_prefix(prefix, run.state_dtype)
         out = run.inner(tokens, labels=labels, prefix_state=prefix, return_prefix_state=True,
-                        readout=readout, num_loops=run.num_loops,
+                        readout=readout, num_loops=run.num_loops, state_kind=run.state_kind,
                         exit_depths=None if runs is None else runs[row : row + 1, start:end])
         if run.state_dtype is None:
             run.state_dtype = out.prefix_state.boundary.dtype
@@ -344,12 +344,12 @@ def _own_span(first: Tensor, rest: Tensor, rows: int) -> Tensor:
 
 
 def _cat(prefix: Optional[PrefixState], own: PrefixState) -> PrefixState:
-    """The path state: the ancestors' K/V then the node's, along positions; its boundary."""
+    """The path state: the ancestors' K/V (or inputs) then the node's, along positions; its
+    boundary."""
     if prefix is None:
         return own
-    keys = [torch.cat([p, o]) for p, o in zip(prefix.keys, own.keys)]  # [P + L, 1, ng, hn]
-    values = [torch.cat([p, o]) for p, o in zip(prefix.values, own.values)]
-    return PrefixState(keys, values, own.boundary, own.signature)
+    path = [torch.cat([p, o]) for p, o in zip(prefix.tensors()[:-1], own.tensors()[:-1])]
+    return own.like([*path, own.boundary])  # [P + L, 1, ...] each
 
 
 def nodes_with_loss(group) -> list:

@@ -445,7 +445,7 @@ def test_values_reach_the_library_objects():
     cfg = parse_args(["--config", str(REPO / "configs/h20_8gpu.yaml"), "--grpo-kl-beta", "0.05",
                       "--grpo-entropy-term-weight", "0.01", "--looped-initial-state", "zeros",
                       "--shared-prefix-checkpoint-waves", "--shared-prefix-prompt", "recompute",
-                      "--shared-prefix-prompt-segments", "3",
+                      "--shared-prefix-prompt-segments", "3", "--shared-prefix-state", "inputs",
                       "--ffn-hidden-size", "1000", "--transformer-impl", "local"])
     kwargs, flat = looped_kwargs(cfg), to_dict(cfg)
     assert set(kwargs) == {f.name for f in dataclasses.fields(LoopedFields)} | {
@@ -469,11 +469,13 @@ def test_values_reach_the_library_objects():
             schedule.max_response_length) == (8, True, 12)
     assert schedule.chooser.prompt == flat["shared_prefix_prompt"] == "recompute"
     assert schedule.chooser.prompt_segments == flat["shared_prefix_prompt_segments"] == 3
+    assert schedule.chooser.state_kind == flat["shared_prefix_state"] == "inputs"
     assert sorted(SCHEDULE_FLAGS) == ["micro_batch_size", "rl_max_response_length",
                                       "shared_prefix_checkpoint_waves",
                                       "shared_prefix_memory_budget", "shared_prefix_prompt",
                                       "shared_prefix_prompt_segments",
-                                      "shared_prefix_schedule", "shared_prefix_wave_size"]
+                                      "shared_prefix_schedule", "shared_prefix_state",
+                                      "shared_prefix_wave_size"]
     assert schedule.chooser.naive_micro_batch_size == flat["micro_batch_size"]
     assert schedule.chooser.schedule == flat["shared_prefix_schedule"]
 
@@ -589,7 +591,7 @@ FROZEN_CLI_FLAGS = [
     "--rope-scaling-factor", "--rotary-base", "--run-dir", "--save", "--save-interval",
     "--save-keep-last", "--seed", "--sequence-parallel", "--shared-prefix-checkpoint-waves",
     "--shared-prefix-memory-budget", "--shared-prefix-prompt", "--shared-prefix-prompt-segments",
-    "--shared-prefix-schedule",
+    "--shared-prefix-schedule", "--shared-prefix-state",
     "--shared-prefix-wave-size", "--swiglu", "--tensor-model-parallel-size", "--tensorboard-dir",
     "--tokenizer-model", "--tokenizer-type", "--train-iters", "--transformer-impl",
     "--untie-embeddings-and-output-weights", "--use-checkpoint-args",

@@ -228,7 +228,8 @@ def test_megatron_train_step_with_shared_prefix_schedule():
     for r in ranks:
         a, b = r["shared_prefix"], r["stock"]
         assert set(a["loss"]) == {"loss", "clipped", "kl", "tokens", "num_waves", "wave_size",
-                                  "retain", "naive", "prompt_segments"}  # the plan, beside
+                                  "retain", "naive", "prompt_segments",
+                                  "state_inputs"}  # the plan, beside
         for key, value in a["loss"].items():
             assert value.is_floating_point() and value.numel() == 1, key
             assert a["totals"][key].dtype == torch.float32, key

@@ -104,7 +104,10 @@ MODELS = {
 SHAPES = ((4, 16, 6), (5, 40, 9))  # (G, P, S)
 PLANS = ((GroupPlan(2), False), (GroupPlan(2, retain=True), False), (GroupPlan(2), True),
          (GroupPlan(2, retain=True), True), (GroupPlan(1), False), (GroupPlan(8), False),
-         (GroupPlan(3, naive=True), False))
+         (GroupPlan(3, naive=True), False),
+         # prefix states of kind inputs: the waves derive the prefix K/V
+         (GroupPlan(2, state_kind="inputs"), False), (GroupPlan(2, state_kind="inputs"), True),
+         (GroupPlan(1, retain=True, state_kind="inputs"), False))
 
 
 def _peak(model, step) -> int:
@@ -119,7 +122,7 @@ def _run_plan(model, group, plan, ck, spec):
         return library_naive_step(model, [group], rl_forward_step(spec.objective()),
                                   plan.wave_size)
     return joint_step(model, [group], spec, plan.wave_size, checkpoint_waves=ck,
-                      prompt="retain" if plan.retain else "recompute")
+                      chooser=lambda g, m: plan)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -45,7 +45,8 @@ CASES = [(b, s) for b in ("arch-f32", "arch-concat-bf16") for s in SETTINGS] + [
     ("nanbeige-bf16", "full-uniform-2")]
 SHAPES = ((4, 16, 6), (5, 40, 9))  # (G, P, S)
 PLANS = (GroupPlan(2), GroupPlan(2, retain=True), GroupPlan(1), GroupPlan(8),
-         GroupPlan(3, naive=True))
+         GroupPlan(3, naive=True), GroupPlan(2, state_kind="inputs"),
+         GroupPlan(1, prompt_segments=3, state_kind="inputs"))
 
 
 def _peak(model, step) -> int:
@@ -59,8 +60,7 @@ def _run(model, group, plan, spec):
     if plan.naive:
         return library_naive_step(model, [group], rl_forward_step(spec.objective()),
                                   plan.wave_size)
-    return joint_step(model, [group], spec, plan.wave_size,
-                      prompt="retain" if plan.retain else "recompute")
+    return joint_step(model, [group], spec, plan.wave_size, chooser=lambda g, m: plan)
 
 
 @pytest.mark.parametrize("name,setting", CASES, ids=[f"{b}-{s}" for b, s in CASES])
@@ -139,14 +139,16 @@ def test_tree_saved_bytes_under_recompute_within_10_percent(mcore_single, name, 
     for label, shape, mixed in (("depth2", DEPTH2, {1}), ("bushy", BUSHY, {0, 8, 9})):
         group = tree_group(shape, model.config.looped_num_loops, seed=2, dtype=dtype, kl=True)
         tree = group.tree
-        for kept in (set(), mixed, set(range(tree.num_nodes))):
-            plan = GroupPlan(2, retain_nodes=tuple(n in kept for n in range(tree.num_nodes)))
+        for kept, kind in ((set(), "kv"), (mixed, "kv"), (set(range(tree.num_nodes)), "kv"),
+                           (set(), "inputs"), (mixed, "inputs")):
+            plan = GroupPlan(2, retain_nodes=tuple(n in kept for n in range(tree.num_nodes)),
+                             state_kind=kind)
             got = _peak(model, lambda: joint_step(  # noqa: B023
                 model, [group], spec, 2, chooser=lambda *a, **k: plan))  # noqa: B023
             pred = tree_memory(m, tree, plan, nodes_with_loss(group), loss).saved_bytes
-            MEASURED[(name, setting, label, tuple(sorted(kept)))] = pred / got
+            MEASURED[(name, setting, label, tuple(sorted(kept)), kind)] = pred / got
             assert abs(pred / got - 1) <= PREDICTION_RTOL, (
-                f"{name} {setting} {label} retained {sorted(kept)}: predicted {pred} B, "
+                f"{name} {setting} {label} retained {sorted(kept)} {kind}: predicted {pred} B, "
                 f"measured {got} B ({pred / got:.3f})")
 
 

@@ -64,6 +64,7 @@ SCHEDULE_FLAGS = {
     "rl_max_response_length": "max_response_length",
     "shared_prefix_prompt": "prompt",
     "shared_prefix_prompt_segments": "prompt_segments",
+    "shared_prefix_state": "state_kind",
     "shared_prefix_memory_budget": "memory_budget",
     "micro_batch_size": "naive_micro_batch_size",
 }

@@ -4,7 +4,7 @@ prompt (its keys reach the schedule and its ``Planner`` through ``SCHEDULE_FLAGS
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
-from ...shared_prefix.planner import DEFAULT_PROMPT, DEFAULT_SEGMENTS
+from ...shared_prefix.planner import DEFAULT_PROMPT, DEFAULT_SEGMENTS, DEFAULT_STATE
 from .builders import schedule_from
 from .library import SCHEDULE_FLAGS, library_errors
 
@@ -32,6 +32,11 @@ class SharedPrefixArgs:
     (a long prompt's replay then holds one segment's graph, not the whole prompt's; > 1 needs
     the prompt recomputed), or ``auto``: one, or the fewest that fit
     ``shared_prefix_memory_budget`` where nothing else does."""
+    shared_prefix_state: Literal["kv", "inputs", "auto"] = DEFAULT_STATE
+    """What the prompt's prefix state keeps per (loop, layer): ``kv`` (its K and V), ``inputs``
+    (the attention's input, half of K and V with MHA, and so are its adjoints: every wave
+    projects the K/V again), or ``auto``: K/V unless only inputs fit
+    ``shared_prefix_memory_budget``."""
     shared_prefix_memory_budget: Optional[float] = None
     """MiB of saved activations plus prefix adjoints allowed per group (planner prediction);
     None: on a GPU 90% of the memory the device has left beside the model state, on CPU no
