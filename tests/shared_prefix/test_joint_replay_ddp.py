@@ -15,7 +15,9 @@ differ between steps, between groups and between ranks (so the joint replay's sy
 backward has a different shape on the two ranks). The prompt mode alternates between steps
 (``recompute``: the prompt run again in the joint replay; ``retain``: its graph kept from the
 prompt producer), starting with one mode with overlapped reduction and with the other
-without, so both modes meet both DDP settings and several wave counts. Checks:
+without, so both modes meet both DDP settings and several wave counts; two more runs alternate
+the prompt replayed in 3 segments (with K/V, and with a prefix state of layer inputs,
+``GroupPlan.state_kind``) with the retained prompt, with overlapped reduction. Checks:
 - every step, after finalize_model_grads: A's reduced gradients equal C's (same parameters,
   so this is the schedule's exactness, to fp32 rounding), and so do the group losses;
 - B's trajectory drifts from A's by more than rounding: AdamW's first steps are ~lr*sign(g),
@@ -286,9 +288,11 @@ def _step_a(model_a, groups, wave_size: int, normalization: str, prompt: str) ->
 
     objective = RLObjective(normalization=normalization, loop_weights="progressive",
                             clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF)
-    segments = {"segments": 3}.get(prompt, 1)  # the prompt replayed in 3 query segments
+    # the prompt replayed in 3 query segments ("inputs": with a prefix state of layer inputs)
+    segments = {"segments": 3, "inputs": 3}.get(prompt, 1)
     schedule = get_shared_prefix_forward_backward_func(
-        wave_size, prompt="recompute" if segments > 1 else prompt, prompt_segments=segments)
+        wave_size, prompt="recompute" if segments > 1 else prompt, prompt_segments=segments,
+        state_kind="inputs" if prompt == "inputs" else "kv")
     return schedule(forward_step_func=rl_forward_step(objective), data_iterator=iter(groups),
                     model=[model_a], num_microbatches=len(groups), seq_length=MAX_SEQ,
                     micro_batch_size=1)
@@ -334,7 +338,7 @@ def _train(rank, world_size, overlap_grad_reduce, prompts):
     torch_groups = {id(p): g for g in opt_b.optimizer.param_groups for p in g["params"]}
     out = {"buckets": [_num_buckets(m) for m in (model_a, model_b, model_c)],
            "err_ac": [], "err_ac_tensor": [], "err_ab": [], "err_cb": [], "loss_err": [],
-           "waves": [], "retain": [], "segments": []}
+           "waves": [], "retain": [], "segments": [], "inputs": []}
     for step, (wave_size, *_) in enumerate(PLAN):
         normalization = NORMALIZATIONS[step % len(NORMALIZATIONS)]
         groups = _groups(step, rank)
@@ -350,6 +354,7 @@ def _train(rank, world_size, overlap_grad_reduce, prompts):
         out["waves"].append([r["num_waves"] for r in results_a])
         out["retain"].append([int(r["retain"]) for r in results_a])
         out["segments"].append([int(r["prompt_segments"]) for r in results_a])
+        out["inputs"].append([int(r["state_inputs"]) for r in results_a])
         out["loss_err"].append(_loss_error(results_a, results_c, len(groups)))
         grads = [_reduced_grads(m, rank, world_size) for m in (model_a, model_b, model_c)]
         out["err_ac"].append(_global_rel_error(grads[0], grads[2]))
@@ -403,7 +408,7 @@ def _final_errors(opt_a, opt_b, shards_a, shards_b, bounds, init_b) -> dict:
 
 @pytest.mark.parametrize("overlap_grad_reduce,prompts", [
     (True, ("retain", "recompute")), (False, ("recompute", "retain")),
-    (True, ("segments", "retain"))])
+    (True, ("segments", "retain")), (True, ("inputs", "retain"))])
 def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce, prompts):
     ranks = run_distributed(_train, WORLD, overlap_grad_reduce, prompts, timeout=150)
     r0, r1 = ranks
@@ -412,10 +417,11 @@ def test_joint_replay_matches_naive_under_ddp(overlap_grad_reduce, prompts):
         assert (r["buckets"][0] > 1) if overlap_grad_reduce else (r["buckets"][0] == 1)
     waves = [int(w) for r in ranks for step in r["waves"] for w in step]
     assert len(set(waves)) >= 4, "the plan must exercise different wave counts"
-    for r in ranks:  # the segmented steps subdivide, the others do not
-        for step, segments in enumerate(r["segments"]):
+    for r in ranks:  # the segmented steps subdivide (with layer inputs), the others do not
+        for step, (segments, inputs) in enumerate(zip(r["segments"], r["inputs"])):
             mode = prompts[step % len(prompts)]
-            assert set(segments) == {3 if mode == "segments" else 1}, (step, segments)
+            assert set(segments) == {3 if mode in ("segments", "inputs") else 1}, (step, segments)
+            assert set(inputs) == {int(mode == "inputs")}, (step, inputs)
     for mode, flag in (("retain", 1), ("recompute", 0)):  # each mode with several wave counts
         counts = {int(w) for r in ranks for ws, fs in zip(r["waves"], r["retain"])
                   for w, f in zip(ws, fs) if f == flag and w > 1}
