@@ -505,24 +505,28 @@ class LoopKV:
     """[s, b]: the loops each position ran (1..R; a serving engine's exit depths), None: all.
     A position past its exit keeps its exit loop's K/V (``exit_kv``)."""
     used: dict = field(default_factory=dict)
-    """With ``exits``: depth -> the (K, V) later positions read there, kept for the same
-    layer's depth in the next loop."""
+    """With ``exits``: depth -> the (K, V) later positions read there (and with
+    ``record_inputs`` the attention input they come from), kept for the same layer's depth in
+    the next loop."""
 
-    def exit_kv(self, config, key: Tensor, value: Tensor) -> tuple:
-        """The K/V [s, b, ng, hn] later positions read at this ``depth``, as a serving engine
-        with vllm-rlt's ``last_exited`` layout keeps them: a position that exited after loop
-        e reads as loop e's K/V at every deeper loop (the same layer), so a query at loop d
-        reads loop min(d, e)'s. Prelude depths and the first loop are every position's own."""
+    def exit_kv(self, config, *tensors: Tensor) -> tuple:
+        """The K/V [s, b, ng, hn] later positions read at this ``depth`` (and the attention
+        input [s, b, H] they come from, when given), as a serving engine with vllm-rlt's
+        ``last_exited`` layout keeps them: a position that exited after loop e reads as loop
+        e's K/V at every deeper loop (the same layer, so the same projection of loop e's
+        input), so a query at loop d reads loop min(d, e)'s. Prelude depths and the first
+        loop are every position's own."""
         d = self.depth
         loop = None if self.exits is None else loop_of(config, d)
         if loop is None:
-            return key, value
+            return tensors
         if loop > 0:
-            ran = (self.exits > loop)[:, :, None, None]  # [s, b, 1, 1]
-            kept_key, kept_value = self.used.pop(exit_read(config, d))
-            key, value = torch.where(ran, key, kept_key), torch.where(ran, value, kept_value)
-        self.used[d] = (key, value)
-        return key, value
+            ran = self.exits > loop  # [s, b]
+            kept = self.used.pop(exit_read(config, d))
+            tensors = tuple(torch.where(ran.view(*ran.shape, *[1] * (t.dim() - 2)), t, k)
+                            for t, k in zip(tensors, kept))
+        self.used[d] = tensors
+        return tensors
 
     # Exactly what MCore 0.16.1's TransformerLayer asks of an inference context.
     MCORE_METHODS: ClassVar[tuple] = (

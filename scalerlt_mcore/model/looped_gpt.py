@@ -77,14 +77,10 @@ def check_exit_depths(exits: Optional[Tensor], input_ids: Tensor, kv_cache, loop
         raise ValueError(f"exit_depths must lie in 1..{loops} (the loops of this forward)")
 
 
-def check_state_kind(kind: str, exits: Optional[Tensor]) -> None:
-    """A prefix state keeps ``kv`` or ``inputs``; an ``inputs`` state is recorded without exit
-    depths (the K/V a position keeps past its exit are not its own input's)."""
+def check_state_kind(kind: str) -> None:
+    """A prefix state keeps ``kv`` or ``inputs``."""
     if kind not in ("kv", "inputs"):
         raise ValueError(f"state_kind must be 'kv' or 'inputs', got {kind!r}")
-    if kind == "inputs" and exits is not None:
-        raise ValueError("a prefix state of kind 'inputs' cannot be recorded with exit_depths "
-                         "(record kind 'kv')")
 
 
 class LoopedGPTModel(LanguageModule):
@@ -186,7 +182,7 @@ class LoopedGPTModel(LanguageModule):
         config = self.config.with_loops(num_loops)
         self.check_inputs(input_ids, labels, prefix_state, kv_cache, config)
         check_exit_depths(exit_depths, input_ids, kv_cache, config.looped_num_loops)
-        check_state_kind(state_kind, exit_depths)
+        check_state_kind(state_kind)
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
                                         kv_cache, return_prefix_state,
                                         num_loops=config.looped_num_loops, exits=exit_depths,

@@ -72,7 +72,8 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
     exits = ctx is not None and ctx.exits is not None
     reads = [r for r in (exit_read(config, d) for d in depths) if r is not None] if exits else []
     looped = [d for d in depths if loop_of(config, d) is not None] if exits else []
-    kept = [t for r in reads for t in ctx.used.pop(r)]  # the exit K/V the chunk reads
+    kept = [t for r in reads for t in ctx.used.pop(r)]  # the exit K/V (inputs) the chunk reads
+    width = 3 if record and ctx.record_inputs else 2  # tensors kept per exit depth
     # the checkpoint's node keeps ``forward`` for its backward: a closure over ``ctx`` itself
     # would reach, through ``ctx.recorded``, tensors whose graph holds that node, a cycle
     # through autograd's C++ that no collection frees (every step's K/V, the model)
@@ -81,8 +82,8 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
     def forward(x, attention_mask, rotary_pos_emb, *inputs):
         inner = _chunk_context(template, depths, inputs[: len(prefix)])
         if exits:
-            pairs = inputs[len(prefix):]
-            inner.used = {r: tuple(pairs[2 * i: 2 * i + 2]) for i, r in enumerate(reads)}
+            kept = inputs[len(prefix):]
+            inner.used = {r: tuple(kept[width * i: width * (i + 1)]) for i, r in enumerate(reads)}
         x = run_layers(layers, x, first_depth, inner, attention_mask, rotary_pos_emb)
         out = [x]
         if record:
@@ -104,7 +105,7 @@ def checkpointed_layers(layers, x: Tensor, first_depth: int, ctx, attention_mask
     if looped:
         used = out[1 + per * len(depths) * record:]
         for i, d in enumerate(looped):
-            ctx.used[d] = (used[2 * i], used[2 * i + 1])
+            ctx.used[d] = tuple(used[width * i: width * (i + 1)])
     return out[0]
 
 

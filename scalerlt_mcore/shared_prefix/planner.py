@@ -1026,7 +1026,7 @@ class Planner:
         wave that fits with them (a tree: its nodes below the root retained as they fit).
     state_kind: what prefix states keep (``GroupPlan.state_kind``), "kv", "inputs", or
         "auto": the whole search with K/V, and where nothing fits the budget, again with
-        inputs (not for a group with recorded exit depths: an inputs state cannot hold them).
+        inputs.
     """
 
     def __init__(self, wave_size, prompt: str = DEFAULT_PROMPT,
@@ -1066,7 +1066,7 @@ class Planner:
         the search under each state kind it may choose, K/V first (``_kinds``)."""
         self._check_recompute(model)
         error = None
-        for kind in self._kinds(group):
+        for kind in self._kinds():
             self._kind = kind
             try:
                 plan = self._plan(group, model, num_loops)
@@ -1078,13 +1078,9 @@ class Planner:
             return plan if plan.naive else replace(plan, state_kind=kind)
         raise error
 
-    def _kinds(self, group) -> tuple:
-        exits = getattr(group, "exit_depths", None) is not None
-        if self.state_kind == "inputs" and exits:
-            raise ValueError(f"group {group.group_id}: a prefix state of kind 'inputs' cannot "
-                             f"replay recorded exit depths (state_kind 'kv' or 'auto')")
+    def _kinds(self) -> tuple:
         if self.state_kind == "auto":
-            return ("kv",) if exits or self.budget is None else ("kv", "inputs")
+            return ("kv",) if self.budget is None else ("kv", "inputs")
         return (self.state_kind,)
 
     def _plan(self, group, model, num_loops) -> GroupPlan:

@@ -156,12 +156,12 @@ def _reference_step(weights, ref, g):
     return loss.detach(), {name: leaves[k].grad for name, k in CHECKED.items()}
 
 
-def _trains_as_reference_and_naive(model, ref, weights, g, prompt: str) -> None:
-    """Joint replay of ``g`` (waves of 2, the prompt as ``prompt`` says): its loss and the
-    reference weights' gradients equal the engine reference's, and its loss and every
-    gradient equal naive training's (<= 1e-12)."""
+def _trains_as_reference_and_naive(model, ref, weights, g, prompt: str, state: str) -> None:
+    """Joint replay of ``g`` (waves of 2, the prompt as ``prompt`` says, prefix states of kind
+    ``state``): its loss and the reference weights' gradients equal the engine reference's,
+    and its loss and every gradient equal naive training's (<= 1e-12)."""
     want_loss, want = _reference_step(weights, ref, g)
-    out = joint_step(model, [g], SPEC, wave_size=2, prompt=prompt)
+    out = joint_step(model, [g], SPEC, wave_size=2, prompt=prompt, state_kind=state)
     loss = float(out[0]["loss"])
     assert abs(loss - float(want_loss)) <= TOL * abs(float(want_loss)), (loss, want_loss)
     got = grads(model)
@@ -174,12 +174,13 @@ def _trains_as_reference_and_naive(model, ref, weights, g, prompt: str) -> None:
         assert _rel(got[name], tensor) <= TOL, name
 
 
+@pytest.mark.parametrize("state", ["kv", "inputs"])
 @pytest.mark.parametrize("prompt", ["retain", "recompute"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_joint_replay_trains_recorded_exit_depths(prompt, recompute):
+def test_joint_replay_trains_recorded_exit_depths(prompt, recompute, state):
     with model_parallel_context(seed=1):
         model, ref, weights = _build(recompute)
-        _trains_as_reference_and_naive(model, ref, weights, _recorded_group(), prompt)
+        _trains_as_reference_and_naive(model, ref, weights, _recorded_group(), prompt, state)
 
 
 def test_recorded_exit_depths_need_final_loop_weights():
@@ -211,17 +212,21 @@ def _tree_depths(g, seed: int) -> torch.Tensor:
     return depths
 
 
+@pytest.mark.parametrize("state,prompt", [("kv", "retain"), ("inputs", "retain"),
+                                          ("inputs", "recompute")])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_a_tree_replays_recorded_exit_depths(recompute):
+def test_a_tree_replays_recorded_exit_depths(recompute, state, prompt):
     """A depth-2 tree whose every answer token was sampled at a recorded depth: the tree
     replay (each node once) trains as naive training of its rows (every gradient <= 1e-12) and
-    as the engine reference of each row (loss and the four gradients <= 1e-12)."""
+    as the engine reference of each row (loss and the four gradients <= 1e-12); with prefix
+    states of K/V and of layer inputs (a node's inputs past a position's exit are those of its
+    exit loop, as its K/V are), the nodes retained or recomputed in their replay."""
     with model_parallel_context(seed=1):
         model, ref, weights = _build(recompute)
         g = tree_group(DEPTH2, LOOPS, seed=2, masks="leaves")
         g.exit_depths = _tree_depths(g, seed=3)
         assert len(set(g.exit_depths[g.exit_depths > 0].tolist())) == LOOPS
-        _trains_as_reference_and_naive(model, ref, weights, g, "retain")
+        _trains_as_reference_and_naive(model, ref, weights, g, prompt, state)
 
 
 def test_a_tree_node_with_two_depths_is_refused():

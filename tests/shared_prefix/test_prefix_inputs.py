@@ -11,7 +11,7 @@ K/V from it again (the layer's own projection, norms and RoPE).
 - The planner's saved-bytes prediction for it is held within 10% in
   tests/shared_prefix/test_planner.py and test_recompute_plan.py; where no K/V plan fits the
   budget the planner picks one of inputs, which fits as measured and is exact.
-- Bad kinds, and inputs with recorded exit depths, are refused by name.
+- Bad kinds are refused by name. Recorded exit depths with this kind: test_exit_depths.py.
 """
 
 import dataclasses
@@ -181,17 +181,10 @@ def test_bad_kinds_are_refused(mcore_single):
     tokens = torch.ones(1, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="state_kind must be 'kv' or 'inputs', got 'k'"):
         model(tokens, return_prefix_state=True, readout=False, state_kind="k")
-    with pytest.raises(ValueError, match="kind 'inputs' cannot be recorded with exit_depths"):
-        model(tokens, return_prefix_state=True, readout=False, state_kind="inputs",
-              exit_depths=torch.full((1, 5), 2))
     with pytest.raises(ValueError, match="GroupPlan.state_kind must be 'kv' or 'inputs'"):
         GroupPlan(2, state_kind="KV")
     with pytest.raises(ValueError, match="state_kind must be one of"):
         Planner(2, state_kind="input")
-    group = dataclasses.replace(make_group(4, 8, 4, 2, seed=1),
-                                exit_depths=torch.full((4, 12), 2))
-    with pytest.raises(ValueError, match="kind 'inputs' cannot replay recorded exit depths"):
-        Planner(2, state_kind="inputs")(group, model)
 
 
 def test_the_planner_picks_inputs_where_only_they_fit(mcore_single):
