@@ -36,6 +36,7 @@ from scalerlt_mcore.app.plan import (
     make_report,
     meta_model,
     parse,
+    plan_text,
     shortfall,
     tp_context,
     tree_segments,
@@ -528,3 +529,10 @@ def test_two_tp2_contexts_in_a_row_leak_nothing():
         assert not parallel_state.model_parallel_is_initialized()
     del model
     assert thread_count() <= before, (before, thread_count())
+
+
+def test_plan_words_name_a_prefix_state_of_layer_inputs():
+    assert plan_text(GroupPlan(1, prompt_segments=4, state_kind="inputs")) == (
+        "waves of 1, prompt recomputed in 4 segments, prefix state of layer inputs")
+    assert plan_text(GroupPlan(2, retain=True)) == "waves of 2, prompt retained"
+    assert plan_text(GroupPlan(3, naive=True, state_kind="inputs")) == "naive, micro-batch 3"
