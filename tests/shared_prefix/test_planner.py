@@ -152,8 +152,14 @@ TP_MODELS = {
     "rms-concat-bf16": lambda: build_model(R=2, hidden=32, heads=4, attn="concat",
                                            normalization="RMSNorm",
                                            tensor_model_parallel_size=2).to(torch.bfloat16),
+    "ouro-bf16": _family(write_ouro_checkpoint, torch.bfloat16, tensor_model_parallel_size=2),
+    "huginn-f32": _family(write_huginn_checkpoint, torch.float32, tensor_model_parallel_size=2),
+    "retrofit-bf16": _family(write_retrofit_checkpoint, torch.bfloat16,
+                             tensor_model_parallel_size=2),
+    "nanbeige-f32": _family(write_nanbeige_checkpoint, torch.float32,
+                            tensor_model_parallel_size=2),
 }
-"""The GPT layout (the public families' layers refuse tensor parallelism today)."""
+"""The GPT layout and each public family, every rank its shards."""
 
 
 def _tp_errors(rank, world_size, name) -> list:

@@ -187,26 +187,33 @@ def test_a_tree_budget_under_recompute_is_planned_and_fits(mcore_single, setting
     assert max(rel_errors(grads(model), grads(reference)).values()) <= 1e-12
 
 
-def _tp_ratios(rank, world_size, setting) -> list:
-    """Per plan, (predicted / measured saved bytes of this rank, the case) at TP = 2."""
-    model = build_model(R=2, arch=True, hidden=32, heads=4, num_query_groups=2,
-                        tensor_model_parallel_size=2, **SETTINGS[setting])
+def _tp_ratios(rank, world_size, setting, name) -> list:
+    """Per plan, (predicted / measured saved bytes of this rank, the case) at TP = 2: the GPT
+    layout (``gpt``) or a family of ``BUILDERS``."""
+    if name == "gpt":
+        model = build_model(R=2, arch=True, hidden=32, heads=4, num_query_groups=2,
+                            tensor_model_parallel_size=2, **SETTINGS[setting])
+    else:
+        model = BUILDERS[name](tensor_model_parallel_size=2, **SETTINGS[setting])
     shape, spec, out = ModelShape.from_model(model), LossSpec(), []
     for G, P, S in SHAPES:
-        group = make_group(G, P, S, 2, seed=G, dtype=torch.float32, vocab=model.vocab_size)
+        group = make_group(G, P, S, model.config.looped_num_loops, seed=G, dtype=torch.float32,
+                           vocab=model.vocab_size)
         for plan in PLANS:
             got = _peak(model, lambda: _run(model, group, plan, spec))  # noqa: B023
             pred = plan_memory(shape, P, S, G, plan, False,
                                spec.objective().saved_per_position).saved_bytes
-            out.append((pred / got, f"{setting} TP2 G={G} {plan}: predicted {pred} B, "
+            out.append((pred / got, f"{name} {setting} TP2 G={G} {plan}: predicted {pred} B, "
                                     f"measured {got} B"))
     return out
 
 
-@pytest.mark.parametrize("setting", ["full-uniform-1", "selective"])
-def test_saved_bytes_under_recompute_at_tp2(setting):
+@pytest.mark.parametrize("name,setting", [("gpt", "full-uniform-1"), ("gpt", "selective"),
+                                          ("ouro-bf16", "full-uniform-1"),
+                                          ("huginn-truncated-f32", "selective")])
+def test_saved_bytes_under_recompute_at_tp2(name, setting):
     """The calibration (with and without recompute) runs on each rank's shards."""
-    for ratios in run_distributed(_tp_ratios, 2, setting, tensor_model_parallel_size=2):
+    for ratios in run_distributed(_tp_ratios, 2, setting, name, tensor_model_parallel_size=2):
         for ratio, case in ratios:
             MEASURED[case] = ratio
             assert abs(ratio - 1) <= PREDICTION_RTOL, f"{case} ({ratio:.3f})"
