@@ -211,7 +211,7 @@ class LoopedSelfAttention(SelfAttention):
         return core
 
     def _attend_routed(self, ctx: LoopKV, hidden_states, query, key, value, attention_mask):
-        if ctx.record and ctx.record_inputs:  # a state of inputs keeps them as the K/V
+        if ctx.record_inputs:  # a state of inputs keeps them as the K/V
             key, value, hidden_states = ctx.exit_kv(self.config, key, value, hidden_states)
         else:
             key, value = ctx.exit_kv(self.config, key, value)

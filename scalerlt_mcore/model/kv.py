@@ -65,7 +65,8 @@ class PrefixState:
     inputs:      None, or one per virtual depth [P, Bp, H]: the attention's input there, from
                  which a suffix's attention derives the prefix K/V again (the same projection,
                  norms and RoPE as the prompt's). Half the storage of K and V with MHA, and so
-                 of their adjoints; each suffix pays the projection (``kind`` ``inputs``).
+                 of their adjoints; each suffix pays the projection (``LoopedGPTModel.
+                 forward``'s ``state_kind`` ``inputs``).
     """
 
     keys: list
@@ -73,12 +74,6 @@ class PrefixState:
     boundary: Tensor
     signature: tuple
     inputs: Optional[list] = None
-
-    @property
-    def kind(self) -> str:
-        """``kv`` or ``inputs``: what the state keeps per depth (``LoopedGPTModel.forward``'s
-        ``state_kind``)."""
-        return "kv" if self.inputs is None else "inputs"
 
     @property
     def length(self) -> int:
@@ -112,13 +107,12 @@ class PrefixState:
     def with_depths(self, depths: list, tensors: list) -> "PrefixState":
         """This state with the tensors of ``depths`` replaced by ``tensors`` (``at``'s order,
         depth by depth)."""
-        per = len(self.at(0))
-        mine = [list(self.keys), list(self.values)] if self.inputs is None else [
-            list(self.inputs)]
+        mine, per = self.tensors(), len(self.at(0))
+        count = (len(mine) - 1) // per  # depths: ``tensors()`` holds ``per`` runs of them
         for i, d in enumerate(depths):
             for j in range(per):
-                mine[j][d] = tensors[per * i + j]
-        return self.like([*(t for part in mine for t in part), self.boundary])
+                mine[j * count + d] = tensors[per * i + j]
+        return self.like(mine)
 
     def depth_flags(self, trained: list) -> list:
         """``trained`` (one bool per depth) per state tensor but the boundary."""
@@ -493,8 +487,8 @@ class LoopKV:
     step: Optional[CacheStep] = None  # the cache's reads and writes (cache mode)
     record: bool = False
     record_inputs: bool = False
-    """With ``record``: record each depth's attention input instead of its K/V (a state of
-    kind ``inputs``)."""
+    """Set only with ``record``: record each depth's attention input instead of its K/V (a
+    state of kind ``inputs``)."""
     prefix_rope: object = None
     """With a prefix state of kind ``inputs``: the RoPE of its positions (as the forward's
     ``rotary_pos_emb``), which its derived keys are rotated by; None without RoPE."""

@@ -186,7 +186,8 @@ class LoopedGPTModel(LanguageModule):
         states, ctx = self._loop_states(input_ids, position_ids, attention_mask, prefix_state,
                                         kv_cache, return_prefix_state,
                                         num_loops=config.looped_num_loops, exits=exit_depths,
-                                        record_inputs=state_kind == "inputs")
+                                        record_inputs=return_prefix_state
+                                        and state_kind == "inputs")
         out = LoopedOutput()
         if return_prefix_state:
             out.prefix_state = self._collect_prefix_state(ctx, states, config)

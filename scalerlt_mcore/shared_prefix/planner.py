@@ -301,18 +301,17 @@ def block_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0,
     k = m.trained_loops
     per_token = prelude + k * loop + readout * (k * read - max(k - 1, 0) * shared)
     attention = m.core_attention.saved_bytes(m, rows, s, kind, prefix)
-    derived = derived_kv_bytes(m, prefix) if kind != "causal" else 0
     return (round(rows * s * per_token) + _attention_calls(m) * attention
-            + _attention_calls(m, core=False) * derived)
+            + _attention_calls(m, core=False) * derived_kv_bytes(m, prefix))
 
 
 def derived_kv_bytes(m: ModelShape, P: int) -> int:
-    """What a layer application saves of deriving the K/V of P prefix positions from a state
-    of kind ``inputs``: the projection's input in the activations' dtype (a copy of wider
-    leaves; narrower ones are the state's storage), the RoPE cos and sin, and the K/V the
-    core attention keeps (the projection's output, which the values view, and the rotated
-    keys) where it keeps them: cascade attention, or a checkpointed one (``core_attn``) whose
-    checkpoint takes them."""
+    """What a layer application saves of deriving the K/V of P prefix positions (0: none, a
+    causal forward) from a state of kind ``inputs``: the projection's input in the
+    activations' dtype (a copy of wider leaves; narrower ones are the state's storage), the
+    RoPE cos and sin, and the K/V the core attention keeps (the projection's output, which
+    the values view, and the rotated keys) where it keeps them: cascade attention, or a
+    checkpointed one (``core_attn``) whose checkpoint takes them."""
     if m.state_kind == "kv":
         return 0
     wide = m.acc_bytes != m.dtype_bytes
@@ -332,9 +331,8 @@ def recompute_bytes(m: ModelShape, rows: int, s: int, kind: str, prefix: int = 0
     if m.recompute == "selective":
         return max(attention * ("core_attn" in m.recompute_modules),
                    round(m.mlp_bytes * n) * ("mlp" in m.recompute_modules))
-    derived = derived_kv_bytes(m, prefix) if kind != "causal" else 0
-    layer, chunk_input = (round(m.layer_bytes * n) + attention + derived,
-                          n * m.hidden * m.dtype_bytes)
+    layer = round(m.layer_bytes * n) + attention + derived_kv_bytes(m, prefix)
+    chunk_input = n * m.hidden * m.dtype_bytes
     worst = 0
     for lists in ((2, 1), (0,)) if m.trained_loops else ((0,),):
         freed = 0  # what the backward has freed of the lists after the chunk (last loop)
@@ -1096,14 +1094,15 @@ class Planner:
             self.cost_model = self.cost_model(model)  # calibrated at the first plan
         if self.schedule == "naive":
             return self._naive_or_raise(m, P, S, G, group.group_id)
-        joint = replace(self._joint(m, P, S, G, group.group_id), state_kind=self._kind)
+        joint = self._joint(m, P, S, G, group.group_id)
         if self.schedule != "auto":
             return joint
         naive = self._naive(m, P, S, G)
         if naive is None:
             return joint
         cost = self.cost_model
-        if cost.time(m, P, S, G, naive) < cost.time(m, P, S, G, joint, self.checkpoint_waves):
+        if cost.time(m, P, S, G, naive) < cost.time(m, P, S, G, self._priced(joint),
+                                                     self.checkpoint_waves):
             return naive
         return joint
 
@@ -1176,7 +1175,7 @@ class Planner:
         cache = {}
 
         def peak(flags) -> int:
-            return tree_memory(m, tree, replace(plan(flags), state_kind=self._kind), has_loss,
+            return tree_memory(m, tree, self._priced(plan(flags)), has_loss,
                                self.loss_per_position, self.checkpoint_waves, cache).peak_bytes
 
         current = peak(retained)
@@ -1207,10 +1206,16 @@ class Planner:
             retained[n] = True
 
     def memory(self, m: ModelShape, P: int, S: int, G: int, plan: GroupPlan) -> MemoryEstimate:
-        """``plan_memory`` of ``plan`` (during a search: of the kind searched, ``_kind``)."""
-        if self._kind is not None and not plan.naive:
-            plan = replace(plan, state_kind=self._kind)
-        return plan_memory(m, P, S, G, plan, self.checkpoint_waves, self.loss_per_position)
+        """``plan_memory`` of ``plan`` (``_priced``)."""
+        return plan_memory(m, P, S, G, self._priced(plan), self.checkpoint_waves,
+                           self.loss_per_position)
+
+    def _priced(self, plan: GroupPlan) -> GroupPlan:
+        """``plan`` as a search prices it: a joint plan of the state kind searched (``_kind``);
+        outside a search as it is."""
+        if self._kind is None or plan.naive:
+            return plan
+        return replace(plan, state_kind=self._kind)
 
     def group_memory(self, m: ModelShape, group, plan: GroupPlan) -> MemoryEstimate:
         """``memory`` of ``group`` by ``plan``: a deeper tree's joint replay by its own walk."""
@@ -1252,7 +1257,7 @@ class Planner:
             plan = self._subdivided(m, P, S, G, range(G, 0, -1))
             if plan is not None:
                 return plan
-        smallest = replace(self.smallest_plan(P), state_kind=self._kind or "kv")
+        smallest = self._priced(self.smallest_plan(P))
         need = self.memory(m, P, S, G, smallest).peak_bytes
         raise ValueError(
             f"group {group_id} (P={P}, S={S}, G={G}): no joint-replay plan fits the memory "

@@ -168,7 +168,7 @@ def test_the_state_is_half_of_kv_and_so_are_its_adjoints(mcore_single):
                      state_kind=kind).prefix_state
 
     kv, inputs = state("kv"), state("inputs")
-    assert inputs.kind == "inputs" and not inputs.keys and len(inputs.inputs) == len(kv.keys)
+    assert kv.inputs is None and not inputs.keys and len(inputs.inputs) == len(kv.keys)
     per_depth = sum(t.numel() for t in inputs.tensors()[:-1])
     assert 2 * per_depth == sum(t.numel() for t in kv.tensors()[:-1])
     m = ModelShape.from_model(model)
