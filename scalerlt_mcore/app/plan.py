@@ -332,7 +332,7 @@ def tree_flops(m, tree, plan, has_loss: list, recompute: bool = False) -> float:
         if tree.is_leaf(n):
             layers, readouts, passes = pass_flops(m, 1, L - 1, start), L - 1, 3
         else:
-            leaves = sum(tree.is_leaf(c) for c in tree.children(n))
+            leaves = len(tree.leaf_children(n))
             layers, passes = pass_flops(m, 1, L, start), 3 + (not retained[n])
             readouts = (L + 1 if n and has_loss[n] else 0) + -(-leaves // W)
         flops += passes * layers + 3 * read(readouts) + recompute * layers
@@ -693,7 +693,7 @@ def plan_text(plan: Optional[GroupPlan], tree=None) -> str:
 
 def _joint_text(plan: GroupPlan, tree=None) -> str:
     if plan.retain_nodes is not None and tree is not None:
-        internal = [n for n in range(tree.num_nodes) if not tree.is_leaf(n)]
+        internal = tree.inner_nodes
         kept = sum(plan.retain_nodes[n] for n in internal)
         split = (f", the prompt in {plan.prompt_segments} segments"
                  if plan.prompt_segments > 1 else "")

@@ -282,11 +282,9 @@ def _check_shared_exits(group, tag: str) -> None:
     """A tree's node is decoded once: the loops each of its positions ran (``exit_runs``; a
     sampled last position's are its children's first tokens' depth) are the same in every
     row below it (the replay runs the node once)."""
-    tree = group.tree
-    if tree is None or tree.depth == 1:
-        return
+    tree = group.as_tree()
     runs = group.exit_runs(0)  # positions that ran every loop: 0 here, whatever R
-    for n in range(1, tree.num_nodes):
+    for n in tree.inner_nodes[1:]:  # a leaf is one row's; the root is prefilled
         rows = torch.as_tensor(tree.rows_below(n), device=runs.device)
         span = runs[rows][:, tree.starts[n] : tree.ends[n]]
         if bool((span != span[:1]).any()):

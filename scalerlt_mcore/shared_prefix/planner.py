@@ -758,15 +758,6 @@ def _checkpoint_input_bytes(m: ModelShape, tree, n: int, last: bool,
     return _path_kv_bytes(m, P, m.acc_bytes if leaves else m.dtype_bytes) + free
 
 
-def _tree_units(tree, n: int, W: int) -> list:
-    """Node n's units as the schedule orders them: internal children (ints), then its leaf
-    children in waves (lists)."""
-    children = tree.children(n)
-    leaves = [c for c in children if tree.is_leaf(c)]
-    return ([c for c in children if not tree.is_leaf(c)]
-            + [leaves[k : k + W] for k in range(0, len(leaves), W)])
-
-
 def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
                 loss_per_position: Optional[float] = None,
                 checkpoint_waves: bool = False, cache: Optional[dict] = None) -> MemoryEstimate:
@@ -786,16 +777,15 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
         return cache[key]
 
     node = {n: memo(("node", n, root, split), lambda n=n: tree_node_bytes(
-        m, tree, n, has_loss[n], root, loss_per_position, split))
-        for n in range(tree.num_nodes) if not tree.is_leaf(n)}
+        m, tree, n, has_loss[n], root, loss_per_position, split)) for n in tree.inner_nodes}
 
     node_recompute = {n: memo(("recompute", n), lambda n=n: _tree_node_recompute_bytes(
         m, tree, n)) for n in node}
-    units_of = memo(("units", W), lambda: {n: _tree_units(tree, n, W)
-                                           for n in range(tree.num_nodes)})
+    units_of = memo(("units", W), lambda: {  # internal children, then leaf waves (tuples)
+        n: [*tree.inner_children(n), *tree.leaf_waves(n, W)] for n in range(tree.num_nodes)})
 
     def full(n, leaves, last) -> int:
-        return memo(("wave", n, tuple(leaves), last, root, split), lambda: tree_wave_bytes(
+        return memo(("wave", n, leaves, last, root, split), lambda: tree_wave_bytes(
             m, tree, n, leaves, last, root, loss_per_position, split))
 
     def wave(n, leaves, last, visible) -> int:
@@ -814,14 +804,14 @@ def tree_memory(m: ModelShape, tree, plan: GroupPlan, has_loss: list,
             held += node[n] if retained[n] else 0
             units = units_of[n]
             for unit in units[:-1]:
-                if isinstance(unit, list):
+                if isinstance(unit, tuple):
                     worst = max(worst, held + wave(n, unit, False, visible))
                 else:
                     train(unit, held)
             last = units[-1]
             rebuilt = 0 if split and n == 0 else node_recompute[n]  # the root: in segments
             recomputed = 0 if retained[n] or (split and n == 0) else node[n]
-            if isinstance(last, list):
+            if isinstance(last, tuple):
                 return held, recomputed, wave(n, last, True, visible), rebuilt
             held, below, last_wave, deeper = descend(last, held)
             return held, recomputed + below, last_wave, max(rebuilt, deeper)
@@ -1127,8 +1117,7 @@ class Planner:
         root segments that fit; none fits: the error of the smallest wave with the whole
         root."""
         tree, G = group.tree, group.group_size
-        widest = max(sum(tree.is_leaf(c) for c in tree.children(n))  # a node's leaf children
-                     for n in range(tree.num_nodes))
+        widest = max(len(tree.leaf_children(n)) for n in tree.inner_nodes)
         widths = (range(widest, 0, -1) if self.wave_size == "auto"
                   else (min(self.wave_size, G),))
         segments = self.prompt_segments
@@ -1162,8 +1151,7 @@ class Planner:
         first (largest FLOPs first). ``segments`` > 1: the root's prompt replayed in that many
         segments (never retained)."""
         tree, has_loss = group.tree, nodes_with_loss(group)
-        internal = [n for n in range(tree.num_nodes)
-                    if not tree.is_leaf(n) and (n or segments == 1)]
+        internal = [n for n in tree.inner_nodes if n or segments == 1]
         retained = [False] * tree.num_nodes
 
         def plan(flags) -> GroupPlan:

@@ -56,7 +56,7 @@ class PrefixTree:
 
     def __post_init__(self):
         _check_structure(self.parents, self.starts, self.ends)
-        leaves = tuple(n for n in range(len(self.parents)) if self.is_leaf(n))
+        leaves = tuple(n for n in range(self.num_nodes) if self.is_leaf(n))
         if tuple(self.leaf_of_row) != leaves:
             raise TreeError(f"tree: leaf_of_row {tuple(self.leaf_of_row)} must list the leaves "
                             f"in node order, {leaves}")
@@ -71,6 +71,22 @@ class PrefixTree:
 
     def is_leaf(self, n: int) -> bool:
         return n not in self.parents
+
+    def leaf_children(self, n: int) -> tuple:
+        return tuple(c for c in self.children(n) if self.is_leaf(c))
+
+    def inner_children(self, n: int) -> tuple:
+        return tuple(c for c in self.children(n) if not self.is_leaf(c))
+
+    @property
+    def inner_nodes(self) -> tuple:
+        """The nodes with children, the root first."""
+        return tuple(n for n in range(self.num_nodes) if not self.is_leaf(n))
+
+    def leaf_waves(self, n: int, size: int) -> list:
+        """Node n's leaf children in waves of ``size``."""
+        leaves = self.leaf_children(n)
+        return [leaves[k : k + size] for k in range(0, len(leaves), size)]
 
     def path(self, n: int) -> tuple:
         """Nodes from the root down to ``n``."""

@@ -62,19 +62,13 @@ from .replay import (
 )
 
 
-def leaf_waves(tree, n: int, size: int) -> list:
-    """Node n's leaf children in waves of ``size``."""
-    leaves = [c for c in tree.children(n) if tree.is_leaf(c)]
-    return [leaves[k : k + size] for k in range(0, len(leaves), size)]
-
-
 def row_indices(tree, has_loss, size: int, device) -> dict:
     """The group rows of every node's own-token loss (key n) and of its k-th leaf wave of
     ``size`` (key (n, k)) on ``device``, uploaded in one copy (no host sync per wave)."""
     row = {leaf: g for g, leaf in enumerate(tree.leaf_of_row)}
     lists = {n: tree.rows_below(n) for n in range(tree.num_nodes) if has_loss[n]}
     lists.update({(n, k): [row[c] for c in wave] for n in range(tree.num_nodes)
-                  for k, wave in enumerate(leaf_waves(tree, n, size))})
+                  for k, wave in enumerate(tree.leaf_waves(n, size))})
     return dict(zip(lists, upload_indices(list(lists.values()), device)))
 
 
@@ -196,9 +190,8 @@ class TreeReplay:
         flat tree's: the group's waves)."""
         if self.flat:
             return [_Wave(wave) for wave in self.group.waves(self.run.plan.wave_size)]
-        children = self.tree.children(n)
-        units = [_Node(c) for c in children if not self.tree.is_leaf(c)]
-        for k, wave in enumerate(leaf_waves(self.tree, n, self.run.plan.wave_size)):
+        units = [_Node(c) for c in self.tree.inner_children(n)]
+        for k, wave in enumerate(self.tree.leaf_waves(n, self.run.plan.wave_size)):
             index = self.rows[(n, k)]
             end = max(self.tree.ends[c] for c in wave)
             span = slice(self.tree.ends[n] - 1, end - 1)  # the labels of the wave's tokens
@@ -321,12 +314,9 @@ def chain_parent(tree, n: int) -> Optional[int]:
     unit (the parent has no leaf children and n is its last internal child), else None (n
     tops a chain of its own, or is a leaf)."""
     p = tree.parents[n]
-    if p < 0 or tree.is_leaf(n):
+    if p < 0 or tree.is_leaf(n) or tree.leaf_children(p):
         return None
-    children = tree.children(p)
-    if any(tree.is_leaf(c) for c in children):
-        return None
-    return p if children[-1] == n else None
+    return p if tree.children(p)[-1] == n else None
 
 
 def _check_chains(tree, retained: tuple) -> None:

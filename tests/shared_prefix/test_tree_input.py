@@ -23,6 +23,9 @@ def test_rows_are_the_root_to_leaf_sequences():
     assert t.children(0) == (1, 4) and t.children(1) == (2, 3)
     assert t.rows_below(1) == (0, 1) and t.rows_below(0) == (0, 1, 2)
     assert t.depth == 2 and t.is_leaf(4) and not t.is_leaf(1)
+    assert t.inner_nodes == (0, 1) and t.leaf_children(0) == (4,)
+    assert t.inner_children(0) == (1,) and t.inner_children(1) == ()
+    assert t.leaf_waves(1, 1) == [(2,), (3,)] and t.leaf_waves(1, 4) == [(2, 3)]
     assert t.positions(1) == slice(2, 4) and t.positions(0) == slice(0, 0)
     assert g.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 7, 8],
                                  [1, 2, 3, 9, 9, 9, 0]]
