@@ -133,11 +133,6 @@ class RLObjective:
         return mask / (G * (self.constant_length or T))
 
     @property
-    def uses_gate(self) -> bool:
-        """Whether the loss reads the exit distribution (the model needs its exit gate)."""
-        return self.loop_weights == "exit_pdf" or self.exit_gate_coef > 0
-
-    @property
     def needs_readouts(self) -> bool:
         """Whether the loss needs more of the model than per-loop log-probs."""
         return self.exit_gate_coef > 0 or loop_credit.needs_readouts(self.loop_weights)
