@@ -26,7 +26,12 @@ from typing import Optional
 
 import torch
 
-from .hf_import import MCORE_LLAMA3_SCALING, PretrainedArchitecture, read_hf_config, unpack_qkv
+from .hf_import import (
+    MCORE_LLAMA3_SCALING,
+    PretrainedArchitecture,
+    mcore_to_llama,
+    read_hf_config,
+)
 from .looped_import import (
     HUGINN_ARCHITECTURE,
     OURO_ARCHITECTURE,
@@ -150,7 +155,7 @@ def hf_state_dict(model, kind: str) -> dict:
     elif kind == "retrofitted":
         out = looped_to_retrofitted(sd, huginn_source(model))
     else:
-        out = _to_llama(sd, arch)
+        out = mcore_to_llama(sd, arch)
     left = sorted(set(sd) - sd.read)
     if left:
         raise ExportError(f"cannot export as {ARCHITECTURES[kind]}: tensors with no place in "
@@ -194,30 +199,6 @@ def huginn_source(model) -> LoopedSource:
         max_sequence_length=model.max_sequence_length, backprop_loops=c.looped_backprop_loops,
         looped={"looped_num_prelude_layers": c.looped_num_prelude_layers,
                 "looped_num_coda_layers": c.looped_num_coda_layers})
-
-
-def _to_llama(sd: dict, arch: PretrainedArchitecture) -> dict:
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = sd["output_layer.weight"]
-    for i in range(arch.num_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        q, k, v = unpack_qkv(sd[mc + "self_attention.linear_qkv.weight"], arch)
-        gate, up = sd[mc + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({
-            hf + "input_layernorm.weight": sd[mc + "input_layernorm.weight"],
-            attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-            attn + "o_proj.weight": sd[mc + "self_attention.linear_proj.weight"],
-            hf + "post_attention_layernorm.weight": sd[mc + "pre_mlp_layernorm.weight"],
-            hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
-            hf + "mlp.down_proj.weight": sd[mc + "mlp.linear_fc2.weight"]})
-        if arch.add_qkv_bias:
-            qb, kb, vb = unpack_qkv(sd[mc + "self_attention.linear_qkv.bias"], arch)
-            out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb,
-                        attn + "v_proj.bias": vb})
-    return out
 
 
 # ---- config.json ----------------------------------------------------------------------------

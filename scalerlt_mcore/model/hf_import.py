@@ -220,12 +220,7 @@ def rope_scaling(cfg: dict, where: Path) -> tuple:
 def load_hf_state_dict(path, arch: PretrainedArchitecture) -> dict:
     """Every weight of HF directory ``path`` under MCore ``GPTModel`` names (N layers)."""
     reader = SafetensorsReader(Path(path))
-    out = {"embedding.word_embeddings.weight": reader.get("model.embed_tokens.weight"),
-           "decoder.final_layernorm.weight": reader.get("model.norm.weight")}
-    if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = reader.get("lm_head.weight")
-    for i in range(arch.num_layers):
-        out.update(_layer(reader, arch, i))
+    out = llama_to_mcore(_Reads(reader), arch)
     reader.refuse_unread("the Llama / Qwen2 importer", buffers=ROPE_BUFFERS)
     return out
 
@@ -234,23 +229,60 @@ ROPE_BUFFERS = ("rotary_emb.inv_freq",)
 """Name endings of RoPE tables that older HF checkpoints save beside the weights (recomputed
 from config.json, so not read)."""
 
+LLAMA_TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+             "model.norm.weight": "decoder.final_layernorm.weight"}
+"""HF tensor -> MCore tensor, outside the layers (``lm_head`` when untied)."""
 
-def _layer(reader, arch: PretrainedArchitecture, i: int) -> dict:
-    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-    attn = hf + "self_attn."
-    qkv = [reader.get(f"{attn}{p}_proj.weight") for p in "qkv"]
-    out = {
-        mc + "input_layernorm.weight": reader.get(hf + "input_layernorm.weight"),
-        mc + "self_attention.linear_qkv.weight": pack_qkv(*qkv, arch),
-        mc + "self_attention.linear_proj.weight": reader.get(attn + "o_proj.weight"),
-        mc + "pre_mlp_layernorm.weight": reader.get(hf + "post_attention_layernorm.weight"),
-        mc + "mlp.linear_fc1.weight": torch.cat([reader.get(hf + "mlp.gate_proj.weight"),
-                                                 reader.get(hf + "mlp.up_proj.weight")]),
-        mc + "mlp.linear_fc2.weight": reader.get(hf + "mlp.down_proj.weight"),
-    }
-    if arch.add_qkv_bias:
-        biases = [reader.get(f"{attn}{p}_proj.bias") for p in "qkv"]
-        out[mc + "self_attention.linear_qkv.bias"] = pack_qkv(*biases, arch)
+LLAMA_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+               "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+               "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+               "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
+"""Per layer, the one-to-one tensors (``model.layers.{i}.`` -> ``decoder.layers.{i}.``)."""
+
+
+class _Reads:
+    """A reader as a mapping: ``reads[name]`` is ``reader.get(name)``."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __getitem__(self, name):
+        return self.reader.get(name)
+
+
+def llama_to_mcore(hf, arch: PretrainedArchitecture, top: dict = LLAMA_TOP,
+                   layer: dict = LLAMA_LAYER) -> dict:
+    """Tensors of Llama's layout (``hf[name]``) -> MCore names: ``top`` and ``layer`` (HF name
+    -> ours) one to one, q/k/v (and with ``add_qkv_bias`` their biases) packed per query group,
+    gate/up as [gate; up]."""
+    out = {ours: hf[theirs] for theirs, ours in top.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(arch.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.update({dst + ours: hf[src + theirs] for theirs, ours in layer.items()})
+        for kind in ("weight", "bias") if arch.add_qkv_bias else ("weight",):
+            qkv = [hf[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(*qkv, arch)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
+                                                        hf[src + "mlp.up_proj.weight"]])
+    return out
+
+
+def mcore_to_llama(sd, arch: PretrainedArchitecture, top: dict = LLAMA_TOP,
+                   layer: dict = LLAMA_LAYER) -> dict:
+    """The inverse of ``llama_to_mcore``: MCore-named tensors -> Llama's layout."""
+    out = {theirs: sd[ours] for theirs, ours in top.items()}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for i in range(arch.num_layers):
+        dst, src = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.update({dst + theirs: sd[src + ours] for theirs, ours in layer.items()})
+        for kind in ("weight", "bias") if arch.add_qkv_bias else ("weight",):
+            q, k, v = unpack_qkv(sd[f"{src}self_attention.linear_qkv.{kind}"], arch)
+            out.update({f"{dst}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
+        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
     return out
 
 

@@ -78,6 +78,8 @@ from .hf_import import (
     PretrainedArchitecture,
     SafetensorsReader,
     llama_like_architecture,
+    llama_to_mcore,
+    mcore_to_llama,
     pack_qkv,
     query_groups,
     read_hf_config,
@@ -249,33 +251,12 @@ def _read_all(reader: SafetensorsReader, shapes: dict, importer: str, buffers=()
 
 def ouro_to_looped(hf: dict, arch: PretrainedArchitecture) -> dict:
     """Ouro-named tensors -> looped-GPT-named tensors (the tables above)."""
-    out = {ours: hf[theirs] for theirs, ours in OURO_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(arch.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({dst + ours: hf[src + theirs] for theirs, ours in OURO_LAYER.items()})
-        qkv = [hf[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
-        out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*qkv, arch)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
-                                                        hf[src + "mlp.up_proj.weight"]])
-    return out
+    return llama_to_mcore(hf, arch, OURO_TOP, OURO_LAYER)
 
 
 def looped_to_ouro(sd: dict, arch: PretrainedArchitecture) -> dict:
     """The inverse of ``ouro_to_looped``: a looped-GPT state dict -> Ouro-named tensors."""
-    out = {theirs: sd[ours] for theirs, ours in OURO_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = sd["output_layer.weight"]
-    for i in range(arch.num_layers):
-        dst, src = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({dst + theirs: sd[src + ours] for theirs, ours in OURO_LAYER.items()})
-        q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch)
-        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v})
-        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-    return out
+    return mcore_to_llama(sd, arch, OURO_TOP, OURO_LAYER)
 
 
 # ---- Huginn (huginn_raven, raven_modeling_minimal.py) ---------------------------------------

@@ -16,7 +16,7 @@ loop layout of Ouro's normed state, no exit gate.
                                      -> as for Llama (``hf_import.llama_like_architecture``)
     max_position_embeddings          -> the model's maximum positions
 
-    weights                          -> looped-GPT names (``NANBEIGE_TOP``, ``NANBEIGE_LAYER``;
+    weights                          -> looped-GPT names as Llama's (``hf_import.llama_to_mcore``:
                                         q/k/v packed per query group, gate/up as [gate; up])
 
 Refused, naming the key, when set: the switches of later Nanbeige variants that 4.2-3B leaves
@@ -28,9 +28,12 @@ on whether the last loop's norm stays), biases, other activations, sliding windo
 
 from pathlib import Path
 
-import torch
-
-from .hf_import import PretrainedArchitecture, llama_like_architecture, pack_qkv, unpack_qkv
+from .hf_import import (
+    PretrainedArchitecture,
+    llama_like_architecture,
+    llama_to_mcore,
+    mcore_to_llama,
+)
 
 NANBEIGE_ARCHITECTURE = "NanbeigeForCausalLM"
 
@@ -47,17 +50,6 @@ NANBEIGE_SWITCHES = ("loop_share_kv", "enable_hyper_connection", "enable_mhc",
 NANBEIGE_UNSET = ("loop_loss_weights", "emb_neighbor_num", "ngram_vocab_size_ratio",
                   "insert_ngram_layer_idx", "loop_middle_layers", "sliding_window")
 """Keys that must be absent, null or empty."""
-
-NANBEIGE_TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
-                "model.norm.weight": "decoder.final_layernorm.weight"}
-"""Nanbeige tensor -> looped-GPT tensor, outside the layers (``lm_head`` when untied)."""
-
-NANBEIGE_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
-                  "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-                  "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-                  "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
-"""Per layer, the one-to-one tensors (``model.layers.{i}.`` -> ``decoder.layers.{i}.``)."""
-
 
 # ---- config.json ----------------------------------------------------------------------------
 
@@ -138,34 +130,13 @@ def read_nanbeige_tensors(reader, arch: PretrainedArchitecture) -> dict:
 
 
 def nanbeige_to_looped(hf: dict, arch: PretrainedArchitecture) -> dict:
-    """Nanbeige-named tensors -> looped-GPT-named tensors (the tables above)."""
-    out = {ours: hf[theirs] for theirs, ours in NANBEIGE_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(arch.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({dst + ours: hf[src + theirs] for theirs, ours in NANBEIGE_LAYER.items()})
-        qkv = [hf[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
-        out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(*qkv, arch)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
-                                                        hf[src + "mlp.up_proj.weight"]])
-    return out
+    """Nanbeige-named tensors (Llama's names) -> looped-GPT-named tensors."""
+    return llama_to_mcore(hf, arch)
 
 
 def looped_to_nanbeige(sd: dict, arch: PretrainedArchitecture) -> dict:
     """The inverse of ``nanbeige_to_looped``: a looped-GPT state dict -> Nanbeige names."""
-    out = {theirs: sd[ours] for theirs, ours in NANBEIGE_TOP.items()}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = sd["output_layer.weight"]
-    for i in range(arch.num_layers):
-        dst, src = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({dst + theirs: sd[src + ours] for theirs, ours in NANBEIGE_LAYER.items()})
-        q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], arch)
-        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v})
-        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-    return out
+    return mcore_to_llama(sd, arch)
 
 
 def nanbeige_config_fields(model) -> dict:
