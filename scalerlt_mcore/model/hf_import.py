@@ -240,6 +240,24 @@ LLAMA_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
 """Per layer, the one-to-one tensors (``model.layers.{i}.`` -> ``decoder.layers.{i}.``)."""
 
 
+def llama_shapes(arch: PretrainedArchitecture, layer_norms: tuple = ()) -> dict:
+    """Tensor name -> shape of a checkpoint in Llama's layout under ``arch`` (no biases);
+    ``layer_norms``: more [H] norms per layer (their names in the layer)."""
+    h, f, v, hn = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * hn, arch.num_query_groups * hn
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if arch.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = (v, h)
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+             "mlp.down_proj.weight": (h, f), **{n: (h,) for n in layer_norms}}
+    for i in range(arch.num_layers):
+        out.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return out
+
+
 class _Reads:
     """A reader as a mapping: ``reads[name]`` is ``reader.get(name)``."""
 

@@ -78,6 +78,7 @@ from .hf_import import (
     PretrainedArchitecture,
     SafetensorsReader,
     llama_like_architecture,
+    llama_shapes,
     llama_to_mcore,
     mcore_to_llama,
     pack_qkv,
@@ -206,21 +207,11 @@ def _reject(cfg: dict, where: Path, checks: dict) -> None:
 
 
 def ouro_shapes(arch: PretrainedArchitecture) -> dict:
-    """Ouro tensor name -> its shape under ``arch`` (every tensor of the checkpoint)."""
-    h, f, v, hn = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.kv_channels
-    q, kv = arch.num_attention_heads * hn, arch.num_query_groups * hn
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-           "model.early_exit_gate.weight": (1, h), "model.early_exit_gate.bias": (1,)}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = (v, h)
-    layer = {"input_layernorm.weight": (h,), "input_layernorm_2.weight": (h,),
-             "post_attention_layernorm.weight": (h,), "post_attention_layernorm_2.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-             "mlp.down_proj.weight": (h, f)}
-    for i in range(arch.num_layers):
-        out.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    """Ouro tensor name -> its shape under ``arch`` (every tensor of the checkpoint): Llama's,
+    the exit gate and the sandwich norms."""
+    out = llama_shapes(arch, ("input_layernorm_2.weight", "post_attention_layernorm_2.weight"))
+    out.update({"model.early_exit_gate.weight": (1, arch.hidden_size),
+                "model.early_exit_gate.bias": (1,)})
     return out
 
 

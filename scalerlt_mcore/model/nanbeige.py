@@ -31,6 +31,7 @@ from pathlib import Path
 from .hf_import import (
     PretrainedArchitecture,
     llama_like_architecture,
+    llama_shapes,
     llama_to_mcore,
     mcore_to_llama,
 )
@@ -101,27 +102,10 @@ def _refuse(cfg: dict, where: Path) -> None:
 # ---- safetensors ----------------------------------------------------------------------------
 
 
-def nanbeige_shapes(arch: PretrainedArchitecture) -> dict:
-    """Nanbeige tensor name -> its shape under ``arch`` (every tensor of the checkpoint)."""
-    h, f, v, hn = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size, arch.kv_channels
-    q, kv = arch.num_attention_heads * hn, arch.num_query_groups * hn
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if arch.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = (v, h)
-    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-             "mlp.down_proj.weight": (h, f)}
-    for i in range(arch.num_layers):
-        out.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
-    return out
-
-
 def read_nanbeige_tensors(reader, arch: PretrainedArchitecture) -> dict:
     """Every tensor of the checkpoint behind ``reader`` (a ``SafetensorsReader``), each checked
-    against ``nanbeige_shapes``; a tensor the mapping does not read is refused, naming it."""
-    shapes = nanbeige_shapes(arch)
+    against ``llama_shapes``; a tensor the mapping does not read is refused, naming it."""
+    shapes = llama_shapes(arch)
     extra = sorted(set(reader.where) - set(shapes))
     if extra:
         raise ValueError(f"tensor {extra[0]!r} in {reader.where[extra[0]]} is not part of the "
