@@ -418,26 +418,35 @@ GPT_PLAN = GPT + ["--world-size", "2", "--plan-prompt-length", str(P2)]
 """The plan command's flags: 2 GPUs, prompts of P2 (the file's TP 2: one data-parallel rank)."""
 
 
-def _tp_rank_peak(rank, world_size, plan) -> int:
-    """One rank of a 2-rank TP 2 run: ``_measured_peak`` of the GPT config's group by
-    ``plan``."""
-    return _measured_peak(plan, run=GPT, shape=(P2, 6, 8))
+FAMILY_TP2 = {name: ["--config", str(REPO / "configs" / f"{name}_tiny_cpu.yaml"),
+                      "--tensor-model-parallel-size", "2"]
+              for name in ("ouro", "huginn", "nanbeige")}
+"""The tiny Ouro (GQA, exit gate, sandwich norms), Huginn (MHA, prelude / coda, injection,
+truncated backprop) and Nanbeige configs at TP 2, randomly initialised."""
 
 
-def test_predictions_at_tp2_match_a_two_rank_run():
+def _tp_rank_peak(rank, world_size, plan, run, shape) -> int:
+    """One rank of a 2-rank TP 2 run: ``_measured_peak`` of the ``run`` config's group of
+    ``shape`` by ``plan``."""
+    return _measured_peak(plan, run=run, shape=shape)
+
+
+@pytest.mark.parametrize("run", [GPT, *FAMILY_TP2.values()], ids=["gpt", *FAMILY_TP2])
+def test_predictions_at_tp2_match_a_two_rank_run(run):
     """At TP 2 the command plans rank 0's shards (its model on meta in a one-process TP 2
     context): naive micro-batch 1's and joint replay's predicted saved bytes are within 10% of
     ``SavedTensorProbe``'s peak on rank 0 of a real 2-rank gloo run at TP 2 training one group
-    of the same P, S, G by the same plan."""
-    cfg, workload = parse(GPT_PLAN)
+    of the same P, S, G by the same plan, for the GPT layout and the looped families."""
+    cfg, workload = parse(run + ["--world-size", "2", "--plan-prompt-length", str(P2)])
     assert cfg.model.tensor_model_parallel_size == 2
-    assert (cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size) == (6, 8)
+    shape = (P2, cfg.rl.rl_max_response_length, cfg.rl.grpo_group_size)
     with tp_context(cfg):
         report = make_report(cfg, workload)
     assert "TP 2, DP 1" in format_report(report)
     for row in (report.rows[0], report.rows[2]):
-        got = run_distributed(_tp_rank_peak, 2, row.plan, tensor_model_parallel_size=2,
-                              mcore_seed=cfg.training.seed, timeout=400)[0]
+        got = run_distributed(_tp_rank_peak, 2, row.plan, run, shape,
+                              tensor_model_parallel_size=2, mcore_seed=cfg.training.seed,
+                              timeout=400)[0]
         err = abs(row.memory.saved_bytes / got - 1)
         print(f"\n[plan] TP 2 {row.name} {row.plan}: predicted {row.memory.saved_bytes} B, "
               f"measured {got} B on rank 0 ({err:.1%})")
