@@ -220,7 +220,7 @@ def rope_scaling(cfg: dict, where: Path) -> tuple:
 def load_hf_state_dict(path, arch: PretrainedArchitecture) -> dict:
     """Every weight of HF directory ``path`` under MCore ``GPTModel`` names (N layers)."""
     reader = SafetensorsReader(Path(path))
-    out = llama_to_mcore(_Reads(reader), arch)
+    out = llama_to_mcore(reader, arch)
     reader.refuse_unread("the Llama / Qwen2 importer", buffers=ROPE_BUFFERS)
     return out
 
@@ -256,16 +256,6 @@ def llama_shapes(arch: PretrainedArchitecture, layer_norms: tuple = ()) -> dict:
     for i in range(arch.num_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
     return out
-
-
-class _Reads:
-    """A reader as a mapping: ``reads[name]`` is ``reader.get(name)``."""
-
-    def __init__(self, reader):
-        self.reader = reader
-
-    def __getitem__(self, name):
-        return self.reader.get(name)
 
 
 def llama_to_mcore(hf, arch: PretrainedArchitecture, top: dict = LLAMA_TOP,
@@ -357,6 +347,10 @@ class SafetensorsReader:
             raise ValueError(f"tensor {name!r} in {self.where[name]} has shape "
                              f"{tuple(tensor.shape)}, config.json implies {tuple(shape)}")
         return tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``get(name)``: the reader as the mapping ``llama_to_mcore`` reads."""
+        return self.get(name)
 
     def refuse_unread(self, importer: str, buffers: tuple = ()) -> None:
         """Refuse a tensor no ``get`` has read (a weight the mapping would drop), naming it;
